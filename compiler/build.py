@@ -1,0 +1,171 @@
+"""`mlcc compile`: model source → Relax → quantized → library + weights + config in one folder."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import shutil
+import time
+from pathlib import Path
+from typing import Any, Iterator
+
+import numpy as np
+
+from mlcc import artifact
+from mlcc.relax_models import Family, family_for
+from mlcc.targets import TargetPreset, get_target
+
+from .quantize import Quantization, get_quantization, group_quantize, quantize_model
+from .weights import ModelSource, iter_float_params, load_source
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class CompileReport:
+    output: Path
+    seconds_export: float
+    seconds_compile: float
+    seconds_weights: float
+    library_bytes: int
+    weight_bytes: int
+
+
+@dataclasses.dataclass
+class BuiltModule:
+    """The exported Relax module and everything needed to pair it with weights."""
+
+    mod: Any
+    params: list[dict[str, Any]]   # name/shape/dtype in the VM's parameter order
+    stamp: dict[str, Any]
+    family: Family
+    cfg: Any
+    quant: Quantization
+    preset: TargetPreset
+    target: Any
+
+
+def export_module(source: ModelSource, preset: TargetPreset, quant: Quantization,
+                  context_window: int | None = None) -> BuiltModule:
+    family = family_for(source.model_type, source.kind)
+    cfg = family.config_cls.from_hf(source.config)
+    if context_window:
+        cfg.context_window_size = context_window
+    target = preset.tvm_target()
+    model = family.model_cls(cfg, target)
+    model = quantize_model(model, quant)
+    _check_quantizable(model, quant)
+    mod, named_params = model.export_tvm(spec=model.get_default_spec())
+    params = [{"name": n, "shape": [int(d) for d in p.shape], "dtype": p.dtype} for n, p in named_params]
+    stamp = artifact.make_stamp(family.name, quant.name, preset.name, params)
+    mod = _attach_metadata(mod, stamp)
+    return BuiltModule(mod, params, stamp, family, cfg, quant, preset, target)
+
+
+def _check_quantizable(model, quant: Quantization) -> None:
+    if quant.kind != "group":
+        return
+    for name, p in model.named_parameters():
+        if name.endswith("q_scale") and p.shape[1] == 0:
+            raise ValueError(f"{name}: input dim smaller than the {quant.name} group size {quant.group_size}")
+
+
+def _attach_metadata(mod, stamp: dict[str, Any]):
+    """A `_metadata()` function in the library itself, so a library cannot be paired silently with other weights."""
+    import tvm
+    from tvm import relax
+
+    func = relax.Function([], tvm.ir.StringImm(json.dumps(stamp)), is_pure=True)
+    mod["_metadata"] = func.with_attr("global_symbol", "_metadata")
+    return mod
+
+
+def compile_library(built: BuiltModule, out_path: Path):
+    import tvm
+
+    from .pipeline import build_pipeline
+
+    ex = tvm.compile(built.mod, built.target, relax_pipeline=build_pipeline(built.target))
+    ex.export_library(str(out_path))
+    return ex
+
+
+def iter_params(source: ModelSource, built: BuiltModule) -> Iterator[tuple[str, np.ndarray]]:
+    """Our parameters in their stored form, one at a time (quantized where the model expects it)."""
+    wanted = {p["name"]: p for p in built.params}
+    for name, w in iter_float_params(source, built.family, built.cfg):
+        base = name[: -len(".weight")]
+        if f"{base}.q_weight" in wanted:
+            qw, qs = group_quantize(w, built.quant)
+            yield f"{base}.q_weight", qw
+            yield f"{base}.q_scale", qs
+        else:
+            spec = wanted.get(name)
+            if spec is None:
+                raise ValueError(f"weight plan produced '{name}', which the model does not have")
+            if list(w.shape) != spec["shape"]:
+                raise ValueError(f"{source.path}: '{name}' has shape {list(w.shape)}, the config implies "
+                                 f"{spec['shape']}; the checkpoint and config.json disagree")
+            yield name, w.astype(spec["dtype"])
+
+
+def write_weights(source: ModelSource, built: BuiltModule, out: Path) -> None:
+    from tvm.contrib import tvmjs
+
+    tvmjs.dump_tensor_cache(iter_params(source, built), str(out), encode_format="raw", show_progress=True)
+    artifact.add_shard_checksums(out)
+    cache = json.loads((out / artifact.TENSOR_CACHE_FILE).read_text())
+    have = {r["name"] for s in cache["records"] for r in s["records"]}
+    missing = [p["name"] for p in built.params if p["name"] not in have]
+    if missing:
+        raise ValueError(f"weights for {missing[:3]}... were not produced; the checkpoint is incomplete")
+
+
+def compile_model(model: str | Path, target: str, quant: str, output: str | Path,
+                  context_window: int | None = None) -> CompileReport:
+    preset, q = get_target(target), get_quantization(quant)   # fail fast on bad names, before loading anything
+    out = Path(output)
+    source = load_source(model)
+    t0 = time.time()
+    built = export_module(source, preset, q, context_window)
+    t1 = time.time()
+    tmp = out.with_name(out.name + ".partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    lib_name = "model" + preset.lib_ext
+    log.info("compiling %s (%s, %s) for %s ...", source.path.name, built.family.name, q.name, preset.name)
+    compile_library(built, tmp / lib_name)
+    t2 = time.time()
+    log.info("compiled in %.1fs; converting weights ...", t2 - t1)
+    write_weights(source, built, tmp)
+    t3 = time.time()
+    from .tokenizer_files import write_tokenizer
+
+    tok = write_tokenizer(source.kind, source.path, tmp)
+    config = {
+        "model_type": built.family.name,
+        "model_config": dataclasses.asdict(built.cfg),
+        "quantization": q.name,
+        "model_dtype": q.model_dtype,
+        "target": preset.name,
+        "device": preset.device,
+        "library": lib_name,
+        "context_window_size": built.cfg.context_window_size,
+        "vocab_size": built.cfg.vocab_size,
+        "hidden_size": built.cfg.hidden_size,
+        "params": built.params,
+        "tokenizer": tok,
+        "source": {"kind": source.kind, "path": str(source.path)},
+        "stamp": built.stamp,
+    }
+    (tmp / artifact.CONFIG_FILE).write_text(json.dumps(config, indent=1))
+    # Replace the output only once everything is written: an interrupted compile leaves the old folder intact.
+    if out.exists():
+        shutil.rmtree(out)
+    tmp.rename(out)
+    lib_bytes = (out / lib_name).stat().st_size
+    weight_bytes = sum(f.stat().st_size for f in out.glob("params_shard_*.bin"))
+    report = CompileReport(out, t1 - t0, t2 - t1, t3 - t2, lib_bytes, weight_bytes)
+    log.info("wrote %s: library %.1f MB, weights %.1f MB", out, lib_bytes / 1e6, weight_bytes / 1e6)
+    return report

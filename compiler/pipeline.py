@@ -1,0 +1,45 @@
+"""The Relax pass pipeline: TVM's per-target stages with mlcc's fusions and schedules in between."""
+
+from __future__ import annotations
+
+import tvm
+from tvm import relax
+
+from mlcc.schedules import default_schedule_passes
+
+
+def build_pipeline(target: tvm.target.Target) -> tvm.transform.Pass:
+    from tvm.relax import pipeline as P
+
+    @tvm.transform.module_pass(opt_level=0, name="mlcc_pipeline")
+    def _pipeline(mod: tvm.ir.IRModule, _ctx: tvm.transform.PassContext) -> tvm.ir.IRModule:
+        passes = (
+            P.library_dispatch_passes(target)
+            # matmul(x, permute_dims(w)) must become one NT matmul before legalize, else decode GEMVs read W
+            # through a transpose and run ~20x slower on GPUs.
+            + [relax.transform.FuseTransposeMatmul(),
+               relax.transform.LegalizeOps(),
+               relax.transform.AnnotateTIROpPattern(),
+               relax.transform.FoldConstant(),
+               relax.transform.FuseOps(),
+               relax.transform.FuseTIR(),
+               relax.transform.DeadCodeElimination()]
+            + default_schedule_passes(target)
+            + [relax.transform.RewriteDataflowReshape(),
+               relax.transform.ToNonDataflow(),
+               relax.transform.RemovePurityChecking(),
+               relax.transform.CallTIRRewrite(),
+               relax.transform.StaticPlanBlockMemory()]
+            # captures static-shape decode into CUDA graphs when relax.backend.use_cuda_graph is set
+            + ([relax.transform.RewriteCUDAGraph()] if target.kind.name == "cuda" else [])
+            + [relax.transform.LowerAllocTensor(),
+               relax.transform.KillAfterLastUse(),
+               relax.transform.LowerRuntimeBuiltin(),
+               relax.transform.ComputePrimValue(),
+               relax.transform.VMShapeLower(),
+               relax.transform.AttachGlobalSymbol()]
+        )
+        with target:
+            return tvm.transform.Sequential(passes)(mod)
+
+    return _pipeline

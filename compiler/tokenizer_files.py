@@ -1,0 +1,56 @@
+"""Put the tokenizer and chat template next to the compiled model, in HF's file format (tokenizer.json)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+_HF_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
+             "generation_config.json")
+
+
+def write_tokenizer(source_kind: str, source_path: Path, out: Path) -> dict[str, Any]:
+    """Copy (HF) or convert (GGUF metadata, via transformers) the tokenizer; return what the runtime needs."""
+    if source_kind == "gguf":
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(str(source_path.parent), gguf_file=source_path.name)
+        tok.save_pretrained(str(out))
+    else:
+        for name in _HF_FILES:
+            if (source_path / name).exists():
+                shutil.copy(source_path / name, out / name)
+        if not (out / "tokenizer.json").exists():
+            log.warning("%s has no tokenizer.json: the artifacts can run token ids but not text", source_path)
+    return tokenizer_info(out)
+
+
+def tokenizer_info(out: Path) -> dict[str, Any]:
+    cfg = json.loads((out / "tokenizer_config.json").read_text()) if (out / "tokenizer_config.json").exists() else {}
+    template = cfg.get("chat_template")
+    if (out / "chat_template.jinja").exists():
+        template = (out / "chat_template.jinja").read_text()
+    gen = json.loads((out / "generation_config.json").read_text()) if (out / "generation_config.json").exists() else {}
+
+    def tok_str(v: Any) -> str | None:
+        return v.get("content") if isinstance(v, dict) else v
+
+    return {
+        "files": sorted(p.name for p in out.iterdir() if p.name in _HF_FILES),
+        "chat_template": template,
+        "bos_token": tok_str(cfg.get("bos_token")),
+        "eos_token": tok_str(cfg.get("eos_token")),
+        "eos_token_ids": _as_list(gen.get("eos_token_id")),
+        "add_bos_token": bool(cfg.get("add_bos_token", False)),
+    }
+
+
+def _as_list(v: Any) -> list[int]:
+    if v is None:
+        return []
+    return list(v) if isinstance(v, (list, tuple)) else [int(v)]

@@ -1,0 +1,190 @@
+"""Reading source weights (HF folder or GGUF file) and turning them into our parameters.
+
+Sources expose HF tensor names; each family's weight plan says how our parameters are assembled from them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import struct
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import numpy as np
+
+log = logging.getLogger(__name__)
+
+
+class ModelSourceError(ValueError):
+    pass
+
+
+@dataclasses.dataclass
+class ModelSource:
+    """A model on disk: its HF-style config, a lazy tensor table keyed by HF names, and where it came from."""
+
+    kind: str                              # "hf" | "gguf"
+    path: Path
+    model_type: str                        # HF model_type or GGUF general.architecture
+    config: dict[str, Any]
+    tensors: dict[str, Callable[[], np.ndarray]]
+    gguf_fields: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    def get(self, name: str) -> np.ndarray:
+        if name not in self.tensors:
+            raise ModelSourceError(f"{self.path}: tensor '{name}' is missing from the checkpoint")
+        return self.tensors[name]()
+
+
+# -- safetensors (read with numpy memmaps: bf16 has no numpy dtype, so we widen it ourselves) ------------------
+
+_ST_DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": np.uint16, "I64": np.int64,
+              "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_}
+
+
+def _safetensors_index(path: Path) -> dict[str, Callable[[], np.ndarray]]:
+    with open(path, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(n))
+    base = 8 + n
+    out = {}
+    for name, meta in header.items():
+        if name == "__metadata__":
+            continue
+        if meta["dtype"] not in _ST_DTYPES:
+            raise ModelSourceError(f"{path}: tensor '{name}' has unsupported dtype {meta['dtype']}")
+
+        def load(meta=meta) -> np.ndarray:
+            start, end = meta["data_offsets"]
+            arr = np.memmap(path, dtype=_ST_DTYPES[meta["dtype"]], mode="r", offset=base + start,
+                            shape=tuple(meta["shape"]) or (1,))
+            if meta["dtype"] == "BF16":
+                return (arr.astype(np.uint32) << 16).view(np.float32).reshape(meta["shape"])
+            return np.asarray(arr).reshape(meta["shape"])
+
+        out[name] = load
+    return out
+
+
+def load_hf_folder(path: Path) -> ModelSource:
+    cfg_path = path / "config.json"
+    if not cfg_path.exists():
+        raise ModelSourceError(f"{path}: no config.json; pass a Hugging Face model folder or a .gguf file")
+    config = json.loads(cfg_path.read_text())
+    tensors: dict[str, Callable[[], np.ndarray]] = {}
+    st_files = sorted(path.glob("*.safetensors"))
+    if st_files:
+        for f in st_files:
+            tensors.update(_safetensors_index(f))
+    elif (path / "pytorch_model.bin").exists() or list(path.glob("pytorch_model-*.bin")):
+        tensors.update(_torch_bin_index(path))
+    else:
+        raise ModelSourceError(f"{path}: no *.safetensors or pytorch_model*.bin weights found")
+    # Some checkpoints prefix names differently; normalise the common "model." omission of lm_head-only dumps.
+    return ModelSource("hf", path, config.get("model_type", "?"), config, tensors)
+
+
+def _torch_bin_index(path: Path) -> dict[str, Callable[[], np.ndarray]]:
+    try:
+        import torch
+    except ImportError as e:  # torch is a conversion-only dependency
+        raise ModelSourceError(f"{path}: pytorch_model.bin needs torch to read; convert to safetensors or "
+                               "`pip install torch`") from e
+    out = {}
+    for f in sorted(path.glob("pytorch_model*.bin")):
+        sd = torch.load(f, map_location="cpu", weights_only=True)
+        for k, v in sd.items():
+            out[k] = (lambda v=v: v.float().numpy() if v.is_floating_point() else v.numpy())
+    return out
+
+
+# -- GGUF ------------------------------------------------------------------------------------------------------
+
+def _gguf_field(reader, key: str) -> Any:
+    field = reader.fields.get(key)
+    if field is None:
+        return None
+    return field.contents()
+
+
+def load_gguf(path: Path) -> ModelSource:
+    import gguf
+
+    from mlcc.relax_models import family_for
+
+    try:
+        reader = gguf.GGUFReader(str(path))
+    except Exception as e:  # noqa: BLE001 - gguf raises bare ValueErrors on bad magic
+        raise ModelSourceError(f"{path}: not a readable GGUF file ({e})") from e
+    arch = _gguf_field(reader, "general.architecture")
+    family = family_for(arch, source="gguf")
+    fields = {k: _gguf_field(reader, k) for k in reader.fields if not k.startswith("tokenizer.ggml.")}
+    by_name = {t.name: t for t in reader.tensors}
+    if "token_embd.weight" not in by_name:
+        raise ModelSourceError(f"{path}: GGUF has no token_embd.weight")
+    vocab = int(by_name["token_embd.weight"].shape[-1])
+    config = family.module.gguf_config(fields, arch, vocab, has_output="output.weight" in by_name)
+    config["model_type"] = arch
+    cfg = family.config_cls.from_hf(config)
+
+    # HF name → GGUF name through gguf's own table, so we do not maintain a second copy of llama.cpp's names.
+    tmap = gguf.get_tensor_name_map(_gguf_arch_enum(arch), cfg.num_hidden_layers)
+    fixups = family.gguf_fixups(cfg)
+    tensors: dict[str, Callable[[], np.ndarray]] = {}
+    for sources, _ in family.weight_plan(cfg).values():
+        for hf_name in sources:
+            g = tmap.get_name(hf_name, try_suffixes=(".weight", ".bias"))
+            if g is None or g not in by_name:
+                continue
+            tensors[hf_name] = _gguf_loader(by_name[g], fixups.get(hf_name))
+    return ModelSource("gguf", path, arch, config, tensors, fields)
+
+
+def _gguf_arch_enum(arch: str):
+    import gguf
+
+    for k, v in gguf.MODEL_ARCH_NAMES.items():
+        if v == arch:
+            return k
+    raise ModelSourceError(f"gguf package does not know architecture '{arch}'")
+
+
+def _gguf_loader(t, fix: Callable | None) -> Callable[[], np.ndarray]:
+    def load() -> np.ndarray:
+        from gguf.quants import dequantize
+
+        arr = dequantize(t.data, t.tensor_type)
+        # GGUF lists dims fastest-first; numpy wants them slowest-first.
+        arr = np.asarray(arr, dtype=np.float32).reshape([int(d) for d in reversed(t.shape)])
+        return fix(arr) if fix else arr
+
+    return load
+
+
+def load_source(path: str | Path) -> ModelSource:
+    p = Path(path)
+    if not p.exists():
+        raise ModelSourceError(f"{p}: no such file or folder")
+    if p.is_file():
+        if p.suffix != ".gguf":
+            raise ModelSourceError(f"{p}: expected a .gguf file or a Hugging Face model folder")
+        return load_gguf(p)
+    ggufs = sorted(p.glob("*.gguf"))
+    if not (p / "config.json").exists() and len(ggufs) == 1:
+        return load_gguf(ggufs[0])
+    return load_hf_folder(p)
+
+
+# -- our parameters ----------------------------------------------------------------------------------------------
+
+def iter_float_params(source: ModelSource, family, cfg) -> Iterator[tuple[str, np.ndarray]]:
+    """(our name, float32 array) for every parameter of the unquantized model, assembled per the family plan."""
+    fixups = family.hf_fixups(cfg) if source.kind == "hf" else {}
+    for ours, (names, combine) in family.weight_plan(cfg).items():
+        parts = []
+        for n in names:
+            a = source.get(n)
+            parts.append(fixups[n](a) if n in fixups else a)
+        yield ours, (combine(parts) if combine else parts[0]).astype(np.float32, copy=False)

@@ -1,0 +1,162 @@
+"""A compiled model loaded for execution: library + weights on a device, and the paged KV cache calls.
+
+Only TVM's runtime is used here (works with TVM_USE_RUNTIME_LIB=1); nothing from mlcc.compiler is imported.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+
+from mlcc import artifact
+
+log = logging.getLogger(__name__)
+
+_DEVICE_TYPES = {"cpu": 1, "cuda": 2, "rocm": 10, "metal": 8, "vulkan": 7, "webgpu": 15, "opencl": 4}
+
+
+def _load_backend_runtimes(device: str) -> None:
+    """In runtime-only mode TVM skips loading its CUDA runtime library; do it by hand."""
+    import tvm
+
+    if device != "cuda" or hasattr(tvm, "relax"):
+        return
+    from tvm.base import _LOADED_LIBS
+    from tvm_ffi.libinfo import load_lib_ctypes
+
+    d = Path(_LOADED_LIBS["tvm_runtime"]._name).resolve().parent
+    if "tvm_runtime_cuda" not in _LOADED_LIBS:
+        _LOADED_LIBS["tvm_runtime_cuda"] = load_lib_ctypes(package="tvm", target_name="tvm_runtime_cuda",
+                                                           extra_lib_paths=[d], mode="RTLD_LOCAL")
+
+
+class LoadedModel:
+    def __init__(self, model_dir: str | Path, device_id: int = 0, verify_checksums: bool = True):
+        import tvm
+        from tvm.runtime import ShapeTuple
+
+        self.dir = Path(model_dir)
+        self.config = artifact.read_config(self.dir)
+        self.device_kind = self.config["device"]
+        if verify_checksums:
+            artifact.verify_shards(self.dir)
+        _load_backend_runtimes(self.device_kind)
+        self.dev = tvm.device(self.device_kind, device_id)
+        if not self.dev.exist:
+            raise artifact.ArtifactError(
+                f"{self.dir} was compiled for {self.config['target']} but no {self.device_kind} device is present; "
+                f"recompile with `mlcc compile SOURCE --target llvm --output DIR` to run on this CPU")
+        lib_path = self.dir / self.config["library"]
+        if not lib_path.exists():
+            raise artifact.ArtifactError(f"{lib_path}: library is missing; recompile with `mlcc compile`")
+        self.lib = tvm.runtime.load_module(str(lib_path))
+        self.vm = tvm.runtime.vm.VirtualMachine(self.lib, self.dev)
+        try:
+            lib_stamp = json.loads(str(self.vm["_metadata"]()))
+        except Exception as e:  # noqa: BLE001 - a foreign .so has no _metadata
+            raise artifact.ArtifactError(f"{lib_path}: not an mlcc library (no ABI stamp); recompile with "
+                                         "`mlcc compile`") from e
+        artifact.check_stamp(lib_stamp, self.config, self.dir)
+        self.stamp = lib_stamp
+
+        names = [p["name"] for p in self.config["params"]]
+        tvm.get_global_func("vm.builtin.tensor_cache.load")(str(self.dir), self.dev.dlpack_device_type(),
+                                                            self.dev.index)
+        self.params = tvm.get_global_func("vm.builtin.param_array_from_cache_by_name")(names)
+        tvm.get_global_func("vm.builtin.tensor_cache.clear")()
+        self._shape = ShapeTuple
+        self._f = {n: self.vm[n] for n in ("embed", "prefill", "decode", "batch_prefill", "batch_decode",
+                                           "prefill_all_logits", "create_paged_kv_cache")}
+        g = tvm.get_global_func
+        self._kv_add = g("vm.builtin.kv_state_add_sequence")
+        self._kv_remove = g("vm.builtin.kv_state_remove_sequence")
+        self._kv_fork = g("vm.builtin.kv_state_fork_sequence")
+        self._kv_popn = g("vm.builtin.kv_state_popn")
+        self._kv_begin = g("vm.builtin.kv_state_begin_forward")
+        self._kv_end = g("vm.builtin.kv_state_end_forward")
+        self._kv_free_pages = g("vm.builtin.attention_kv_cache_get_num_available_pages")
+        self._kv_total_len = g("vm.builtin.attention_kv_cache_get_total_sequence_length")
+        self._reshape = g("vm.builtin.reshape")
+        self.kv = None
+        self.hidden = int(self.config["hidden_size"])
+        self.vocab = int(self.config["vocab_size"])
+        self.context_window = int(self.config["context_window_size"])
+
+    # -- KV cache ------------------------------------------------------------------------------------------------
+    def create_kv_cache(self, max_batch: int, max_total_tokens: int, prefill_chunk: int, page_size: int = 16):
+        S = self._shape
+        self.kv = self._f["create_paged_kv_cache"](S([max_batch]), S([max_total_tokens]), S([prefill_chunk]),
+                                                   S([page_size]), S([0]))
+        self.page_size = page_size
+        self.prefill_chunk = prefill_chunk
+        self.max_batch = max_batch
+        return self.kv
+
+    def add_sequence(self, seq_id: int) -> None:
+        self._kv_add(self.kv, seq_id)
+
+    def remove_sequence(self, seq_id: int) -> None:
+        self._kv_remove(self.kv, seq_id)
+
+    def fork_sequence(self, parent: int, child: int) -> None:
+        self._kv_fork(self.kv, parent, child, -1)
+
+    def popn(self, seq_id: int, n: int) -> None:
+        self._kv_popn(self.kv, seq_id, n)
+
+    def free_pages(self) -> int:
+        return int(self._kv_free_pages(self.kv))
+
+    # -- forward -------------------------------------------------------------------------------------------------
+    def _to_dev(self, a: np.ndarray):
+        import tvm
+
+        return tvm.runtime.tensor(a, self.dev)
+
+    def embed(self, ids: Sequence[int]):
+        arr = np.asarray(ids, dtype=np.int32)
+        if arr.size and (arr.min() < 0 or arr.max() >= self.vocab):
+            # the compiled take() does no bounds check (TVM's fast mode); never let a bad id reach it
+            raise ValueError(f"token id out of range [0, {self.vocab}): {int(arr.min())}..{int(arr.max())}")
+        return self._f["embed"](self._to_dev(arr), self.params)
+
+    def prefill(self, seq_ids: Sequence[int], token_lists: Sequence[Sequence[int]]):
+        """Ragged prefill of several sequences in one call; returns logits [len(seq_ids), vocab] on the device."""
+        lens = [len(t) for t in token_lists]
+        flat = [t for ts in token_lists for t in ts]
+        emb = self._reshape(self.embed(flat), self._shape([1, len(flat), self.hidden]))
+        self._kv_begin(self.kv, self._shape(list(seq_ids)), self._shape(lens))
+        if len(seq_ids) == 1:
+            logits, _ = self._f["prefill"](emb, self.kv, self.params)
+        else:
+            pos = np.cumsum(lens).astype(np.int32) - 1
+            logits, _ = self._f["batch_prefill"](emb, self._to_dev(pos), self.kv, self.params)
+        self._kv_end(self.kv)
+        return self._reshape(logits, self._shape([len(seq_ids), self.vocab]))
+
+    def prefill_all_logits(self, seq_id: int, tokens: Sequence[int]):
+        emb = self._reshape(self.embed(tokens), self._shape([1, len(tokens), self.hidden]))
+        self._kv_begin(self.kv, self._shape([seq_id]), self._shape([len(tokens)]))
+        logits, _ = self._f["prefill_all_logits"](emb, self.kv, self.params)
+        self._kv_end(self.kv)
+        return logits
+
+    def decode(self, seq_ids: Sequence[int], tokens: Sequence[int]):
+        """One new token for each sequence; returns logits [len(seq_ids), vocab] on the device."""
+        n = len(seq_ids)
+        emb = self._reshape(self.embed(tokens), self._shape([n, 1, self.hidden]))
+        self._kv_begin(self.kv, self._shape(list(seq_ids)), self._shape([1] * n))
+        if n == 1:
+            logits, _ = self._f["decode"](emb, self.kv, self.params)
+        else:
+            logits, _ = self._f["batch_decode"](emb, self.kv, self.params)
+        self._kv_end(self.kv)
+        return self._reshape(logits, self._shape([n, self.vocab]))
+
+    def info(self) -> dict[str, Any]:
+        return {"dir": str(self.dir), "target": self.config["target"], "quantization": self.config["quantization"],
+                "stamp": self.stamp}
