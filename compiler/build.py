@@ -60,6 +60,7 @@ def export_module(source: ModelSource, preset: TargetPreset, quant: Quantization
     params = [{"name": n, "shape": [int(d) for d in p.shape], "dtype": p.dtype} for n, p in named_params]
     stamp = artifact.make_stamp(family.name, quant.name, preset.name, params)
     mod = _attach_metadata(mod, stamp)
+    mod = _attach_argmax(mod, cfg.vocab_size)
     return BuiltModule(mod, params, stamp, family, cfg, quant, preset, target)
 
 
@@ -79,6 +80,20 @@ def _attach_metadata(mod, stamp: dict[str, Any]):
     func = relax.Function([], tvm.ir.StringImm(json.dumps(stamp)), is_pure=True)
     mod["_metadata"] = func.with_attr("global_symbol", "_metadata")
     return mod
+
+
+def _attach_argmax(mod, vocab: int):
+    """`argmax_logits(logits[b, vocab]) -> int32[b]`: greedy sampling on the device, so only ids reach the host."""
+    from tvm import relax, tirx
+
+    bb = relax.BlockBuilder(mod)
+    logits = relax.Var("logits", relax.TensorType([tirx.Var("batch_size", "int64"), vocab], "float32"))
+    with bb.function("argmax_logits", [logits]):
+        with bb.dataflow():
+            ids = bb.emit(relax.op.astype(relax.op.argmax(logits, axis=-1), "int32"))
+            out = bb.emit_output(ids)
+        bb.emit_func_output(out)
+    return bb.get()
 
 
 def compile_library(built: BuiltModule, out_path: Path):

