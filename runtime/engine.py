@@ -238,7 +238,9 @@ class _Call:
             return ChatCompletionChunk(id=self.rid, created=self.created, model=self.name,
                                        object="chat.completion.chunk", choices=choices,
                                        usage=self.usage() if i is None else None)
-        choices = [] if i is None else [CompletionChoice(index=i, text=text or "", finish_reason=finish)]
+        # the API streams finish_reason=null until the end; the openai type only admits the final values
+        choices = [] if i is None else [CompletionChoice.model_construct(index=i, text=text or "",
+                                                                          finish_reason=finish, logprobs=None)]
         return Completion(id=self.rid, created=self.created, model=self.name, object="text_completion",
                           choices=choices, usage=self.usage() if i is None else None)
 

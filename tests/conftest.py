@@ -1,0 +1,102 @@
+"""Shared fixtures: tiny random transformers models (no downloads), a real byte-level tokenizer, compiled builds."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+VOCAB = 320  # 256 byte tokens + specials + unused rows, like real vocabularies padded for alignment
+
+
+def write_tokenizer(folder: Path) -> None:
+    """A byte-level BPE tokenizer (no merges) built with `tokenizers`, plus a ChatML template."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from tokenizers.pre_tokenizers import ByteLevel
+
+    alphabet = ByteLevel.alphabet()
+    vocab = {ch: i for i, ch in enumerate(sorted(alphabet))}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(SPECIALS)
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({
+        "chat_template": CHATML, "eos_token": "<|im_end|>", "bos_token": None}))
+
+
+def make_hf_model(kind: str, folder: Path, seed: int = 0) -> Path:
+    import torch
+    import transformers as tf
+
+    torch.manual_seed(seed)
+    common = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=512)
+    if kind == "llama":
+        model = tf.LlamaForCausalLM(tf.LlamaConfig(**common, tie_word_embeddings=False))
+    elif kind == "llama_tied_llama3":
+        cfg = tf.LlamaConfig(**common, tie_word_embeddings=True,
+                             rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+                                              "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                              "original_max_position_embeddings": 64})
+        model = tf.LlamaForCausalLM(cfg)
+    elif kind == "qwen2":
+        model = tf.Qwen2ForCausalLM(tf.Qwen2Config(**common, tie_word_embeddings=False))
+    elif kind == "gemma":
+        model = tf.GemmaForCausalLM(tf.GemmaConfig(**{**common, "num_key_value_heads": 1}, head_dim=32))
+    else:
+        raise ValueError(kind)
+    # Random init leaves biases/norms at 0/1; perturb them so the parity test sees them.
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias") or "norm" in name:
+                p.add_(0.1 * torch.randn_like(p))
+    model.eval().save_pretrained(folder)
+    write_tokenizer(folder)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def hf_models(tmp_path_factory):
+    cache: dict[str, Path] = {}
+
+    def get(kind: str) -> Path:
+        if kind not in cache:
+            cache[kind] = make_hf_model(kind, tmp_path_factory.mktemp(f"hf-{kind}"))
+        return cache[kind]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def compiled(tmp_path_factory, hf_models):
+    """compiled(kind, quant) → artifacts folder (compiled once per session)."""
+    from mlcc.compiler.build import compile_model
+
+    cache: dict[tuple[str, str], Path] = {}
+
+    def get(kind: str, quant: str = "q0f32") -> Path:
+        if (kind, quant) not in cache:
+            out = tmp_path_factory.mktemp(f"art-{kind}-{quant}") / "model"
+            compile_model(hf_models(kind), "llvm", quant, out)
+            cache[kind, quant] = out
+        return cache[kind, quant]
+
+    return get
+
+
+def smollm2_gguf() -> Path | None:
+    try:
+        from mlcc.runtime.jit import default_model_path
+
+        return default_model_path()
+    except FileNotFoundError:
+        return None

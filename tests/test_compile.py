@@ -1,0 +1,98 @@
+"""`mlcc compile`: artifacts layout, fused dequantization, CUDA cross-compile, and one-line errors on bad input."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from mlcc import artifact
+
+
+def mlcc(*args, cwd=None):
+    return subprocess.run([sys.executable, "-m", "mlcc", *args], capture_output=True, text=True, cwd=cwd,
+                          timeout=600)
+
+
+def test_artifacts_folder_layout(compiled):
+    d = compiled("llama", "q4f16_1")
+    cfg = json.loads((d / artifact.CONFIG_FILE).read_text())
+    assert (d / cfg["library"]).exists()
+    cache = json.loads((d / artifact.TENSOR_CACHE_FILE).read_text())
+    for shard in cache["records"]:
+        assert len(shard["sha256"]) == 64
+        assert (d / shard["dataPath"]).stat().st_size == shard["nbytes"]
+        for rec in shard["records"]:
+            assert {"name", "shape", "dtype", "byteOffset"} <= set(rec)
+    stamp = cfg["stamp"]
+    assert stamp["arch"] == "llama" and stamp["quantization"] == "q4f16_1" and stamp["tvm"] == artifact.tvm_version()
+    assert stamp["param_hash"] == artifact.param_hash(cfg["params"])
+    assert cfg["tokenizer"]["chat_template"] and (d / "tokenizer.json").exists()
+    assert cfg["context_window_size"] == 512
+
+
+def _lowered_primfuncs(hf_folder, target_name, quant):
+    import tvm
+
+    from mlcc.compiler.build import export_module
+    from mlcc.compiler.pipeline import build_pipeline
+    from mlcc.compiler.quantize import get_quantization
+    from mlcc.compiler.weights import load_source
+    from mlcc.targets import get_target
+
+    built = export_module(load_source(hf_folder), get_target(target_name), get_quantization(quant))
+    mod = build_pipeline(built.target)(built.mod)
+    return {gv.name_hint: f for gv, f in mod.functions.items() if isinstance(f, tvm.tirx.PrimFunc)}
+
+
+@pytest.mark.parametrize("target", ["llvm", "cuda"])
+def test_dequantize_is_fused_into_its_matmul(target, hf_models):
+    funcs = _lowered_primfuncs(hf_models("llama"), target, "q4f16_1")
+    deq = {n: f for n, f in funcs.items() if "dequantize" in n}
+    assert len(deq) >= 5, sorted(funcs)
+    for name, f in deq.items():
+        script = f.script()
+        # a materialised weight would be a separate "dequantize" block writing its own buffer
+        assert 'T.sblock("dequantize")' not in script, f"{name} writes the dequantized weight to memory"
+        if "matmul" in name or target == "cuda":
+            assert f.attrs.get("tirx.is_scheduled"), f"{name} was left unscheduled on {target}"
+
+
+def test_cuda_cross_compile_exports_kernels(hf_models, tmp_path):
+    r = mlcc("compile", str(hf_models("llama")), "--target", "cuda", "--quant", "q4f16_1", "--output",
+             str(tmp_path / "cuda"))
+    assert r.returncode == 0, r.stderr[-2000:]
+    cfg = json.loads((tmp_path / "cuda" / artifact.CONFIG_FILE).read_text())
+    assert cfg["device"] == "cuda" and cfg["stamp"]["target"] == "cuda"
+    lib = (tmp_path / "cuda" / "model.so").read_bytes()
+    assert lib.count(b"__global__") > 20  # CUDA source travels in the .so when built without a GPU
+
+
+@pytest.mark.parametrize("args,message", [
+    (["compile", "{missing}", "--output", "{out}"], "no such file or folder"),
+    (["compile", "{hf}", "--quant", "q3f7", "--output", "{out}"], "unknown quantization 'q3f7'"),
+    (["compile", "{hf}", "--target", "vulkan9", "--output", "{out}"], "unsupported target 'vulkan9'"),
+    (["compile", "{unknown_arch}", "--output", "{out}"], "unknown architecture 'bert'"),
+    (["compile", "{no_weights}", "--output", "{out}"], "no *.safetensors"),
+])
+def test_bad_input_is_one_clear_line(args, message, hf_models, tmp_path):
+    unknown = tmp_path / "bert"
+    unknown.mkdir()
+    (unknown / "config.json").write_text(json.dumps({"model_type": "bert"}))
+    (unknown / "model.safetensors").write_bytes(b"\x02\x00\x00\x00\x00\x00\x00\x00{}")
+    no_weights = tmp_path / "empty"
+    no_weights.mkdir()
+    (no_weights / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    subst = {"{missing}": str(tmp_path / "nope"), "{out}": str(tmp_path / "out"), "{hf}": str(hf_models("llama")),
+             "{unknown_arch}": str(unknown), "{no_weights}": str(no_weights)}
+    r = mlcc(*[subst.get(a, a) for a in args])
+    assert r.returncode == 2, r.stderr[-3000:]
+    lines = [ln for ln in r.stderr.splitlines() if ln.startswith("mlcc: error:")]
+    assert len(lines) == 1 and message in lines[0], r.stderr[-3000:]
+    assert "Traceback" not in r.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_targets_lists_presets():
+    r = mlcc("targets")
+    assert r.returncode == 0 and "llvm" in r.stdout and "cuda" in r.stdout

