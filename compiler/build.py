@@ -166,6 +166,7 @@ def compile_model(model: str | Path, target: str, quant: str, output: str | Path
         "target": preset.name,
         "device": preset.device,
         "library": lib_name,
+        "cuda_arch": str(built.target.attrs["arch"]) if built.target.kind.name == "cuda" else None,
         "context_window_size": built.cfg.context_window_size,
         "vocab_size": built.cfg.vocab_size,
         "hidden_size": built.cfg.hidden_size,

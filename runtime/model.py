@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -17,6 +18,20 @@ from mlcc import artifact
 log = logging.getLogger(__name__)
 
 _DEVICE_TYPES = {"cpu": 1, "cuda": 2, "rocm": 10, "metal": 8, "vulkan": 7, "webgpu": 15, "opencl": 4}
+
+
+def _register_cuda_jit(arch: str) -> None:
+    """Libraries cross-compiled on a GPU-less host carry CUDA source, compiled when loaded. TVM's own callback asks
+    the current Target for the arch, which runtime-only mode cannot answer; we know it from the build."""
+    import tvm_ffi
+    from tvm.support import nvcc
+
+    def compile_for_arch(code: str) -> bytes:
+        mode = os.environ.get("TVM_CUDA_COMPILE_MODE", "nvrtc").lower()
+        return nvcc.compile_cuda(code, target_format="cubin" if mode == "nvrtc" else "fatbin", arch=arch,
+                                 compiler=mode)
+
+    tvm_ffi.register_global_func("tvm_callback_cuda_compile", compile_for_arch, override=True)
 
 
 def _load_backend_runtimes(device: str) -> None:
@@ -38,6 +53,7 @@ class LoadedModel:
     def __init__(self, model_dir: str | Path, device_id: int = 0, verify_checksums: bool = True):
         import tvm
         from tvm.runtime import ShapeTuple
+        from tvm.runtime.vm import VirtualMachine
 
         self.dir = Path(model_dir)
         self.config = artifact.read_config(self.dir)
@@ -45,6 +61,8 @@ class LoadedModel:
         if verify_checksums:
             artifact.verify_shards(self.dir)
         _load_backend_runtimes(self.device_kind)
+        if self.device_kind == "cuda" and self.config.get("cuda_arch"):
+            _register_cuda_jit(self.config["cuda_arch"])
         self.dev = tvm.device(self.device_kind, device_id)
         if not self.dev.exist:
             raise artifact.ArtifactError(
@@ -54,7 +72,7 @@ class LoadedModel:
         if not lib_path.exists():
             raise artifact.ArtifactError(f"{lib_path}: library is missing; recompile with `mlcc compile`")
         self.lib = tvm.runtime.load_module(str(lib_path))
-        self.vm = tvm.runtime.vm.VirtualMachine(self.lib, self.dev)
+        self.vm = VirtualMachine(self.lib, self.dev)
         try:
             lib_stamp = json.loads(str(self.vm["_metadata"]()))
         except Exception as e:  # noqa: BLE001 - a foreign .so has no _metadata
