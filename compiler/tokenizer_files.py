@@ -15,12 +15,11 @@ _HF_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json
 
 
 def write_tokenizer(source_kind: str, source_path: Path, out: Path) -> dict[str, Any]:
-    """Copy (HF) or convert (GGUF metadata, via transformers) the tokenizer; return what the runtime needs."""
+    """Copy (HF) or convert (GGUF metadata) the tokenizer; return what the runtime needs."""
     if source_kind == "gguf":
-        from transformers import AutoTokenizer
+        from .gguf_tokenizer import write_gguf_tokenizer
 
-        tok = AutoTokenizer.from_pretrained(str(source_path.parent), gguf_file=source_path.name)
-        tok.save_pretrained(str(out))
+        write_gguf_tokenizer(source_path, out)
     else:
         for name in _HF_FILES:
             if (source_path / name).exists():

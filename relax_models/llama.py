@@ -46,6 +46,11 @@ class LlamaConfig:
     @classmethod
     def from_hf(cls, cfg: dict[str, Any]) -> "LlamaConfig":
         theta, scaling = rope_theta_and_scaling(cfg)
+        context = cfg.get("max_position_embeddings", 4096)
+        if cfg.get("sliding_window") and cfg.get("use_sliding_window", True):
+            # Mistral-style sliding attention equals full attention while the context fits in the window,
+            # so cap the context there instead of compiling a sliding-window KV cache.
+            context = min(context, int(cfg["sliding_window"]))
         return cls(
             hidden_size=cfg["hidden_size"],
             intermediate_size=cfg["intermediate_size"],
@@ -58,7 +63,7 @@ class LlamaConfig:
             rope_scaling=scaling,
             head_dim=cfg.get("head_dim") or 0,
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            context_window_size=cfg.get("max_position_embeddings", 4096),
+            context_window_size=context,
             attention_bias=bool(cfg.get("attention_bias", False)),
             hidden_act=cfg.get("hidden_act", "silu"),
         )

@@ -10,9 +10,6 @@ from . import llama
 class Qwen2Config(llama.LlamaConfig):
     @classmethod
     def from_hf(cls, cfg: dict[str, Any]) -> "Qwen2Config":
-        if cfg.get("use_sliding_window"):
-            raise ValueError("Qwen2 with use_sliding_window=true is not supported yet; "
-                             "set use_sliding_window=false in config.json if the context fits")
         base = llama.LlamaConfig.from_hf({**cfg, "attention_bias": True, "rms_norm_eps": cfg.get("rms_norm_eps", 1e-6)})
         return cls(**base.__dict__)
 

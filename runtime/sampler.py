@@ -34,6 +34,8 @@ class SamplingParams:
         stop = kw.pop("stop", [])
         if isinstance(stop, str):
             stop = [stop]
+        if not isinstance(stop, list):
+            raise RequestError("stop must be a string or a list of strings", param="stop")
         p = cls(stop=list(stop), **kw)
         p.validate()
         return p
@@ -41,6 +43,19 @@ class SamplingParams:
     def validate(self) -> None:
         def bad(field: str, msg: str) -> RequestError:
             return RequestError(f"{field} {msg}", param=field)
+
+        for f in ("temperature", "top_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
+            v = getattr(self, f)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or v != v:
+                raise bad(f, f"must be a number, got {v!r}")
+        for f in ("top_k", "max_tokens", "seed"):
+            v = getattr(self, f)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int)):
+                raise bad(f, f"must be an integer, got {v!r}")
+        if not isinstance(self.stop_token_ids, list) or not all(isinstance(t, int) for t in self.stop_token_ids):
+            raise bad("stop_token_ids", "must be a list of integers")
+        if not isinstance(self.ignore_eos, bool):
+            raise bad("ignore_eos", f"must be a boolean, got {self.ignore_eos!r}")
 
         if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
             raise bad("max_tokens", f"must be a positive integer, got {self.max_tokens!r}")

@@ -46,6 +46,7 @@ class Request:
     eos_ids: set[int]
     id: int = dataclasses.field(default_factory=itertools.count().__next__)
     seq_id: int = -1
+    prefill_ids: list[int] = dataclasses.field(default_factory=list)  # what the KV cache must hold before sampling
     prefilled: int = 0
     output_ids: list[int] = dataclasses.field(default_factory=list)
     text: str = ""
@@ -56,9 +57,17 @@ class Request:
     arrival: float = dataclasses.field(default_factory=time.monotonic)
     first_token_at: float | None = None
 
+    def __post_init__(self) -> None:
+        self.prefill_ids = list(self.prompt_ids)
+
     @property
     def reading_prompt(self) -> bool:
-        return self.prefilled < len(self.prompt_ids)
+        return self.prefilled < len(self.prefill_ids)
+
+    def preempt(self) -> None:
+        """Drop the KV state; on re-admission prompt + output so far are recomputed and generation resumes."""
+        self.prefill_ids = self.prompt_ids + self.output_ids
+        self.prefilled = 0
 
     def pages_needed(self, page_size: int) -> int:
         return math.ceil((len(self.prompt_ids) + self.max_new) / page_size)
@@ -102,6 +111,8 @@ class Request:
 class Scheduler:
     def __init__(self, model, sampler: Sampler, max_batch: int, max_total_tokens: int, prefill_chunk: int,
                  page_size: int = 16, policy: str = "no_evict"):
+        if policy not in ("no_evict", "max_util"):
+            raise ValueError(f"unknown scheduling policy '{policy}'; use no_evict or max_util")
         self.model = model
         self.sampler = sampler
         self.max_batch = max_batch
@@ -148,6 +159,12 @@ class Scheduler:
     def pages_in_use(self) -> int:
         return self.total_pages - self.model.free_pages()
 
+    def queue_length(self) -> int:
+        return len(self.waiting)
+
+    def num_running(self) -> int:
+        return len(self.active)
+
     # -- worker --------------------------------------------------------------------------------------------------
     def _loop(self) -> None:
         while True:
@@ -163,6 +180,24 @@ class Scheduler:
                 for r in list(self.active):
                     self._finish(r, error=e)
 
+    def _pending_prefill_pages(self) -> int:
+        return sum(math.ceil((len(r.prefill_ids) - r.prefilled) / self.page_size) for r in self.active)
+
+    def _preempt_for_decode(self, running: list[Request]) -> list[Request]:
+        """max_util: free pages for this decode step by preempting the most recently admitted requests."""
+        while running and self.model.free_pages() < len(running):
+            victim = running.pop()
+            log.info("preempting request %d (%d tokens) to free KV pages", victim.id,
+                     len(victim.prompt_ids) + len(victim.output_ids))
+            self.active.remove(victim)
+            self.model.remove_sequence(victim.seq_id)
+            self._free_seq_ids.append(victim.seq_id)
+            victim.preempt()
+            with self._cv:
+                self.waiting.appendleft(victim)
+            self.stats["preempted"] += 1
+        return running
+
     def _reserved_pages(self) -> int:
         return sum(r.pages_needed(self.page_size) for r in self.active)
 
@@ -173,8 +208,12 @@ class Scheduler:
                 if r.cancelled:
                     self.waiting.popleft()
                     continue
-                if self._reserved_pages() + r.pages_needed(self.page_size) > self.total_pages:
-                    break  # no_evict: admit only what is guaranteed to finish
+                if self.policy == "no_evict":
+                    if self._reserved_pages() + r.pages_needed(self.page_size) > self.total_pages:
+                        break  # admit only what is guaranteed to finish
+                elif self.model.free_pages() - self._pending_prefill_pages() < \
+                        math.ceil(len(r.prefill_ids) / self.page_size) + 1:
+                    break  # max_util: admit whatever fits now; decode preempts if pages run out later
                 self.waiting.popleft()
                 r.seq_id = self._free_seq_ids.pop()
                 self.model.add_sequence(r.seq_id)
@@ -199,9 +238,9 @@ class Scheduler:
         budget, batch, chunks = self.prefill_chunk, [], []
         for r in self.active:
             if r.reading_prompt and budget > 0:
-                take = min(budget, len(r.prompt_ids) - r.prefilled)
+                take = min(budget, len(r.prefill_ids) - r.prefilled)
                 batch.append(r)
-                chunks.append(r.prompt_ids[r.prefilled: r.prefilled + take])
+                chunks.append(r.prefill_ids[r.prefilled: r.prefilled + take])
                 budget -= take
         if batch:
             logits = self.model.prefill([r.seq_id for r in batch], chunks)
@@ -214,6 +253,8 @@ class Scheduler:
         # decode: everyone that has produced a token and is still going
         running = [r for r in self.active if not r.reading_prompt and r.output_ids and r.finish_reason is None
                    and r not in batch]
+        if running and self.policy == "max_util":
+            running = self._preempt_for_decode(running)
         if running:
             logits = self.model.decode([r.seq_id for r in running], [r.output_ids[-1] for r in running])
             self.stats["decode_tokens"] += len(running)

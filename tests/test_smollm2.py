@@ -61,3 +61,25 @@ def test_q4f16_1_compiles_and_answers(tmp_path):
         r = e.chat.completions.create(messages=[{"role": "user", "content": "What is the capital of France?"}],
                                       temperature=0, max_tokens=12)
     assert "Paris" in r.choices[0].message.content
+
+
+def test_gguf_tokenizer_conversion_equals_transformers(tmp_path):
+    """Our torch-free GGUF → tokenizer.json matches transformers' own GGUF conversion."""
+    from tokenizers import Tokenizer
+    from transformers import AutoTokenizer
+
+    from mlcc.compiler.gguf_tokenizer import write_gguf_tokenizer
+
+    write_gguf_tokenizer(GGUF, tmp_path / "ours")
+    ours = Tokenizer.from_file(str(tmp_path / "ours" / "tokenizer.json"))
+    theirs = AutoTokenizer.from_pretrained(str(GGUF.parent), gguf_file=GGUF.name)
+    texts = ["Hello world!", "<|im_start|>user\nWhat is 12345 + 678?<|im_end|>\n", "  spaces\tand tabs",
+             "émoji 🎉 and ünïcode", "def f(x):\n    return x**2"]
+    for t in texts:
+        ids = ours.encode(t).ids
+        assert ids == theirs(t, add_special_tokens=False)["input_ids"]
+        assert ours.decode(ids) == theirs.decode(ids)
+    import json
+
+    cfg = json.loads((tmp_path / "ours" / "tokenizer_config.json").read_text())
+    assert cfg["eos_token"] == "<|im_end|>" and "im_start" in cfg["chat_template"]

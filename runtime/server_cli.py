@@ -1,0 +1,38 @@
+"""`mlcc serve`: run the OpenAI-compatible server on a model."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def add_serve_parser(sub) -> None:
+    s = sub.add_parser("serve", help="OpenAI-compatible HTTP server with continuous batching")
+    s.add_argument("model", nargs="?", default=None, help="artifacts folder, HF folder or .gguf (default: bundled)")
+    s.add_argument("--target", default="auto")
+    s.add_argument("--quant", default=None)
+    s.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (all but /health)")
+    s.add_argument("--max-batch", type=int, default=8)
+    s.add_argument("--kv-cache-tokens", type=int, default=None, help="KV cache size (default: from memory)")
+    s.add_argument("--prefill-chunk", type=int, default=512)
+    s.add_argument("--policy", choices=["no_evict", "max_util"], default="no_evict",
+                   help="no_evict: admit only what can finish; max_util: admit eagerly, preempt and recompute")
+    s.add_argument("--served-model-name", default=None)
+    s.set_defaults(func=run_serve)
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from .engine import Engine
+    from .server import create_app
+
+    engine = Engine(args.model, target=args.target, quant=args.quant, max_batch=args.max_batch,
+                    kv_cache_tokens=args.kv_cache_tokens, prefill_chunk=args.prefill_chunk, policy=args.policy)
+    app = create_app(engine, api_key=args.api_key, served_name=args.served_model_name)
+    try:
+        uvicorn.run(app, host=args.host, port=args.port, log_level="info")
+    finally:
+        engine.shutdown()
+    return 0
