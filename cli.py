@@ -81,12 +81,11 @@ def build_parser() -> argparse.ArgumentParser:
     ch.add_argument("--temperature", type=float, default=0.0)
     ch.set_defaults(func=cmd_chat)
 
-    try:
-        from mlcc.runtime.server_cli import add_serve_parser
+    from mlcc.runtime.loadgen import add_bench_parser
+    from mlcc.runtime.server_cli import add_serve_parser
 
-        add_serve_parser(sub)
-    except ImportError:
-        pass
+    add_serve_parser(sub)
+    add_bench_parser(sub)
     return p
 
 

@@ -169,7 +169,8 @@ def test_openapi_fuzz_finds_no_5xx(server):
     for op in ("/v1/chat/completions", "/v1/completions"):
         strategy = schema[op]["POST"].as_strategy()
 
-        @settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+        @settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck), database=None,
+                  derandomize=True)
         def check(case):
             case.headers = {**(case.headers or {}), "Authorization": f"Bearer {KEY}"}
             if isinstance(case.body, dict):
@@ -184,3 +185,18 @@ def test_openapi_fuzz_finds_no_5xx(server):
         given(strategy)(check)()
     assert not failures, failures[:3]
     assert 200 in statuses and any(400 <= s < 500 for s in statuses), statuses  # both paths exercised
+
+
+def test_mlcc_bench_against_the_server(server, tmp_path):
+    out = tmp_path / "bench.json"
+    r = subprocess.run([sys.executable, "-m", "mlcc", "bench", "--base-url", f"{server}/v1", "--api-key", KEY,
+                        "--num-prompts", "6", "--input-len", "uniform:4:12", "--output-len", "8",
+                        "--request-rate", "20,50", "--json", str(out)], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    rows = json.loads(out.read_text())
+    assert [row["rate"] for row in rows] == [20.0, 50.0]
+    for row in rows:
+        assert row["errors"] == 0 and row["output_tokens"] == 6 * 8
+        assert 0 < row["ttft_ms"]["p50"] <= row["ttft_ms"]["p99"]
+        assert row["itl_ms"]["p50"] > 0
+    assert "TTFT p50/p90/p99" in r.stdout

@@ -52,15 +52,54 @@ def test_q0f32_greedy_continuation_equals_transformers(smol_q0f32, hf_smollm2):
     assert tok.decode(ours).startswith("The capital of France is Paris.")
 
 
-def test_q4f16_1_compiles_and_answers(tmp_path):
+@pytest.fixture(scope="module")
+def smol_q4f16_1(tmp_path_factory):
     from mlcc.compiler.build import compile_model
+
+    out = tmp_path_factory.mktemp("smol") / "q4f16_1"
+    compile_model(GGUF, "llvm", "q4f16_1", out)
+    return out
+
+
+def test_q4f16_1_compiles_and_answers(smol_q4f16_1):
     from mlcc.runtime.engine import Engine
 
-    compile_model(GGUF, "llvm", "q4f16_1", tmp_path / "q4")
-    with Engine(tmp_path / "q4", target="llvm", max_batch=1) as e:
+    with Engine(smol_q4f16_1, target="llvm", max_batch=1) as e:
         r = e.chat.completions.create(messages=[{"role": "user", "content": "What is the capital of France?"}],
                                       temperature=0, max_tokens=12)
     assert "Paris" in r.choices[0].message.content
+
+
+def test_served_through_the_openai_client(smol_q4f16_1):
+    """End to end: `mlcc serve` on the real model, the official client, streaming."""
+    import subprocess
+    import sys
+    import time
+
+    import httpx
+    import openai
+
+    from test_server import _free_port
+
+    port = _free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "mlcc", "serve", str(smol_q4f16_1), "--target", "llvm", "--port",
+                             str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        for _ in range(300):
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.2)
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0)
+        model = client.models.list().data[0].id
+        text = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": "What is the capital of France?"}], temperature=0,
+            max_tokens=12, stream=True) if c.choices)
+        assert "Paris" in text
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
 
 
 def test_gguf_tokenizer_conversion_equals_transformers(tmp_path):
