@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import io
 import json
 import logging
 import shutil
+import sys
 import time
 from pathlib import Path
 from typing import Any, Iterator
@@ -101,7 +104,15 @@ def compile_library(built: BuiltModule, out_path: Path):
 
     from .pipeline import build_pipeline
 
-    ex = tvm.compile(built.mod, built.target, relax_pipeline=build_pipeline(built.target))
+    # CUDA graphs: static-shape stretches of decode (between paged-attention calls) are captured once and
+    # replayed, which removes most per-kernel launch and VM dispatch cost at batch 1.
+    config = {"relax.backend.use_cuda_graph": built.target.kind.name == "cuda"}
+    if built.target.kind.name != "llvm" and built.cfg.rope_scaling:
+        # TVM 0.27 bug: TIR CSE breaks the GPU tree-attention kernel under scaled RoPE ("cse_v21 has been used
+        # before definition"). nvcc/NVRTC run their own CSE, so the kernels lose little without it.
+        config["tirx.disable_cse_tir"] = True
+    with tvm.transform.PassContext(config=config):
+        ex = tvm.compile(built.mod, built.target, relax_pipeline=build_pipeline(built.target))
     ex.export_library(str(out_path))
     return ex
 
@@ -126,15 +137,57 @@ def iter_params(source: ModelSource, built: BuiltModule) -> Iterator[tuple[str, 
 
 
 def write_weights(source: ModelSource, built: BuiltModule, out: Path) -> None:
+    from tqdm import tqdm
     from tvm.contrib import tvmjs
 
-    tvmjs.dump_tensor_cache(iter_params(source, built), str(out), encode_format="raw", show_progress=True)
+    params = tqdm(iter_params(source, built), total=len(built.params), desc="converting weights", unit="tensor",
+                  file=sys.stderr)
+    # TVM's writer prints one line per tensor to stdout; keep stdout for the program's own output.
+    with contextlib.redirect_stdout(io.StringIO()):
+        tvmjs.dump_tensor_cache(params, str(out), encode_format="raw", show_progress=False)
     artifact.add_shard_checksums(out)
     cache = json.loads((out / artifact.TENSOR_CACHE_FILE).read_text())
     have = {r["name"] for s in cache["records"] for r in s["records"]}
     missing = [p["name"] for p in built.params if p["name"] not in have]
     if missing:
         raise ValueError(f"weights for {missing[:3]}... were not produced; the checkpoint is incomplete")
+
+
+def _config_json(built: BuiltModule, lib_name: str, tok: dict[str, Any], source: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "model_type": built.family.name,
+        "model_config": dataclasses.asdict(built.cfg),
+        "quantization": built.quant.name,
+        "model_dtype": built.quant.model_dtype,
+        "target": built.preset.name,
+        "device": built.preset.device,
+        "library": lib_name,
+        "cuda_arch": str(built.target.attrs["arch"]) if built.target.kind.name == "cuda" else None,
+        "context_window_size": built.cfg.context_window_size,
+        "vocab_size": built.cfg.vocab_size,
+        "hidden_size": built.cfg.hidden_size,
+        "params": built.params,
+        "tokenizer": tok,
+        "source": source,
+        "stamp": built.stamp,
+    }
+
+
+def compile_shape_only(model_type: str, hf_config: dict[str, Any], target: str, quant: str,
+                       output: str | Path) -> float:
+    """Library + config for a config with no checkpoint (benchmarks fill the weights with random values)."""
+    out = Path(output)
+    out.mkdir(parents=True, exist_ok=True)
+    source = ModelSource("config", out, model_type, hf_config, {})
+    t0 = time.time()
+    built = export_module(source, get_target(target), get_quantization(quant))
+    lib_name = "model" + built.preset.lib_ext
+    compile_library(built, out / lib_name)
+    seconds = time.time() - t0
+    cfg = _config_json(built, lib_name, {}, {"kind": "config", "path": str(out)})
+    cfg["weights"] = "none"
+    (out / artifact.CONFIG_FILE).write_text(json.dumps(cfg, indent=1))
+    return seconds
 
 
 def compile_model(model: str | Path, target: str, quant: str, output: str | Path,
@@ -158,23 +211,7 @@ def compile_model(model: str | Path, target: str, quant: str, output: str | Path
     from .tokenizer_files import write_tokenizer
 
     tok = write_tokenizer(source.kind, source.path, tmp)
-    config = {
-        "model_type": built.family.name,
-        "model_config": dataclasses.asdict(built.cfg),
-        "quantization": q.name,
-        "model_dtype": q.model_dtype,
-        "target": preset.name,
-        "device": preset.device,
-        "library": lib_name,
-        "cuda_arch": str(built.target.attrs["arch"]) if built.target.kind.name == "cuda" else None,
-        "context_window_size": built.cfg.context_window_size,
-        "vocab_size": built.cfg.vocab_size,
-        "hidden_size": built.cfg.hidden_size,
-        "params": built.params,
-        "tokenizer": tok,
-        "source": {"kind": source.kind, "path": str(source.path)},
-        "stamp": built.stamp,
-    }
+    config = _config_json(built, lib_name, tok, {"kind": source.kind, "path": str(source.path)})
     (tmp / artifact.CONFIG_FILE).write_text(json.dumps(config, indent=1))
     # Replace the output only once everything is written: an interrupted compile leaves the old folder intact.
     if out.exists():

@@ -49,8 +49,20 @@ def _load_backend_runtimes(device: str) -> None:
                                                            extra_lib_paths=[d], mode="RTLD_LOCAL")
 
 
+def _random_param(spec: dict[str, Any], rng: np.random.Generator) -> np.ndarray:
+    shape, dtype = spec["shape"], spec["dtype"]
+    if dtype == "uint32":
+        return rng.integers(0, 1 << 32, size=shape, dtype=np.uint32)
+    scale = 0.002 if spec["name"].endswith("q_scale") else (1.0 if "norm" in spec["name"] else 0.02)
+    if "norm" in spec["name"]:
+        return np.ones(shape, dtype=dtype)
+    return (rng.standard_normal(shape, dtype=np.float32) * scale).astype(dtype)
+
+
 class LoadedModel:
-    def __init__(self, model_dir: str | Path, device_id: int = 0, verify_checksums: bool = True):
+    def __init__(self, model_dir: str | Path, device_id: int = 0, verify_checksums: bool = True,
+                 weights: str = "files"):
+        """weights="random" fills parameters with random values (speed benchmarks of shape-only builds)."""
         import tvm
         from tvm.runtime import ShapeTuple
         from tvm.runtime.vm import VirtualMachine
@@ -58,7 +70,7 @@ class LoadedModel:
         self.dir = Path(model_dir)
         self.config = artifact.read_config(self.dir)
         self.device_kind = self.config["device"]
-        if verify_checksums:
+        if verify_checksums and weights == "files":
             artifact.verify_shards(self.dir)
         _load_backend_runtimes(self.device_kind)
         if self.device_kind == "cuda" and self.config.get("cuda_arch"):
@@ -81,11 +93,15 @@ class LoadedModel:
         artifact.check_stamp(lib_stamp, self.config, self.dir)
         self.stamp = lib_stamp
 
-        names = [p["name"] for p in self.config["params"]]
-        tvm.get_global_func("vm.builtin.tensor_cache.load")(str(self.dir), self.dev.dlpack_device_type(),
-                                                            self.dev.index)
-        self.params = tvm.get_global_func("vm.builtin.param_array_from_cache_by_name")(names)
-        tvm.get_global_func("vm.builtin.tensor_cache.clear")()
+        if weights == "random":
+            rng = np.random.default_rng(0)
+            self.params = [tvm.runtime.tensor(_random_param(p, rng), self.dev) for p in self.config["params"]]
+        else:
+            names = [p["name"] for p in self.config["params"]]
+            tvm.get_global_func("vm.builtin.tensor_cache.load")(str(self.dir), self.dev.dlpack_device_type(),
+                                                                self.dev.index)
+            self.params = tvm.get_global_func("vm.builtin.param_array_from_cache_by_name")(names)
+            tvm.get_global_func("vm.builtin.tensor_cache.clear")()
         self._shape = ShapeTuple
         self._f = {n: self.vm[n] for n in ("embed", "prefill", "decode", "batch_prefill", "batch_decode",
                                            "prefill_all_logits", "create_paged_kv_cache")}
