@@ -1,0 +1,231 @@
+"""Decode/prefill speed on CUDA, side by side with transformers and the bandwidth roofline (issue 4).
+
+    python bench/decode.py build --out .dev/bench             # here: shape-only CUDA libraries (+ compile times)
+    python3 bench/decode.py mlcc --libs .dev/bench --out $OUT  # device: mlcc rows + copy bandwidth
+    python3 bench/decode.py hf --out $OUT                      # device: transformers rows (same shapes, fp16)
+    python bench/decode.py table bench/results/decode_*.json   # here: one table
+
+Weights are random (speed does not depend on values); output length is fixed (EOS ignored). Roofline =
+bytes that must be read per decode token ÷ device-to-device copy bandwidth measured in the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+
+LLAMA3_8B = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                 num_key_value_heads=8, vocab_size=128256, max_position_embeddings=8192, rms_norm_eps=1e-5,
+                 rope_theta=500000.0, tie_word_embeddings=False,
+                 rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                               "original_max_position_embeddings": 8192})
+QWEN25_05B = dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+                  num_key_value_heads=2, vocab_size=151936, max_position_embeddings=32768, rms_norm_eps=1e-6,
+                  rope_theta=1000000.0, tie_word_embeddings=True)
+SMOLLM2_135M = dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+                    num_key_value_heads=3, vocab_size=49152, max_position_embeddings=8192, rms_norm_eps=1e-5,
+                    rope_theta=100000.0, tie_word_embeddings=True)
+MODELS = {"llama3-8b": ("llama", LLAMA3_8B), "qwen2.5-0.5b": ("qwen2", QWEN25_05B),
+          "smollm2-135m": ("llama", SMOLLM2_135M)}
+RUNS = [("llama3-8b", "q4f16_1"), ("llama3-8b", "q0f16"), ("qwen2.5-0.5b", "q4f16_1"), ("smollm2-135m", "q4f16_1")]
+PROMPT, STEPS = 128, 256
+
+
+def cmd_build(a) -> None:
+    from mlcc.compiler.build import compile_shape_only
+
+    out = Path(a.out)
+    times = {}
+    for model, quant in RUNS:
+        arch, cfg = MODELS[model]
+        times[f"{model}/{quant}"] = compile_shape_only(arch, cfg, "cuda", quant, out / f"{model}-{quant}")
+        print(f"{model} {quant}: compiled for cuda in {times[f'{model}/{quant}']:.1f}s")
+    (out / "compile_times.json").write_text(json.dumps(times, indent=1))
+
+
+def copy_bandwidth() -> float:
+    """Bytes read + written per second by a 4 GiB device-to-device copy (the achievable memory bandwidth)."""
+    import torch
+
+    x = torch.empty(1 << 30, dtype=torch.float32, device="cuda")
+    y = torch.empty_like(x)
+    for _ in range(3):
+        y.copy_(x)
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    n = 20
+    for _ in range(n):
+        y.copy_(x)
+    torch.cuda.synchronize()
+    bw = 2 * x.numel() * 4 * n / (time.perf_counter() - t)
+    del x, y
+    torch.cuda.empty_cache()
+    return bw
+
+
+def bytes_per_token(cfg: dict, params: list[dict], ctx: int, kv_itemsize: int) -> int:
+    """Weights read once per token (the embedding table contributes one row, unless it is also the LM head)."""
+    total = 0
+    for p in params:
+        n = int(np.prod(p["shape"])) * np.dtype(p["dtype"]).itemsize
+        if p["name"].startswith("model.embed_tokens") and not cfg["tie_word_embeddings"]:
+            n //= p["shape"][0]
+        total += n
+    head_dim = cfg["hidden_size"] // cfg["num_attention_heads"]
+    total += 2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * head_dim * kv_itemsize * ctx
+    return total
+
+
+def cmd_mlcc(a) -> None:
+    import torch
+
+    from mlcc.runtime.model import LoadedModel
+
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    bw = copy_bandwidth()
+    compile_times = json.loads((Path(a.libs) / "compile_times.json").read_text())
+    rows = []
+    for model, quant in RUNS:
+        _, cfg = MODELS[model]
+        d = Path(a.libs) / f"{model}-{quant}"
+        free0 = torch.cuda.mem_get_info()[0]
+        t = time.perf_counter()
+        m = LoadedModel(d, weights="random")
+        load_s = time.perf_counter() - t
+        m.create_kv_cache(1, 4096, 2048)
+        argmax = m.vm["argmax_logits"]
+        # decode: one token per step, the id copied to the host each step (as in serving)
+        m.add_sequence(0)
+        m.prefill([0], [[7] * PROMPT])
+        tok = 7
+        for _ in range(5):
+            tok = int(argmax(m.decode([0], [tok])).numpy()[0])
+        t = time.perf_counter()
+        for _ in range(STEPS):
+            tok = int(argmax(m.decode([0], [tok])).numpy()[0])
+        decode_s = (time.perf_counter() - t) / STEPS
+        # where the step goes, measured with a sync after each phase
+        phases = {"embed": 0.0, "model": 0.0, "argmax+copy": 0.0}
+        for _ in range(32):
+            t0 = time.perf_counter()
+            emb = m.embed([tok])
+            m.dev.sync()
+            t1 = time.perf_counter()
+            logits = m.decode([0], [tok])
+            m.dev.sync()
+            t2 = time.perf_counter()
+            tok = int(argmax(logits).numpy()[0])
+            t3 = time.perf_counter()
+            phases["embed"] += (t1 - t0) / 32 * 1e3
+            phases["model"] += (t2 - t1 - (t1 - t0)) / 32 * 1e3  # decode() embeds again: subtract that
+            phases["argmax+copy"] += (t3 - t2) / 32 * 1e3
+            del emb
+        m.remove_sequence(0)
+        prefill = {}
+        for n in (512, 2048):
+            best = float("inf")
+            for r in range(4):
+                m.add_sequence(0)
+                m.dev.sync()
+                t = time.perf_counter()
+                m.prefill([0], [[1 + i % 1000 for i in range(n)]]).numpy()
+                best = min(best, time.perf_counter() - t) if r else best
+                m.remove_sequence(0)
+            prefill[n] = n / best
+        peak = (free0 - torch.cuda.mem_get_info()[0]) / 2**30
+        nbytes = bytes_per_token(cfg, m.config["params"], PROMPT + STEPS // 2, 2)
+        row = {"model": model, "quant": quant, "engine": "mlcc", "decode_tok_s": 1 / decode_s,
+               "roofline_tok_s": bw / nbytes, "bytes_per_token": nbytes, "copy_bw_GBs": bw / 1e9,
+               "prefill_tok_s_512": prefill[512], "prefill_tok_s_2048": prefill[2048], "gpu_mem_GiB": peak,
+               "load_s": load_s, "compile_s": compile_times[f"{model}/{quant}"],
+               "step_ms": {k: round(v, 3) for k, v in phases.items()}}
+        row["fraction_of_roofline"] = row["decode_tok_s"] / row["roofline_tok_s"]
+        rows.append(row)
+        print(json.dumps(row))
+        del m, argmax
+        import gc
+
+        gc.collect()
+    (out / "decode_mlcc.json").write_text(json.dumps(rows, indent=1))
+
+
+def cmd_hf(a) -> None:
+    import torch
+    import transformers as tf
+
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for model in a.models.split(","):
+        arch, cfg = MODELS[model]
+        conf = (tf.LlamaConfig if arch == "llama" else tf.Qwen2Config)(**{k: v for k, v in cfg.items()
+                                                                          if k != "rope_scaling"})
+        if cfg.get("rope_scaling"):
+            conf.rope_parameters = {**cfg["rope_scaling"], "rope_theta": cfg["rope_theta"]}
+        with torch.device("cuda"):
+            hf = tf.AutoModelForCausalLM.from_config(conf, torch_dtype=torch.float16).eval()
+        ids = torch.full((1, PROMPT), 7, device="cuda")
+        gen = dict(max_new_tokens=STEPS, min_new_tokens=STEPS, do_sample=False, cache_implementation="static",
+                   pad_token_id=0)
+        for mode in ("eager", "compile"):
+            if mode == "compile":
+                hf.forward = torch.compile(hf.forward, mode="reduce-overhead", fullgraph=True)
+            try:
+                with torch.no_grad():
+                    hf.generate(ids, **{**gen, "max_new_tokens": 16, "min_new_tokens": 16})
+                    hf.generate(ids, **gen)  # warm-up (compiles / captures graphs)
+                    torch.cuda.synchronize()
+                    t = time.perf_counter()
+                    hf.generate(ids, **gen)
+                    torch.cuda.synchronize()
+                    dt = time.perf_counter() - t
+                rows.append({"model": model, "quant": "fp16", "engine": f"transformers-{mode}",
+                             "decode_tok_s": STEPS / dt, "transformers": tf.__version__})
+            except Exception as e:  # noqa: BLE001 - report, keep going
+                rows.append({"model": model, "engine": f"transformers-{mode}", "error": str(e)[:300]})
+            print(json.dumps(rows[-1]))
+        del hf
+        torch.cuda.empty_cache()
+    (out / f"decode_hf_{a.tag}.json").write_text(json.dumps(rows, indent=1))
+
+
+def cmd_table(a) -> None:
+    rows = [r for f in a.files for r in json.loads(Path(f).read_text())]
+    hf = {(r["model"], r["engine"]): r.get("decode_tok_s") for r in rows if r["engine"].startswith("transformers")}
+    print(f"{'model':14} {'quant':8} {'mlcc tok/s':>10} {'roofline':>9} {'frac':>6} {'HF eager':>9} {'HF compile':>10} "
+          f"{'x compile':>9} {'prefill512':>10} {'prefill2k':>10} {'mem GiB':>8} {'compile s':>9}")
+    for r in rows:
+        if r["engine"] != "mlcc":
+            continue
+        e, c = hf.get((r["model"], "transformers-eager")), hf.get((r["model"], "transformers-compile"))
+        print(f"{r['model']:14} {r['quant']:8} {r['decode_tok_s']:>10.0f} {r['roofline_tok_s']:>9.0f} "
+              f"{r['fraction_of_roofline']:>6.1%} {e or 0:>9.0f} {c or 0:>10.0f} "
+              f"{(r['decode_tok_s'] / c) if c else 0:>9.2f} {r['prefill_tok_s_512']:>10.0f} "
+              f"{r['prefill_tok_s_2048']:>10.0f} {r['gpu_mem_GiB']:>8.1f} {r['compile_s']:>9.1f}")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    sub = p.add_subparsers(dest="cmd", required=True)
+    b = sub.add_parser("build")
+    b.add_argument("--out", required=True)
+    m = sub.add_parser("mlcc")
+    m.add_argument("--libs", required=True)
+    m.add_argument("--out", required=True)
+    h = sub.add_parser("hf")
+    h.add_argument("--out", required=True)
+    h.add_argument("--models", default="llama3-8b,qwen2.5-0.5b,smollm2-135m")
+    h.add_argument("--tag", default="all")
+    t = sub.add_parser("table")
+    t.add_argument("files", nargs="+")
+    a = p.parse_args()
+    {"build": cmd_build, "mlcc": cmd_mlcc, "hf": cmd_hf, "table": cmd_table}[a.cmd](a)
+
+
+if __name__ == "__main__":
+    main()
