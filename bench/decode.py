@@ -172,7 +172,7 @@ def cmd_hf(a) -> None:
         ids = torch.full((1, PROMPT), 7, device="cuda")
         gen = dict(max_new_tokens=STEPS, min_new_tokens=STEPS, do_sample=False, cache_implementation="static",
                    pad_token_id=0)
-        for mode in ("eager", "compile"):
+        for mode in a.modes.split(","):
             if mode == "compile":
                 hf.forward = torch.compile(hf.forward, mode="reduce-overhead", fullgraph=True)
             try:
@@ -189,6 +189,8 @@ def cmd_hf(a) -> None:
             except Exception as e:  # noqa: BLE001 - report, keep going
                 rows.append({"model": model, "engine": f"transformers-{mode}", "error": str(e)[:300]})
             print(json.dumps(rows[-1]))
+            # written after every row: a device call that hits its time limit keeps what it measured
+            (out / f"decode_hf_{a.tag}.json").write_text(json.dumps(rows, indent=1))
         del hf
         torch.cuda.empty_cache()
     (out / f"decode_hf_{a.tag}.json").write_text(json.dumps(rows, indent=1))
@@ -221,6 +223,7 @@ def main() -> None:
     h.add_argument("--out", required=True)
     h.add_argument("--models", default="llama3-8b,qwen2.5-0.5b,smollm2-135m")
     h.add_argument("--tag", default="all")
+    h.add_argument("--modes", default="eager,compile")
     t = sub.add_parser("table")
     t.add_argument("files", nargs="+")
     a = p.parse_args()
