@@ -9,8 +9,6 @@ read packed weights and never write a dequantized copy to memory.
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable
-
 import numpy as np
 from tvm import te, tirx
 from tvm.relax.frontend import nn
@@ -83,18 +81,25 @@ def group_dequantize(packed: np.ndarray, scale: np.ndarray, q: Quantization) -> 
 
 # -- TE: dequantize fused into its consumer --------------------------------------------------------------------
 
-def _dequantize_te(q_weight: te.Tensor, q_scale: te.Tensor, q: Quantization, k: int,
-                   rows: Callable | None = None) -> te.Tensor:
-    """A block named "dequantize" (dlight inlines blocks by that name into the consumer)."""
-    mask = tirx.const((1 << q.bits) - 1, "uint32")
-    n = rows if rows is not None else q_weight.shape[0]
+def _dequant_value(qw: te.Tensor, qs: te.Tensor, row, j, q: Quantization):
+    """Element (row, j) of the dequantized weight: (nibble - 7) · scale of its group."""
+    nib = tirx.bitwise_and(tirx.shift_right(qw[row, j // q.per_word], (j % q.per_word * q.bits).astype("uint32")),
+                           tirx.const((1 << q.bits) - 1, "uint32"))
+    return (nib.astype(qs.dtype) - tirx.const(q.max_int, qs.dtype)) * qs[row, j // q.group_size]
 
-    def f(i, j):
-        word = q_weight[i, j // q.per_word]
-        nib = tirx.bitwise_and(tirx.shift_right(word, (j % q.per_word * q.bits).astype("uint32")), mask)
-        return (nib.astype(q_scale.dtype) - tirx.const(q.max_int, q_scale.dtype)) * q_scale[i, j // q.group_size]
 
-    return te.compute((n, k), f, name="dequantize")
+def _dequant_matmul(x: Tensor, q_weight: nn.Parameter, q_scale: nn.Parameter, q: Quantization, k: int, n: int
+                    ) -> Tensor:
+    """x[..., k] @ W[n, k]^T with W unpacked inside the same PrimFunc: a block named "dequantize" (dlight
+    inlines blocks by that name into the consumer) feeding the "matmul" block."""
+
+    def compute(x: te.Tensor, qw: te.Tensor, qs: te.Tensor) -> te.Tensor:
+        w = te.compute((n, k), lambda i, j: _dequant_value(qw, qs, i, j, q), name="dequantize")
+        r = te.reduce_axis((0, k), name="k")
+        return te.compute(list(x.shape[:-1]) + [n], lambda *idx: te.sum(x[(*idx[:-1], r)] * w[idx[-1], r], axis=r),
+                          name="matmul")
+
+    return op.tensor_expr_op(compute, "dequantize_matmul", [x, q_weight, q_scale])
 
 
 class GroupQuantLinear(nn.Module):
@@ -105,16 +110,7 @@ class GroupQuantLinear(nn.Module):
         self.bias = nn.Parameter((out_features,), q.model_dtype) if bias else None
 
     def forward(self, x: Tensor) -> Tensor:
-        q, k = self.q, self.in_features
-
-        def dequant_matmul(x: te.Tensor, qw: te.Tensor, qs: te.Tensor) -> te.Tensor:
-            w = _dequantize_te(qw, qs, q, k)
-            r = te.reduce_axis((0, k), name="k")
-            lead = list(x.shape[:-1])
-            return te.compute(lead + [self.out_features],
-                              lambda *idx: te.sum(x[(*idx[:-1], r)] * w[idx[-1], r], axis=r), name="matmul")
-
-        out = op.tensor_expr_op(dequant_matmul, "dequantize_matmul", [x, self.q_weight, self.q_scale])
+        out = _dequant_matmul(x, self.q_weight, self.q_scale, self.q, self.in_features, self.out_features)
         return out + self.bias if self.bias is not None else out
 
     # nn.Module.to() would cast uint32 codes; keep storage dtypes fixed.
@@ -132,28 +128,13 @@ class GroupQuantEmbedding(nn.Module):
         q, dim = self.q, self.dim
 
         def take_dequant(qw: te.Tensor, qs: te.Tensor, ids: te.Tensor) -> te.Tensor:
-            mask = tirx.const((1 << q.bits) - 1, "uint32")
-
-            def f(i, j):
-                row = ids[i]
-                word = qw[row, j // q.per_word]
-                nib = tirx.bitwise_and(tirx.shift_right(word, (j % q.per_word * q.bits).astype("uint32")), mask)
-                return (nib.astype(qs.dtype) - tirx.const(q.max_int, qs.dtype)) * qs[row, j // q.group_size]
-
-            return te.compute((ids.shape[0], dim), f, name="take_dequantize")
+            return te.compute((ids.shape[0], dim), lambda i, j: _dequant_value(qw, qs, ids[i], j, q),
+                              name="take_dequantize")
 
         return op.tensor_expr_op(take_dequant, "take_dequantize", [self.q_weight, self.q_scale, ids])
 
     def lm_head_forward(self, x: Tensor) -> Tensor:
-        q, k, n = self.q, self.dim, self.num
-
-        def dequant_matmul(x: te.Tensor, qw: te.Tensor, qs: te.Tensor) -> te.Tensor:
-            w = _dequantize_te(qw, qs, q, k)
-            r = te.reduce_axis((0, k), name="k")
-            return te.compute(list(x.shape[:-1]) + [n],
-                              lambda *idx: te.sum(x[(*idx[:-1], r)] * w[idx[-1], r], axis=r), name="matmul")
-
-        return op.tensor_expr_op(dequant_matmul, "dequantize_matmul", [x, self.q_weight, self.q_scale])
+        return _dequant_matmul(x, self.q_weight, self.q_scale, self.q, self.dim, self.num)
 
     def to(self, dtype: str | None = None) -> None:  # noqa: ARG002
         return None

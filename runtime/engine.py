@@ -281,9 +281,26 @@ class _Chat:
         self.completions = _ChatCompletions(engine)
 
 
-class _ChatCompletions:
+class _CreateAPI:
+    """create() for both endpoints; subclasses say how a request becomes a _Call."""
+
     def __init__(self, engine: Engine):
         self.engine = engine
+
+    def make_call(self, **kw: Any) -> _Call:
+        raise NotImplementedError
+
+    def create(self, *, stream: bool = False, **kw: Any):
+        call = self.make_call(**kw)
+        if stream:
+            return _sync_stream(self.engine, call)
+        for i, ev in self.engine.run_sync(call):
+            call.collect(i, ev)
+        return call.result()
+
+
+class _ChatCompletions(_CreateAPI):
+    """engine.chat.completions: create(messages=..., stream=...) → ChatCompletion | Iterator[ChatCompletionChunk]"""
 
     def make_call(self, messages: list[dict[str, Any]], model: str | None = None, max_tokens: int | None = None,
                   max_completion_tokens: int | None = None, n: int | None = None,
@@ -291,19 +308,9 @@ class _ChatCompletions:
         ids = self.engine.encode_chat(messages)
         return _Call(self.engine, True, ids, max_completion_tokens or max_tokens, n, model, stream_options, kw)
 
-    def create(self, *, messages: list[dict[str, Any]], stream: bool = False, **kw: Any
-               ) -> ChatCompletion | Iterator[ChatCompletionChunk]:
-        call = self.make_call(messages, **kw)
-        if stream:
-            return _sync_stream(self.engine, call)
-        for i, ev in self.engine.run_sync(call):
-            call.collect(i, ev)
-        return call.result()
 
-
-class _Completions:
-    def __init__(self, engine: Engine):
-        self.engine = engine
+class _Completions(_CreateAPI):
+    """engine.completions: create(prompt=..., stream=...) → Completion | Iterator[Completion]"""
 
     def make_call(self, prompt: str | list[int], model: str | None = None, max_tokens: int | None = 16,
                   n: int | None = None, echo: bool = False, stream_options: dict[str, Any] | None = None,
@@ -311,14 +318,6 @@ class _Completions:
         ids = self.engine.encode_prompt(prompt)
         prefix = prompt if echo and isinstance(prompt, str) else ""
         return _Call(self.engine, False, ids, max_tokens, n, model, stream_options, kw, prefix=prefix)
-
-    def create(self, *, prompt: str | list[int], stream: bool = False, **kw: Any) -> Completion | Iterator[Completion]:
-        call = self.make_call(prompt, **kw)
-        if stream:
-            return _sync_stream(self.engine, call)
-        for i, ev in self.engine.run_sync(call):
-            call.collect(i, ev)
-        return call.result()
 
 
 # -- asyncio -----------------------------------------------------------------------------------------------------
