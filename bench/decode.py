@@ -91,6 +91,8 @@ def cmd_mlcc(a) -> None:
     compile_times = json.loads((Path(a.libs) / "compile_times.json").read_text())
     rows = []
     for model, quant in RUNS:
+        if a.only and f"{model}/{quant}" not in a.only.split(","):
+            continue
         _, cfg = MODELS[model]
         d = Path(a.libs) / f"{model}-{quant}"
         free0 = torch.cuda.mem_get_info()[0]
@@ -219,6 +221,7 @@ def main() -> None:
     m = sub.add_parser("mlcc")
     m.add_argument("--libs", required=True)
     m.add_argument("--out", required=True)
+    m.add_argument("--only", default=None, help="comma-separated model/quant pairs")
     h = sub.add_parser("hf")
     h.add_argument("--out", required=True)
     h.add_argument("--models", default="llama3-8b,qwen2.5-0.5b,smollm2-135m")
