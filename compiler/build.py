@@ -20,6 +20,7 @@ from mlcc.relax_models import Family, family_for
 from mlcc.targets import TargetPreset, get_target
 
 from .quantize import Quantization, get_quantization, group_quantize, quantize_model
+from .sampling import attach_sampler
 from .weights import ModelSource, iter_float_params, load_source
 
 log = logging.getLogger(__name__)
@@ -64,6 +65,7 @@ def export_module(source: ModelSource, preset: TargetPreset, quant: Quantization
     stamp = artifact.make_stamp(family.name, quant.name, preset.name, params)
     mod = _attach_metadata(mod, stamp)
     mod = _attach_argmax(mod, cfg.vocab_size)
+    mod = attach_sampler(mod, cfg.vocab_size)
     return BuiltModule(mod, params, stamp, family, cfg, quant, preset, target)
 
 

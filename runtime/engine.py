@@ -62,13 +62,25 @@ class Engine:
             kv_cache_tokens = self._default_kv_tokens(max_batch)
         kv_cache_tokens = max(kv_cache_tokens, 64)
         self.kv_cache_tokens = kv_cache_tokens
-        argmax = self.model.vm["argmax_logits"] if self.model.device_kind != "cpu" else None
-        self.scheduler = Scheduler(self.model, Sampler(argmax), max_batch, kv_cache_tokens,
+        self.scheduler = Scheduler(self.model, self._make_sampler(), max_batch, kv_cache_tokens,
                                    min(prefill_chunk, kv_cache_tokens), policy=policy)
         self.chat = _Chat(self)
         self.completions = _Completions(self)
         log.info("engine ready: %s on %s, KV cache %d tokens (%.0f MB), batch %d", self.model_name,
                  cfg["target"], kv_cache_tokens, kv_cache_tokens * _kv_bytes_per_token(cfg) / 1e6, max_batch)
+
+    def _make_sampler(self) -> Sampler:
+        vm = self.model.vm
+
+        def fn(name: str):
+            try:
+                return vm[name]
+            except AttributeError:  # libraries from before the sampler was compiled in
+                return None
+
+        # On the CPU the logits already live on the host; numpy's argmax beats a VM call there.
+        argmax = fn("argmax_logits") if self.model.device_kind != "cpu" else None
+        return Sampler(self.model.vocab, argmax, fn("sample_top_p_top_k"), self.model._to_dev)
 
     def _default_kv_tokens(self, max_batch: int) -> int:
         """Enough for max_batch full contexts, capped by a memory budget (CPU: 1/4 of free RAM, at most 2 GiB)."""

@@ -1,7 +1,8 @@
 """Sampling parameters (validated like the OpenAI API) and the sampler.
 
-Greedy requests without penalties take the argmax on the device, so only token ids cross to the host.
-Everything else (temperature, top-p/top-k, penalties) runs on the host over the logits row.
+Without penalties, sampling runs in the compiled library on the model's device (argmax for greedy batches,
+temperature/top-k/top-p otherwise, drawing with a uniform from each request's seeded generator), so only token
+ids cross to the host. Penalties need each request's token history: those batches take the logits to the host.
 """
 
 from __future__ import annotations
@@ -83,15 +84,33 @@ class SamplingParams:
 
 
 class Sampler:
-    def __init__(self, device_argmax=None):
-        self._device_argmax = device_argmax  # callable(logits_dev) -> tvm tensor int32[n], or None
+    def __init__(self, vocab_size: int, device_argmax=None, device_sample=None, to_device=None):
+        self.vocab_size = vocab_size
+        self._argmax = device_argmax    # (logits) -> int32[n]
+        self._sample = device_sample    # (logits, temperature, top_p, top_k, uniform, rows) -> int32[n]
+        self._to_device = to_device
 
     def sample(self, logits, params: Sequence[SamplingParams], histories: Sequence[Sequence[int]],
                rngs: Sequence[np.random.Generator]) -> list[int]:
-        if self._device_argmax is not None and all(p.greedy and not p.penalised for p in params):
-            return [int(t) for t in self._device_argmax(logits).numpy()]
+        if not any(p.penalised for p in params):
+            if all(p.greedy for p in params):
+                if self._argmax is not None:
+                    return [int(t) for t in self._argmax(logits).numpy()]
+            elif self._sample is not None:
+                return self._sample_on_device(logits, params, rngs)
         rows = logits.numpy() if hasattr(logits, "numpy") else np.asarray(logits)
         return [sample_row(rows[i], params[i], histories[i], rngs[i]) for i in range(len(params))]
+
+    def _sample_on_device(self, logits, params: Sequence[SamplingParams], rngs) -> list[int]:
+        n, dev = len(params), self._to_device
+        # greedy rows ride along as top_k=1; the uniform is still drawn so each request's stream stays aligned
+        temperature = np.array([1.0 if p.greedy else p.temperature for p in params], np.float32)
+        top_k = np.array([1 if p.greedy else (p.top_k or self.vocab_size) for p in params], np.int32)
+        top_p = np.array([p.top_p for p in params], np.float32)
+        uniform = np.array([r.random() for r in rngs], np.float32)
+        ids = self._sample(logits, dev(temperature), dev(top_p), dev(top_k), dev(uniform),
+                           dev(np.arange(n, dtype=np.int32)))
+        return [int(t) for t in ids.numpy()]
 
 
 def apply_penalties(row: np.ndarray, p: SamplingParams, history: Sequence[int]) -> np.ndarray:

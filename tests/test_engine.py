@@ -186,3 +186,34 @@ def test_weights_from_another_model_are_refused(compiled, tmp_path):
     (d / "mlcc-config.json").write_text(json.dumps(cfg))
     with pytest.raises(ArtifactError, match="param_hash"):
         Engine(d, target="llvm")
+
+
+def test_compiled_sampler_follows_the_distribution(compiled):
+    """The library's own sample_top_p_top_k: frequencies match softmax(logits / T); top-k / top-p truncate."""
+    import numpy as np
+
+    from mlcc.runtime.model import LoadedModel
+
+    m = LoadedModel(compiled("llama", "q0f32"))
+    f = m.vm["sample_top_p_top_k"]
+    dev = m._to_dev
+    logits = np.full((1, m.vocab), -30.0, np.float32)
+    logits[0, [3, 7, 11, 19]] = [0.0, 1.0, 2.0, 3.0]
+
+    def draw(temp, top_p, top_k, u):
+        return int(f(dev(logits), dev(np.array([temp], np.float32)), dev(np.array([top_p], np.float32)),
+                     dev(np.array([top_k], np.int32)), dev(np.array([u], np.float32)),
+                     dev(np.array([0], np.int32))).numpy()[0])
+
+    us = np.random.default_rng(0).random(3000)
+    for temp in (1.0, 0.5):
+        z = logits[0, [3, 7, 11, 19]] / temp
+        p = np.exp(z - z.max())
+        p /= p.sum()
+        counts = np.bincount([draw(temp, 1.0, m.vocab, u) for u in us], minlength=m.vocab)
+        freq = counts[[3, 7, 11, 19]] / len(us)
+        assert counts.sum() == counts[[3, 7, 11, 19]].sum()
+        assert np.abs(freq - p).max() < 4 * np.sqrt(0.25 / len(us)), (freq, p)
+    assert {draw(1.0, 1.0, 1, u) for u in us[:50]} == {19}                 # top_k=1 is argmax
+    assert {draw(1.0, 1.0, 2, u) for u in us[:200]} == {11, 19}            # top_k=2
+    assert {draw(1.0, 0.6, m.vocab, u) for u in us[:200]} == {19}          # top mass 0.64 ≥ 0.6
