@@ -211,7 +211,7 @@ class _Call:
     def submit(self, engine: Engine, sink) -> list[Request]:
         reqs = []
         for i in range(self.n):
-            seed = None if self.params.seed is None else self.params.seed + i
+            seed = None if self.params.seed is None else (self.params.seed + i) % (1 << 64)  # any int64 is valid
             req = Request(self.ids, self.params, self.max_new, lambda e, i=i: sink(i, e), engine.tokenizer.stream(),
                           engine.tokenizer.eos_ids, rng=np.random.default_rng(seed))
             reqs.append(req)

@@ -76,7 +76,8 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0 or self.top_k == 1
+        # below ~1e-5, logits / T overflows float32: the limit of softmax(z / T) as T → 0 is the argmax anyway
+        return self.temperature < 1e-5 or self.top_k == 1
 
     @property
     def penalised(self) -> bool:
@@ -126,10 +127,11 @@ def apply_penalties(row: np.ndarray, p: SamplingParams, history: Sequence[int]) 
 
 
 def sample_row(row: np.ndarray, p: SamplingParams, history: Sequence[int], rng: np.random.Generator) -> int:
-    row = apply_penalties(row.astype(np.float32, copy=False), p, history)
+    # float64 and a clip: extreme (but valid) penalties or temperatures must not turn into inf - inf = NaN
+    row = np.clip(apply_penalties(row.astype(np.float64), p, history), -1e300, 1e300)
     if p.greedy:
         return int(np.argmax(row))
-    z = row / p.temperature
+    z = np.clip(row / p.temperature, -1e300, 1e300)
     if p.top_k and p.top_k < z.size:
         kth = np.partition(z, -p.top_k)[-p.top_k]
         z = np.where(z >= kth, z, -np.inf)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Literal
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
@@ -24,8 +24,17 @@ log = logging.getLogger(__name__)
 MAX_BODY_BYTES = 4 << 20
 
 
+class _Message(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    role: Literal["system", "user", "assistant", "developer", "tool"]
+    content: str
+
+
 class _Sampling(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    """The documented fields; fields OpenAI defines that we accept and ignore (user, logit_bias, …) are omitted."""
+
+    model_config = ConfigDict(extra="forbid")
+    model: str | None = None
     max_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
@@ -36,12 +45,13 @@ class _Sampling(BaseModel):
     presence_penalty: float | None = Field(None, ge=-2, le=2)
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
     repetition_penalty: float | None = Field(None, gt=0, le=10)
+    ignore_eos: bool | None = None
     stream: bool | None = None
     stream_options: dict[str, Any] | None = None
 
 
 class ChatCompletionRequest(_Sampling):
-    messages: list[dict[str, Any]]  # {role, content}; validated by the engine
+    messages: list[_Message] = Field(min_length=1)
     max_completion_tokens: int | None = None
 
 
@@ -210,4 +220,14 @@ def _has_text(chunk: Any) -> bool:
 
 
 def _body_schema(model: type[BaseModel]) -> dict[str, Any]:
-    return {"requestBody": {"required": True, "content": {"application/json": {"schema": model.model_json_schema()}}}}
+    schema = model.model_json_schema()
+    defs = schema.pop("$defs", {})
+
+    def inline(node: Any) -> Any:  # the OpenAPI document has no $defs section: inline the (non-recursive) refs
+        if isinstance(node, dict):
+            if "$ref" in node:
+                return inline(defs[node["$ref"].rsplit("/", 1)[-1]])
+            return {k: inline(v) for k, v in node.items()}
+        return [inline(v) for v in node] if isinstance(node, list) else node
+
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": inline(schema)}}}}

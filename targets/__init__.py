@@ -6,34 +6,45 @@ Plain dicts on purpose (TVM 0.27 only accepts targets as dicts or tags).
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Any
+
+_LLVM_HOST = {"kind": "llvm"}
 
 
 @dataclasses.dataclass(frozen=True)
 class TargetPreset:
     name: str
     target: dict[str, Any] | str      # TVM target dict or tag
-    device: str                       # runtime device kind: "cpu", "cuda", ...
+    device: str                       # runtime device kind: "cpu", "cuda", "rocm", "metal", "opencl"
     lib_ext: str = ".so"
     description: str = ""
-    runs_on_wheel: bool = True        # the PyPI apache-tvm wheel has a runtime for it (Linux)
+    host: dict[str, Any] | None = None
+    runs_with_wheel: bool = True      # the PyPI apache-tvm wheel for Linux x86-64 ships a runtime for it
+    notes: str = ""
 
     def tvm_target(self):
         import tvm  # heavy; only when compiling
 
-        host = {"kind": "llvm"}
         if self.device == "cpu":
             return tvm.target.Target(_host_cpu_target() if self.name == "llvm" else self.target)
-        return tvm.target.Target(self.target, host=host)
+        return tvm.target.Target(self.target, host=self.host or _LLVM_HOST)
 
-    def stamp_target(self) -> str:
-        return self.name
+    def can_run_here(self) -> bool:
+        """Whether this machine can execute libraries for this preset (the device exists and TVM has a runtime)."""
+        import tvm
+
+        if self.device == "cpu":
+            return True
+        try:
+            return bool(self.runs_with_wheel and tvm.device(self.device, 0).exist)
+        except Exception:  # noqa: BLE001 - no runtime for that device kind
+            return False
 
 
 def _host_cpu_target() -> dict[str, Any]:
     """The build machine's CPU: vector width matters ~2x for decode on CPU."""
     from tvm.target import codegen
-    import os
 
     return {"kind": "llvm", "mcpu": codegen.llvm_get_system_cpu(), "num-cores": os.cpu_count() or 1}
 
@@ -63,11 +74,7 @@ def get_target(name: str) -> TargetPreset:
 
 def detect_local() -> str:
     """The best target this machine can run: CUDA if a GPU answers, else the CPU."""
-    import tvm
-
-    try:
-        if tvm.cuda(0).exist:
-            return "cuda"
-    except Exception:  # noqa: BLE001 - no CUDA runtime is the common case
-        pass
+    for name in ("cuda",):
+        if TARGETS[name].can_run_here():
+            return name
     return "llvm"
