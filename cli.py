@@ -17,8 +17,10 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     from mlcc.relax_models import UnknownArchitectureError
     from mlcc.targets import UnsupportedTargetError
 
+    from mlcc.targets.toolchains import ToolchainError
+
     errs: list[type[BaseException]] = [ArtifactError, UnknownArchitectureError, UnsupportedTargetError,
-                                       FileNotFoundError]
+                                       ToolchainError, FileNotFoundError]
     try:
         from mlcc.compiler.quantize import UnknownQuantizationError
         from mlcc.compiler.weights import ModelSourceError
@@ -44,8 +46,16 @@ def cmd_compile(args: argparse.Namespace) -> int:
 def cmd_targets(args: argparse.Namespace) -> int:
     from mlcc.targets import TARGETS
 
+    from mlcc.targets import UNAVAILABLE
+
+    print(f"{'target':14s} {'device':7s} {'here':12s} description")
     for name, p in TARGETS.items():
-        print(f"{name:14s} device={p.device:6s} {p.description}")
+        here = "runs" if p.can_run_here() else "compile-only"
+        print(f"{name:14s} {p.device:7s} {here:12s} {p.description}")
+        if p.notes:
+            print(f"{'':35s}{p.notes}")
+    for name, why in UNAVAILABLE.items():
+        print(f"{name:14s} {'-':7s} {'unavailable':12s} {why}")
     return 0
 
 

@@ -113,9 +113,11 @@ def compile_library(built: BuiltModule, out_path: Path):
         # TVM 0.27 bug: TIR CSE breaks the GPU tree-attention kernel under scaled RoPE ("cse_v21 has been used
         # before definition"). nvcc/NVRTC run their own CSE, so the kernels lose little without it.
         config["tirx.disable_cse_tir"] = True
-    with tvm.transform.PassContext(config=config):
+    from mlcc.targets.toolchains import toolchain_for
+
+    with toolchain_for(built.target.kind.name), tvm.transform.PassContext(config=config):
         ex = tvm.compile(built.mod, built.target, relax_pipeline=build_pipeline(built.target))
-    ex.export_library(str(out_path))
+        ex.export_library(str(out_path))
     return ex
 
 

@@ -8,6 +8,9 @@ import tvm
 def default_schedule_passes(target: tvm.target.Target) -> list[tvm.transform.Pass]:
     from tvm.s_tir import dlight as dl
 
+    if target.kind.name == "metal":
+        return [_without_metal_simdgroup(dl.ApplyDefaultSchedule(
+            dl.gpu.Matmul(), dl.gpu.GEMV(), dl.gpu.Reduction(), dl.gpu.GeneralReduction(), dl.gpu.Fallback()))]
     if "gpu" in target.keys:
         return [dl.ApplyDefaultSchedule(
             dl.gpu.Matmul(), dl.gpu.GEMV(), dl.gpu.Reduction(), dl.gpu.GeneralReduction(), dl.gpu.Fallback())]
@@ -16,3 +19,21 @@ def default_schedule_passes(target: tvm.target.Target) -> list[tvm.transform.Pas
     from .cpu import ApplyCPUMatmulSchedule
 
     return [ApplyCPUMatmulSchedule]
+
+
+def _without_metal_simdgroup(inner: tvm.transform.Pass) -> tvm.transform.Pass:
+    """dlight's Matmul sends Metal to its simdgroup rule, which segfaults (a native crash, past its own try/except)
+    on dynamic-batch matmuls in TVM 0.27. Run the rule set with that branch disabled so Matmul uses its generic
+    tiled schedule instead."""
+    import tvm.s_tir.dlight.gpu.matmul as dlm
+
+    @tvm.transform.module_pass(opt_level=0, name="mlcc_metal_schedule")
+    def _pass(mod: tvm.ir.IRModule, _ctx) -> tvm.ir.IRModule:
+        original = dlm.MetalMatmul.apply
+        dlm.MetalMatmul.apply = lambda self, *a, **k: None
+        try:
+            return inner(mod)
+        finally:
+            dlm.MetalMatmul.apply = original
+
+    return _pass

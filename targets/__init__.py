@@ -56,9 +56,30 @@ TARGETS: dict[str, TargetPreset] = {
     "cuda": TargetPreset("cuda", "nvidia/nvidia-h100", "cuda", description="NVIDIA Hopper (sm_90a: H100/H200)"),
     "cuda-sm80": TargetPreset("cuda-sm80", {"kind": "cuda", "arch": "sm_80"}, "cuda",
                               description="NVIDIA Ampere and newer (sm_80: A100, also runs on Hopper)"),
+    **{f"rocm-{arch}": TargetPreset(f"rocm-{arch}", {"kind": "rocm", "mcpu": arch}, "rocm", runs_with_wheel=False,
+                                    description=f"AMD {desc} ({arch}; HSACO linked at build time)",
+                                    notes="compile-only here: no PyPI TVM wheel ships a ROCm runtime; needs "
+                                          "ld.lld >= 19 and rocm-device-libs (apt-get install lld-19 "
+                                          "rocm-device-libs)")
+       for arch, desc in (("gfx942", "Instinct MI300"), ("gfx90a", "Instinct MI200"), ("gfx1100", "Radeon RX 7900"))},
+    "metal": TargetPreset("metal", "apple/m2-gpu", "metal", lib_ext=".tar", runs_with_wheel=False,
+                          host={"kind": "llvm", "mtriple": "arm64-apple-macos", "mcpu": "apple-m1"},
+                          description="Apple silicon GPU (MSL; arm64 macOS host code)",
+                          notes="a .tar of arm64 objects: tvm.runtime.load_module links it on the Mac (Xcode "
+                                "command line tools) with the macOS arm64 apache-tvm wheel, which has Metal"),
+    "opencl": TargetPreset("opencl", {"kind": "opencl"}, "opencl", runs_with_wheel=False,
+                           description="OpenCL GPUs (OpenCL C kernels)",
+                           notes="compile-only: the Linux wheel has no OpenCL runtime"),
 }
 
-ALIASES = {"cpu": "llvm", "cuda-sm90": "cuda", "h100": "cuda", "h200": "cuda"}
+# Named so that asking for them explains why instead of listing the presets.
+UNAVAILABLE = {
+    "vulkan": "TVM 0.27's PyPI wheel has no SPIR-V codegen (target.build.vulkan is missing); there is no Vulkan "
+              "route yet",
+    "webgpu": "the WebGPU target needs the wasm runtime build and the browser bundle, which are not done yet",
+}
+
+ALIASES = {"cpu": "llvm", "cuda-sm90": "cuda", "h100": "cuda", "h200": "cuda", "rocm": "rocm-gfx942"}
 
 
 class UnsupportedTargetError(ValueError):
@@ -67,6 +88,8 @@ class UnsupportedTargetError(ValueError):
 
 def get_target(name: str) -> TargetPreset:
     name = ALIASES.get(name, name)
+    if name in UNAVAILABLE:
+        raise UnsupportedTargetError(f"target '{name}' is not available: {UNAVAILABLE[name]}")
     if name not in TARGETS:
         raise UnsupportedTargetError(f"unsupported target '{name}'; choose one of: {', '.join(TARGETS)}")
     return TARGETS[name]

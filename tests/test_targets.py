@@ -1,0 +1,75 @@
+"""Every preset compiles a tiny model; the artifacts hold the expected device code (run on GPUs elsewhere)."""
+
+import json
+import shutil
+import tarfile
+
+import pytest
+
+from mlcc.targets import TARGETS, get_target
+from mlcc.targets.toolchains import ToolchainError, rocm_toolchain
+
+ROCM_READY = True
+try:
+    with rocm_toolchain():
+        pass
+except ToolchainError as e:
+    ROCM_READY, ROCM_WHY = False, str(e)
+
+
+def _compile(hf_models, tmp_path, target):
+    from mlcc.compiler.build import compile_model
+
+    out = tmp_path / target
+    compile_model(hf_models("llama"), target, "q4f16_1", out)
+    cfg = json.loads((out / "mlcc-config.json").read_text())
+    assert cfg["target"] == target and cfg["stamp"]["target"] == target
+    return out, (out / cfg["library"]).read_bytes()
+
+
+@pytest.mark.skipif(not ROCM_READY, reason="ROCm toolchain missing (.ci/run installs lld-19 rocm-device-libs)")
+@pytest.mark.parametrize("target,arch", [("rocm-gfx942", b"gfx942"), ("rocm-gfx1100", b"gfx1100")])
+def test_rocm_library_holds_hsaco_kernels(target, arch, hf_models, tmp_path):
+    _, lib = _compile(hf_models, tmp_path, target)
+    assert b"amdgcn-amd-amdhsa" in lib and arch in lib
+    kernels = {s for s in lib.split(b"\0") if s.endswith(b".kd")}
+    assert any(b"dequantize" in k or b"matmul" in k for k in kernels), sorted(kernels)[:10]
+    assert len(kernels) > 50
+
+
+def test_metal_tar_holds_msl_and_arm64_objects(hf_models, tmp_path):
+    out, _ = _compile(hf_models, tmp_path, "metal")
+    with tarfile.open(out / "model.tar") as t:
+        names = t.getnames()
+        dev = t.extractfile("devc.o").read()
+        host = t.extractfile("lib0.o").read()
+    assert sorted(names) == ["devc.o", "lib0.o"]
+    assert b"#include <metal_stdlib>" in dev and dev.count(b"kernel void") > 20
+    assert host[:4] == bytes.fromhex("cffaedfe")  # Mach-O 64-bit (arm64 host code for macOS)
+
+
+def test_opencl_library_holds_opencl_c(hf_models, tmp_path):
+    _, lib = _compile(hf_models, tmp_path, "opencl")
+    assert lib.count(b"__kernel void") > 20
+
+
+def test_every_preset_says_where_it_runs():
+    for name, preset in TARGETS.items():
+        assert preset.description
+        if not preset.runs_with_wheel:
+            assert preset.notes, f"{name} must say why it is compile-only"
+    assert get_target("llvm").can_run_here()
+
+
+@pytest.mark.parametrize("name", ["vulkan", "webgpu"])
+def test_unavailable_targets_explain_themselves(name):
+    with pytest.raises(ValueError, match=f"target '{name}' is not available: "):
+        get_target(name)
+
+
+def test_missing_rocm_linker_is_a_clear_error(monkeypatch):
+    monkeypatch.setattr(shutil, "which", lambda _name: None)
+    monkeypatch.setattr("mlcc.targets.toolchains.Path.exists", lambda self: False)
+    with pytest.raises(ToolchainError, match="apt-get install lld-19"):
+        with rocm_toolchain():
+            pass
