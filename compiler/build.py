@@ -196,6 +196,10 @@ def compile_shape_only(model_type: str, hf_config: dict[str, Any], target: str, 
 
 def compile_model(model: str | Path, target: str, quant: str, output: str | Path,
                   context_window: int | None = None) -> CompileReport:
+    if target == "auto":
+        from mlcc.targets import detect_local
+
+        target = detect_local()
     preset, q = get_target(target), get_quantization(quant)   # fail fast on bad names, before loading anything
     out = Path(output)
     source = load_source(model)
