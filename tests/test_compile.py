@@ -96,3 +96,40 @@ def test_bad_input_is_one_clear_line(args, message, hf_models, tmp_path):
 def test_targets_lists_presets():
     r = mlcc("targets")
     assert r.returncode == 0 and "llvm" in r.stdout and "cuda" in r.stdout
+
+
+@pytest.mark.parametrize("fmt", ["sharded-safetensors", "pytorch-bin", "bf16"])
+def test_checkpoint_formats_load_identically(fmt, hf_models, tmp_path):
+    """Sharded safetensors, pytorch_model.bin (torch.load weights_only) and bf16 weights all convert."""
+    import shutil
+
+    import numpy as np
+    import torch
+    import transformers as tf
+
+    from mlcc.compiler.weights import iter_float_params, load_source
+    from mlcc.relax_models import family_for
+
+    src = hf_models("llama")
+    model = tf.AutoModelForCausalLM.from_pretrained(src, torch_dtype=torch.float32)
+    d = tmp_path / fmt
+    if fmt == "sharded-safetensors":
+        model.save_pretrained(d, max_shard_size="100KB")
+        assert len(list(d.glob("*.safetensors"))) > 1
+    elif fmt == "pytorch-bin":
+        d.mkdir()
+        shutil.copy(src / "config.json", d / "config.json")
+        torch.save(model.state_dict(), d / "pytorch_model.bin")
+    else:
+        model.to(torch.bfloat16).save_pretrained(d)
+    ref_src = load_source(src)
+    fam = family_for("llama")
+    cfg = fam.config_cls.from_hf(ref_src.config)
+    ref = dict(iter_float_params(ref_src, fam, cfg))
+    got = dict(iter_float_params(load_source(d), fam, cfg))
+    assert ref.keys() == got.keys()
+    for k in ref:
+        want = ref[k].astype(np.float32)
+        if fmt == "bf16":  # bf16 keeps 8 mantissa bits
+            want = torch.from_numpy(want).to(torch.bfloat16).float().numpy()
+        np.testing.assert_array_equal(got[k], want, err_msg=k)
