@@ -122,9 +122,7 @@ class Engine:
         try:
             while pending:
                 i, ev = q.get()
-                if ev.kind == "error":
-                    raise RuntimeError(f"generation failed: {ev.error}") from ev.error
-                pending -= ev.kind == "finish"
+                pending -= _finished(ev)
                 yield i, ev
         finally:
             self.abort(reqs)
@@ -137,9 +135,7 @@ class Engine:
         try:
             while pending:
                 i, ev = await q.get()
-                if ev.kind == "error":
-                    raise RuntimeError(f"generation failed: {ev.error}") from ev.error
-                pending -= ev.kind == "finish"
+                pending -= _finished(ev)
                 yield i, ev
         finally:
             self.abort(reqs)
@@ -172,6 +168,13 @@ class Engine:
 
     def __exit__(self, *exc: Any) -> None:
         self.shutdown()
+
+
+def _finished(ev: Event) -> bool:
+    """Whether this event ends its sample; a failed step surfaces here as an exception to the caller."""
+    if ev.kind == "error":
+        raise RuntimeError(f"generation failed: {ev.error}") from ev.error
+    return ev.kind == "finish"
 
 
 def _check_n(n: int | None) -> int:
