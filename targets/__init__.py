@@ -53,7 +53,14 @@ TARGETS: dict[str, TargetPreset] = {
     "llvm": TargetPreset("llvm", {"kind": "llvm"}, "cpu", description="this host's CPU (mcpu detected at compile)"),
     "llvm-generic": TargetPreset("llvm-generic", {"kind": "llvm"}, "cpu",
                                  description="portable x86-64 CPU (no ISA extensions beyond the baseline)"),
-    "cuda": TargetPreset("cuda", "nvidia/nvidia-h100", "cuda", description="NVIDIA Hopper (sm_90a: H100/H200)"),
+    # The nvidia/nvidia-h100 tag says sm_90a, and TVM 0.27's dlight reads "90a" as no SM version at all
+    # (check_sm_version → -1), which silently turns off tensor cores for every prefill GEMM. Nothing in TVM's
+    # codegen uses the sm_90a-only instructions, so plain sm_90 with the tag's limits loses nothing.
+    "cuda": TargetPreset("cuda", {"kind": "cuda", "arch": "sm_90", "max_num_threads": 1024,
+                                  "max_threads_per_block": 1024, "max_shared_memory_per_block": 49152,
+                                  "registers_per_block": 65536, "thread_warp_size": 32,
+                                  "l2_cache_size_bytes": 52428800},
+                         "cuda", description="NVIDIA Hopper (sm_90: H100/H200)"),
     "cuda-sm80": TargetPreset("cuda-sm80", {"kind": "cuda", "arch": "sm_80"}, "cuda",
                               description="NVIDIA Ampere and newer (sm_80: A100, also runs on Hopper)"),
     **{f"rocm-{arch}": TargetPreset(f"rocm-{arch}", {"kind": "rocm", "mcpu": arch}, "rocm", runs_with_wheel=False,
