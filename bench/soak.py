@@ -20,6 +20,8 @@ from pathlib import Path
 
 import httpx
 
+from mlcc.runtime.loadgen import wait_until_healthy
+
 WORDS = "the quick brown fox jumps over a lazy dog while seven wizards quietly judge boxing matches".split()
 
 
@@ -65,12 +67,7 @@ def soak(model_dir: str, seconds: int, clients: int) -> dict:
                              "--max-batch", str(clients), "--policy", "max_util"],
                             stdout=subprocess.DEVNULL, stderr=open("/tmp/soak-server.log", "w"))
     try:
-        for _ in range(600):
-            try:
-                if httpx.get(f"{base}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.5)
+        wait_until_healthy(base, proc, timeout=600)
         model = httpx.get(f"{base}/v1/models").json()["data"][0]["id"]
         stats = {"completed": 0, "disconnects": 0, "errors": 0, "chunks": 0, "error_samples": set()}
         stop_at = time.monotonic() + seconds

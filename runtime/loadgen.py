@@ -31,6 +31,23 @@ class Result:
     error: str = ""
 
 
+def wait_until_healthy(base: str, proc=None, timeout: float = 300.0) -> None:
+    """Poll GET {base}/health until it answers 200; fail early if the server process `proc` has exited."""
+    import httpx
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(f"{base}/health", timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"server exited with code {proc.returncode} before becoming healthy")
+        time.sleep(0.2)
+    raise TimeoutError(f"{base} did not become healthy within {timeout:.0f}s")
+
+
 def parse_len(spec: str) -> tuple[int, int]:
     """'128' → fixed; 'uniform:64:256' → range."""
     if spec.startswith("uniform:"):

@@ -12,6 +12,8 @@ import httpx
 import openai
 import pytest
 
+from mlcc.runtime.loadgen import wait_until_healthy
+
 KEY = "sk-test-123"
 SERVER_LOG = {}
 
@@ -39,15 +41,10 @@ def server(compiled, tmp_path_factory):
                              "--served-model-name", "tiny"], stdout=open(log, "w"), stderr=subprocess.STDOUT)
     base = f"http://127.0.0.1:{port}"
     SERVER_LOG["path"] = log
-    for _ in range(300):
-        try:
-            if httpx.get(f"{base}/health", timeout=1).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        if proc.poll() is not None:
-            raise RuntimeError(log.read_text())
-        time.sleep(0.2)
+    try:
+        wait_until_healthy(base, proc)
+    except RuntimeError as e:
+        raise RuntimeError(log.read_text()) from e
     yield base
     proc.terminate()
     proc.wait(timeout=30)

@@ -74,23 +74,17 @@ def test_served_through_the_openai_client(smol_q4f16_1):
     """End to end: `mlcc serve` on the real model, the official client, streaming."""
     import subprocess
     import sys
-    import time
 
-    import httpx
     import openai
 
+    from mlcc.runtime.loadgen import wait_until_healthy
     from test_server import _free_port
 
     port = _free_port()
     proc = subprocess.Popen([sys.executable, "-m", "mlcc", "serve", str(smol_q4f16_1), "--target", "llvm", "--port",
                              str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        for _ in range(300):
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.2)
+        wait_until_healthy(f"http://127.0.0.1:{port}", proc)
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0)
         model = client.models.list().data[0].id
         text = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(
