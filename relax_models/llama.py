@@ -202,8 +202,8 @@ class LlamaForCausalLM(nn.Module):
             dtype=self.dtype, target=self.target,
         )
 
-    def get_default_spec(self) -> nn.spec.ModuleSpec | dict:
-        h, v = self.cfg.hidden_size, self.cfg.vocab_size
+    def get_default_spec(self) -> dict:
+        h = self.cfg.hidden_size
         packed = {"param_mode": "packed", "effect_mode": "none"}
         kv = nn.spec.Object(object_type=PagedKVCache)
         return {

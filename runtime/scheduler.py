@@ -13,8 +13,7 @@ import itertools
 import logging
 import math
 import threading
-import time
-from typing import Any, Callable
+from typing import Callable
 
 import numpy as np
 
@@ -54,8 +53,6 @@ class Request:
     finish_reason: str | None = None
     cancelled: bool = False
     rng: np.random.Generator = dataclasses.field(default_factory=np.random.default_rng)
-    arrival: float = dataclasses.field(default_factory=time.monotonic)
-    first_token_at: float | None = None
 
     def __post_init__(self) -> None:
         self.prefill_ids = list(self.prompt_ids)
@@ -74,8 +71,6 @@ class Request:
 
     # -- output handling (runs on the worker thread) -------------------------------------------------------------
     def on_token(self, tid: int) -> None:
-        if self.first_token_at is None:
-            self.first_token_at = time.monotonic()
         is_eos = tid in self.eos_ids and not self.params.ignore_eos
         if is_eos or tid in self.params.stop_token_ids:
             self.finish_reason = "stop"
@@ -278,6 +273,3 @@ def _take_rows(model, logits, rows: list[int]):
     host = logits.numpy()[rows]
     return model._to_dev(host)  # rare: only when some prompts in a prefill batch are still unfinished
 
-
-def describe(r: Request) -> dict[str, Any]:
-    return {"id": r.id, "seq": r.seq_id, "prompt": len(r.prompt_ids), "out": len(r.output_ids)}
