@@ -36,9 +36,20 @@ def _user_errors() -> tuple[type[BaseException], ...]:
 def cmd_compile(args: argparse.Namespace) -> int:
     from mlcc.compiler.build import compile_model
 
-    r = compile_model(args.model, args.target, args.quant, args.output, context_window=args.context_window)
+    r = compile_model(args.model, args.target, args.quant, args.output, context_window=args.context_window,
+                      tuning_db=args.tuning_db)
     print(f"wrote {r.output}  (library {r.library_bytes / 1e6:.1f} MB, weights {r.weight_bytes / 1e6:.1f} MB; "
           f"compile {r.seconds_compile:.1f}s, weights {r.seconds_weights:.1f}s)")
+    return 0
+
+
+def cmd_tune(args: argparse.Namespace) -> int:
+    from mlcc.compiler.tune import default_tuning_db, format_report, tune_model
+
+    db = args.db or default_tuning_db()
+    reports = tune_model(args.model, args.target, args.quant, args.trials, db, args.max_tasks)
+    print(format_report(reports))
+    print(f"tuning database: {db} (use with `mlcc compile ... --tuning-db {db}`)")
     return 0
 
 
@@ -76,7 +87,17 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--quant", default="q4f16_1", help="q0f32, q0f16, q4f16_1 or q4f32_1")
     c.add_argument("--output", "-o", required=True, help="artifacts folder to write")
     c.add_argument("--context-window", type=int, default=None, help="override the model's context window")
+    c.add_argument("--tuning-db", default=None, help="apply tuned kernels from this database (see `mlcc tune`)")
     c.set_defaults(func=cmd_compile)
+
+    tu = sub.add_parser("tune", help="tune the model's static-shape kernels (meta-schedule + xgboost) into a DB")
+    tu.add_argument("model")
+    tu.add_argument("--target", default="llvm")
+    tu.add_argument("--quant", default="q4f32_1")
+    tu.add_argument("--trials", type=int, default=64, help="trials per kernel")
+    tu.add_argument("--max-tasks", type=int, default=None, help="tune only the N largest kernels")
+    tu.add_argument("--db", default=None, help="tuning database folder (default: ~/.cache/mlcc/tuning-db)")
+    tu.set_defaults(func=cmd_tune)
 
     t = sub.add_parser("targets", help="list target presets")
     t.set_defaults(func=cmd_targets)

@@ -101,7 +101,7 @@ def _attach_argmax(mod, vocab: int):
     return bb.get()
 
 
-def compile_library(built: BuiltModule, out_path: Path):
+def compile_library(built: BuiltModule, out_path: Path, tuning_db: str | Path | None = None):
     import tvm
 
     from .pipeline import build_pipeline
@@ -116,7 +116,7 @@ def compile_library(built: BuiltModule, out_path: Path):
     from mlcc.targets.toolchains import toolchain_for
 
     with toolchain_for(built.target.kind.name), tvm.transform.PassContext(config=config):
-        ex = tvm.compile(built.mod, built.target, relax_pipeline=build_pipeline(built.target))
+        ex = tvm.compile(built.mod, built.target, relax_pipeline=build_pipeline(built.target, tuning_db))
         ex.export_library(str(out_path))
     return ex
 
@@ -195,7 +195,7 @@ def compile_shape_only(model_type: str, hf_config: dict[str, Any], target: str, 
 
 
 def compile_model(model: str | Path, target: str, quant: str, output: str | Path,
-                  context_window: int | None = None) -> CompileReport:
+                  context_window: int | None = None, tuning_db: str | Path | None = None) -> CompileReport:
     if target == "auto":
         from mlcc.targets import detect_local
 
@@ -211,7 +211,9 @@ def compile_model(model: str | Path, target: str, quant: str, output: str | Path
     tmp.mkdir(parents=True)
     lib_name = "model" + preset.lib_ext
     log.info("compiling %s (%s, %s) for %s ...", source.path.name, built.family.name, q.name, preset.name)
-    compile_library(built, tmp / lib_name)
+    if tuning_db is not None and not (Path(tuning_db) / "database_tuning_record.json").exists():
+        raise FileNotFoundError(f"{tuning_db}: no tuning database there (create one with `mlcc tune`)")
+    compile_library(built, tmp / lib_name, tuning_db)
     t2 = time.time()
     log.info("compiled in %.1fs; converting weights ...", t2 - t1)
     write_weights(source, built, tmp)

@@ -8,13 +8,11 @@ from tvm import relax
 from mlcc.schedules import default_schedule_passes
 
 
-def build_pipeline(target: tvm.target.Target) -> tvm.transform.Pass:
+def fusion_passes(target: tvm.target.Target) -> list[tvm.transform.Pass]:
+    """Up to the fused, still unscheduled kernels: what tuning extracts its tasks from."""
     from tvm.relax import pipeline as P
 
-    @tvm.transform.module_pass(opt_level=0, name="mlcc_pipeline")
-    def _pipeline(mod: tvm.ir.IRModule, _ctx: tvm.transform.PassContext) -> tvm.ir.IRModule:
-        passes = (
-            P.library_dispatch_passes(target)
+    return (P.library_dispatch_passes(target)
             # matmul(x, permute_dims(w)) must become one NT matmul before legalize, else decode GEMVs read W
             # through a transpose and run ~20x slower on GPUs.
             + [relax.transform.FuseTransposeMatmul(),
@@ -23,7 +21,20 @@ def build_pipeline(target: tvm.target.Target) -> tvm.transform.Pass:
                relax.transform.FoldConstant(),
                relax.transform.FuseOps(),
                relax.transform.FuseTIR(),
-               relax.transform.DeadCodeElimination()]
+               relax.transform.DeadCodeElimination()])
+
+
+def build_pipeline(target: tvm.target.Target, tuning_db: str | None = None) -> tvm.transform.Pass:
+    @tvm.transform.module_pass(opt_level=0, name="mlcc_pipeline")
+    def _pipeline(mod: tvm.ir.IRModule, _ctx: tvm.transform.PassContext) -> tvm.ir.IRModule:
+        with target:
+            return tvm.transform.Sequential(_passes())(mod)
+
+    def _passes() -> list[tvm.transform.Pass]:
+        return (
+            fusion_passes(target)
+            # tuned records first (only faster-than-default ones are ever stored); the rules skip what they scheduled
+            + ([relax.transform.MetaScheduleApplyDatabase(str(tuning_db))] if tuning_db else [])
             + default_schedule_passes(target)
             + [relax.transform.RewriteDataflowReshape(),
                relax.transform.ToNonDataflow(),
@@ -39,7 +50,5 @@ def build_pipeline(target: tvm.target.Target) -> tvm.transform.Pass:
                relax.transform.VMShapeLower(),
                relax.transform.AttachGlobalSymbol()]
         )
-        with target:
-            return tvm.transform.Sequential(passes)(mod)
 
     return _pipeline

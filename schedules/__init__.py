@@ -21,6 +21,17 @@ def default_schedule_passes(target: tvm.target.Target) -> list[tvm.transform.Pas
     return [ApplyCPUMatmulSchedule]
 
 
+def default_schedule_for(target: tvm.target.Target):
+    """The default schedule of one PrimFunc (what a tuned record must beat)."""
+    def apply(func):
+        mod = tvm.IRModule({"main": func})
+        with target:
+            mod = tvm.transform.Sequential(default_schedule_passes(target))(mod)
+        return mod["main"]
+
+    return apply
+
+
 def _without_metal_simdgroup(inner: tvm.transform.Pass) -> tvm.transform.Pass:
     """dlight's Matmul sends Metal to its simdgroup rule, which segfaults (a native crash, past its own try/except)
     on dynamic-batch matmuls in TVM 0.27. Run the rule set with that branch disabled so Matmul uses its generic

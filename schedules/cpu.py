@@ -76,7 +76,7 @@ def ApplyCPUMatmulSchedule(mod: tvm.ir.IRModule, _ctx) -> tvm.ir.IRModule:  # no
     for gv, func in mod.functions.items():
         if not isinstance(func, tirx.PrimFunc) or (func.attrs and func.attrs.get("tirx.is_scheduled")):
             continue
-        if "matmul" not in gv.name_hint:
+        if "matmul" not in gv.name_hint and gv.name_hint != "main":
             continue
         new = schedule_matmul(func)
         if new is not None:
