@@ -20,6 +20,13 @@ SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "dow
           "lm_head": (128256, 4096)}
 
 
+def _target():
+    """The same CUDA target `mlcc compile --target cuda` uses (the preset, not a tag of its own)."""
+    from mlcc.targets import get_target
+
+    return get_target("cuda").tvm_target()
+
+
 def kernels(quant: str):
     """(name, PrimFunc, bytes read) for each projection, from the real model pipeline before scheduling."""
     import tvm
@@ -43,13 +50,13 @@ def kernels(quant: str):
             m.to(q.model_dtype)
         mod, _ = m.export_tvm({"forward": {"x": nn.spec.Tensor([1, 1, k], q.model_dtype),
                                            "$": {"param_mode": "plain", "effect_mode": "none"}}})
-        with tvm.target.Target("nvidia/nvidia-h100", host={"kind": "llvm"}):
+        with _target():
             mod = tvm.transform.Sequential([relax.transform.FuseTransposeMatmul(), relax.transform.LegalizeOps(),
                                             relax.transform.AnnotateTIROpPattern(), relax.transform.FuseOps(),
                                             relax.transform.FuseTIR()])(mod)
-        (fname, func), = [(gv.name_hint, f) for gv, f in mod.functions.items() if isinstance(f, tvm.tirx.PrimFunc)]
+        (func,) = [f for f in mod.functions.values() if isinstance(f, tvm.tirx.PrimFunc)]
         nbytes = n * k // 2 + n * k // 32 * 2 if q.kind == "group" else n * k * 2
-        out.append((f"{name}", func, nbytes + k * 2 + n * 2))
+        out.append((name, func, nbytes + k * 2 + n * 2))
     return out
 
 
@@ -58,7 +65,7 @@ def cmd_build(a) -> None:
     from tvm.s_tir import dlight as dl
 
     variants = {"gemv": [dl.gpu.GEMV()], "lowbatch": [dl.gpu.LowBatchGEMV()], "matmul": [dl.gpu.Matmul()]}
-    target = tvm.target.Target("nvidia/nvidia-h100", host={"kind": "llvm"})
+    target = _target()
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     for quant in ("q4f16_1", "q0f16"):
