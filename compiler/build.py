@@ -64,8 +64,10 @@ def export_module(source: ModelSource, preset: TargetPreset, quant: Quantization
     params = [{"name": n, "shape": [int(d) for d in p.shape], "dtype": p.dtype} for n, p in named_params]
     stamp = artifact.make_stamp(family.name, quant.name, preset.name, params)
     mod = _attach_metadata(mod, stamp)
-    mod = _attach_argmax(mod, cfg.vocab_size)
-    mod = attach_sampler(mod, cfg.vocab_size)
+    mod = _attach_argmax(mod, cfg.vocab_size, int32_index=target.kind.name == "webgpu")
+    if target.kind.name != "webgpu":
+        # TVM's GPU sort (top-p) needs blockIdx.z, which WGSL lacks; the JS engine samples from logits instead
+        mod = attach_sampler(mod, cfg.vocab_size)
     return BuiltModule(mod, params, stamp, family, cfg, quant, preset, target)
 
 
@@ -87,15 +89,52 @@ def _attach_metadata(mod, stamp: dict[str, Any]):
     return mod
 
 
-def _attach_argmax(mod, vocab: int):
+def _argmax_int32_func(vocab: int, threads: int = 256):
+    """argmax over the vocabulary with an int32 index, scheduled by hand as one workgroup per row.
+    WGSL has no 64-bit integers (relax's argmax carries an int64 index), and dlight's generic reduction schedule
+    leaves a batch-sized local buffer WebGPU cannot allocate. Ties go to the lower index, like numpy."""
+    from tvm import s_tir, te, tirx
+
+    def combine(x, y):
+        # this exact form is what TVM's cross-thread reduction recognizes as argmax
+        take_x = tirx.Or(x[1] > y[1], tirx.And(x[1] == y[1], x[0] < y[0]))
+        return tirx.Select(take_x, x[0], y[0]), tirx.Select(x[1] > y[1], x[1], y[1])
+
+    def identity(t_idx, t_val):
+        return tirx.const(-1, t_idx), te.min_value(t_val)
+
+    reducer = te.comm_reducer(combine, identity, name="argmax_i32")
+    batch = tirx.Var("batch_size", "int64")
+    logits = te.placeholder((batch, vocab), "float32", name="logits")
+    k = te.reduce_axis((0, vocab), name="k")
+    idx, val = te.compute((batch,), lambda i: reducer((k.var.astype("int32"), logits[i, k]), axis=k),
+                          name="argmax")
+    # the max value is an output too: as an internal buffer it would be a batch-sized allocation
+    sch = s_tir.Schedule(te.create_prim_func([logits, idx, val]))
+    block = sch.get_sblock("argmax") if hasattr(sch, "get_sblock") else sch.get_block("argmax")
+    row, col = sch.get_loops(block)
+    _, lane = sch.split(col, [None, threads])
+    sch.bind(row, "blockIdx.x")
+    sch.bind(lane, "threadIdx.x")
+    return sch.mod["main"].with_attr("tirx.is_scheduled", True)
+
+
+def _attach_argmax(mod, vocab: int, int32_index: bool = False):
     """`argmax_logits(logits[b, vocab]) -> int32[b]`: greedy sampling on the device, so only ids reach the host."""
     from tvm import relax, tirx
 
     bb = relax.BlockBuilder(mod)
-    logits = relax.Var("logits", relax.TensorType([tirx.Var("batch_size", "int64"), vocab], "float32"))
+    batch = tirx.Var("batch_size", "int64")
+    logits = relax.Var("logits", relax.TensorType([batch, vocab], "float32"))
     with bb.function("argmax_logits", [logits]):
         with bb.dataflow():
-            ids = bb.emit(relax.op.astype(relax.op.argmax(logits, axis=-1), "int32"))
+            if int32_index:
+                gv = bb.add_func(_argmax_int32_func(vocab), "argmax_i32")
+                both = bb.emit(relax.call_tir(gv, [logits], [relax.TensorType([batch], "int32"),
+                                                             relax.TensorType([batch], "float32")]))
+                ids = bb.emit(relax.TupleGetItem(both, 0))
+            else:
+                ids = bb.emit(relax.op.astype(relax.op.argmax(logits, axis=-1), "int32"))
             out = bb.emit_output(ids)
         bb.emit_func_output(out)
     return bb.get()
@@ -115,9 +154,15 @@ def compile_library(built: BuiltModule, out_path: Path, tuning_db: str | Path | 
         config["tirx.disable_cse_tir"] = True
     from mlcc.targets.toolchains import toolchain_for
 
+    mod = built.mod  # (for a wasm host, relax.build itself marks the module as a system library for tvmjs)
     with toolchain_for(built.target.kind.name), tvm.transform.PassContext(config=config):
-        ex = tvm.compile(built.mod, built.target, relax_pipeline=build_pipeline(built.target, tuning_db))
-        ex.export_library(str(out_path))
+        ex = tvm.compile(mod, built.target, relax_pipeline=build_pipeline(built.target, tuning_db))
+        if built.target.kind.name == "webgpu":
+            from mlcc.web.wasm_link import export_wasm
+
+            export_wasm(ex, out_path)
+        else:
+            ex.export_library(str(out_path))
     return ex
 
 

@@ -74,6 +74,13 @@ TARGETS: dict[str, TargetPreset] = {
                           description="Apple silicon GPU (MSL; arm64 macOS host code)",
                           notes="a .tar of arm64 objects: tvm.runtime.load_module links it on the Mac (Xcode "
                                 "command line tools) with the macOS arm64 apache-tvm wheel, which has Metal"),
+    # WGSL kernels + wasm32 host code linked with TVM's wasm runtime; runs in browsers and in Node through Dawn.
+    # Browsers without shader-f16 (SwiftShader, many phones) need q4f32_1.
+    "webgpu": TargetPreset("webgpu", {"kind": "webgpu", "max_num_threads": 256}, "webgpu", lib_ext=".wasm",
+                           host={"kind": "llvm", "mtriple": "wasm32-unknown-unknown-wasm"}, runs_with_wheel=False,
+                           description="WebGPU (WGSL kernels in a .wasm for browsers and Node.js)",
+                           notes="runs through mlcc's JS engine (`mlcc web`), not the Python Engine; needs "
+                                 "emscripten to link (apt-get install emscripten)"),
     "opencl": TargetPreset("opencl", {"kind": "opencl"}, "opencl", runs_with_wheel=False,
                            description="OpenCL GPUs (OpenCL C kernels)",
                            notes="compile-only: the Linux wheel has no OpenCL runtime"),
@@ -83,7 +90,6 @@ TARGETS: dict[str, TargetPreset] = {
 UNAVAILABLE = {
     "vulkan": "TVM 0.27's PyPI wheel has no SPIR-V codegen (target.build.vulkan is missing); there is no Vulkan "
               "route yet",
-    "webgpu": "the WebGPU target needs the wasm runtime build and the browser bundle, which are not done yet",
 }
 
 ALIASES = {"cpu": "llvm", "cuda-sm90": "cuda", "h100": "cuda", "h200": "cuda", "rocm": "rocm-gfx942"}

@@ -1,0 +1,34 @@
+"""Link a compiled WebGPU executable into a standalone .wasm with TVM's wasm runtime (emscripten)."""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+from .wasm_runtime import build_runtime, emcc_env
+
+log = logging.getLogger(__name__)
+
+
+def export_wasm(executable: Any, out_path: Path) -> None:
+    from tvm.support import emcc
+
+    home = build_runtime()
+
+    def fcompile(output: str, objects: list[str], options: list[str] | None = None) -> None:
+        # create_tvmjs_wasm finds the runtime bitcode under $TVM_HOME/web/dist/wasm
+        saved = dict(os.environ)
+        os.environ.update(emcc_env())
+        os.environ["TVM_HOME"] = str(home)
+        try:
+            emcc.create_tvmjs_wasm(output, objects, options)
+        finally:
+            os.environ.clear()
+            os.environ.update(saved)
+
+    # LLVM 22 bitcode does not link with Debian's wasm-ld 14; plain objects do.
+    fcompile.object_format = "o"
+    log.info("linking %s with emscripten ...", out_path.name)
+    executable.export_library(str(out_path), fcompile=fcompile)
