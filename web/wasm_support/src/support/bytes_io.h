@@ -7,13 +7,15 @@
 #include <algorithm>
 #include <cstring>
 #include <string>
+#include <utility>
 
 namespace tvm {
 namespace support {
 
 class BytesInStream : public Stream {
  public:
-  explicit BytesInStream(const std::string& bytes) : data_(bytes.data()), size_(bytes.size()) {}
+  // Owns a copy: callers pass ffi::Bytes, whose conversion to std::string is a temporary.
+  explicit BytesInStream(std::string bytes) : owned_(std::move(bytes)), data_(owned_.data()), size_(owned_.size()) {}
   BytesInStream(const void* data, size_t size) : data_(static_cast<const char*>(data)), size_(size) {}
   using Stream::Read;
   using Stream::Write;
@@ -26,6 +28,7 @@ class BytesInStream : public Stream {
   size_t Write(const void*, size_t) final { return 0; }
 
  private:
+  std::string owned_;
   const char* data_;
   size_t size_;
   size_t pos_ = 0;
