@@ -28,8 +28,11 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     except ImportError:
         pass
     from mlcc.runtime.errors import RequestError
+    from mlcc.web.npm_deps import NpmError
+    from mlcc.web.site import SiteError
+    from mlcc.web.wasm_runtime import WasmToolchainError
 
-    errs.append(RequestError)
+    errs += [RequestError, NpmError, SiteError, WasmToolchainError]
     return tuple(errs)
 
 
@@ -76,6 +79,15 @@ def cmd_chat(args: argparse.Namespace) -> int:
                     max_tokens=args.max_tokens, temperature=args.temperature)
 
 
+def cmd_web(args: argparse.Namespace) -> int:
+    from mlcc.web.site import build_site
+
+    out = build_site(args.models, args.output, title=args.title)
+    print(f"wrote {out}\n  browser: python -m http.server 8000 --bind 127.0.0.1 -d {out}  → http://127.0.0.1:8000/\n"
+          f"  Node.js: cd {out} && npm install webgpu@0.6.2 && node node_chat.mjs models/<build> --prompt 'Hi'")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="mlcc", description="Compile and run LLMs with Apache TVM")
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
@@ -110,6 +122,13 @@ def build_parser() -> argparse.ArgumentParser:
     ch.add_argument("--max-tokens", type=int, default=256)
     ch.add_argument("--temperature", type=float, default=0.0)
     ch.set_defaults(func=cmd_chat)
+
+    w = sub.add_parser("web", help="write a static chat site (browser + Node.js) for WebGPU builds")
+    w.add_argument("models", nargs="+", help="artifacts folders compiled with --target webgpu (q4f16_1 and/or "
+                                            "q4f32_1: the page falls back to f32 when the GPU lacks shader-f16)")
+    w.add_argument("--output", "-o", required=True, help="site folder to write")
+    w.add_argument("--title", default="mlcc chat")
+    w.set_defaults(func=cmd_web)
 
     from mlcc.runtime.loadgen import add_bench_parser
     from mlcc.runtime.server_cli import add_serve_parser

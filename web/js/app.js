@@ -4,6 +4,8 @@ import { Template } from "./vendor/jinja.js";
 
 const $ = (id) => document.getElementById(id);
 const history = [];
+// ?max_tokens=N caps answers typed into the page (tests use it to keep software-GPU runs short)
+const MAX_TOKENS = Number(new URLSearchParams(location.search).get("max_tokens") || 256);
 window.mlccState = "loading";
 
 function addMessage(role, text) {
@@ -44,7 +46,7 @@ async function ask(text, opts = {}) {
   addMessage("user", text);
   const span = addMessage("assistant", "");
   const stream = await engine.chat.completions.create({ messages: history, stream: true,
-    stream_options: { include_usage: true }, temperature: 0, max_tokens: 64, ...opts });
+    stream_options: { include_usage: true }, temperature: 0, max_tokens: MAX_TOKENS, ...opts });
   let reply = "";
   for await (const chunk of stream) {
     if (chunk.choices.length && chunk.choices[0].delta.content) {
