@@ -218,7 +218,11 @@ export class MLCEngine {
     this.template = info.chat_template ? new Template(info.chat_template) : null;
     this.bosToken = info.bos_token || "";
     this.eosToken = info.eos_token || "";
+    // web-tokenizers has no token->id lookup and decodes special tokens; tokenizer.json lists them
+    const added = JSON.parse(new TextDecoder().decode(tokBytes)).added_tokens || [];
+    this.specialIds = new Set(added.filter((t) => t.special).map((t) => t.id));
     this.eosIds = new Set(info.eos_token_ids || []);
+    for (const t of added) if (t.content === this.eosToken) this.eosIds.add(t.id);
     this._busy = false;
     this._progress("ready", 1, 1, "ready");
   }
@@ -366,7 +370,7 @@ export class MLCEngine {
       while (true) {
         if (this.eosIds.has(token)) { finish = "stop"; break; }
         out.push(token);
-        text = this.tokenizer.decode(Int32Array.from(out));
+        text = this.tokenizer.decode(Int32Array.from(out.filter((t) => !this.specialIds.has(t))));
         let visible = text.endsWith("\uFFFD") ? text.slice(0, text.length - 1) : text;
         let hitStop = false;
         for (const s of stop) {
