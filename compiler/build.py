@@ -57,6 +57,8 @@ def export_module(source: ModelSource, preset: TargetPreset, quant: Quantization
     if context_window:
         cfg.context_window_size = context_window
     target = preset.tvm_target()
+    if target.kind.name == "webgpu":
+        quant = dataclasses.replace(quant, magic_int_to_float=False)
     model = family.model_cls(cfg, target)
     model = quantize_model(model, quant)
     _check_quantizable(model, quant)
@@ -246,6 +248,10 @@ def compile_model(model: str | Path, target: str, quant: str, output: str | Path
 
         target = detect_local()
     preset, q = get_target(target), get_quantization(quant)   # fail fast on bad names, before loading anything
+    if preset.lib_ext == ".wasm":
+        from mlcc.web.wasm_runtime import emcc_path
+
+        emcc_path()  # the link step needs emscripten: say so before minutes of compiling
     out = Path(output)
     source = load_source(model)
     t0 = time.time()

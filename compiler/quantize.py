@@ -22,6 +22,9 @@ class Quantization:
     kind: str                 # "none" | "group"
     group_size: int = 32
     bits: int = 4
+    # int -> float by OR-ing the code into a float's mantissa (exact, and cheaper than a convert on GPUs);
+    # off for WGSL, which has no 16-bit integers to build the f16 bit pattern from
+    magic_int_to_float: bool = True
 
     @property
     def max_int(self) -> int:
@@ -90,6 +93,8 @@ def _dequant_value(qw: te.Tensor, qs: te.Tensor, row, j, q: Quantization):
     """Element (row, j) of the dequantized weight: (code - 7) · scale of its group."""
     code = tirx.bitwise_and(tirx.shift_right(qw[row, j // q.per_word], (j % q.per_word * q.bits).astype("uint32")),
                             tirx.const((1 << q.bits) - 1, "uint32"))
+    if not q.magic_int_to_float:
+        return (code.astype(qs.dtype) - tirx.const(q.max_int, qs.dtype)) * qs[row, j // q.group_size]
     bits_dtype, magic, base = _MAGIC[str(qs.dtype)]
     as_float = tirx.reinterpret(qs.dtype, tirx.bitwise_or(code.astype(bits_dtype), tirx.const(magic, bits_dtype)))
     return (as_float - tirx.const(base + q.max_int, qs.dtype)) * qs[row, j // q.group_size]

@@ -81,6 +81,14 @@ TARGETS: dict[str, TargetPreset] = {
                            description="WebGPU (WGSL kernels in a .wasm for browsers and Node.js)",
                            notes="runs through mlcc's JS engine (`mlcc web`), not the Python Engine; needs "
                                  "emscripten to link (apt-get install emscripten)"),
+    # TVM 0.27's wheel has no SPIR-V codegen, so Vulkan runs the WebGPU build: Dawn (npm `webgpu`) translates
+    # WGSL to SPIR-V and drives the Vulkan driver (GPU vendor's, Mesa lavapipe >= 24, or SwiftShader).
+    "vulkan": TargetPreset("vulkan", {"kind": "webgpu", "max_num_threads": 256}, "webgpu", lib_ext=".wasm",
+                           host={"kind": "llvm", "mtriple": "wasm32-unknown-unknown-wasm"}, runs_with_wheel=False,
+                           description="Vulkan GPUs through Dawn's Vulkan backend (the WebGPU build, run by "
+                                       "node_chat.mjs)",
+                           notes="run: mlcc web DIR -o SITE && node SITE/node_chat.mjs SITE --backend vulkan "
+                                 "(needs node + npm webgpu@0.6.2 and a Vulkan driver Dawn accepts)"),
     "opencl": TargetPreset("opencl", {"kind": "opencl"}, "opencl", runs_with_wheel=False,
                            description="OpenCL GPUs (OpenCL C kernels)",
                            notes="compile-only: the Linux wheel has no OpenCL runtime"),
@@ -88,8 +96,6 @@ TARGETS: dict[str, TargetPreset] = {
 
 # Named so that asking for them explains why instead of listing the presets.
 UNAVAILABLE = {
-    "vulkan": "TVM 0.27's PyPI wheel has no SPIR-V codegen (target.build.vulkan is missing); there is no Vulkan "
-              "route yet",
 }
 
 ALIASES = {"cpu": "llvm", "cuda-sm90": "cuda", "h100": "cuda", "h200": "cuda", "rocm": "rocm-gfx942"}

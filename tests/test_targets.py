@@ -62,9 +62,14 @@ def test_every_preset_says_where_it_runs():
 
 
 @pytest.mark.parametrize("name", ["vulkan", "webgpu"])
-def test_unavailable_targets_explain_themselves(name):
-    with pytest.raises(ValueError, match=f"target '{name}' is not available: "):
-        get_target(name)
+def test_wasm_targets_without_emscripten_fail_fast(name, hf_models, tmp_path, monkeypatch):
+    from mlcc.compiler.build import compile_model
+    from mlcc.web.wasm_runtime import WasmToolchainError
+
+    monkeypatch.setattr("mlcc.web.wasm_runtime.shutil.which", lambda _name: None)
+    with pytest.raises(WasmToolchainError, match="apt-get install emscripten"):
+        compile_model(hf_models("llama"), name, "q4f32_1", tmp_path / "out")
+    assert not (tmp_path / "out").exists()
 
 
 def test_missing_rocm_linker_is_a_clear_error(monkeypatch):

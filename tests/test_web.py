@@ -41,8 +41,9 @@ def node_path():
     return str(node_modules())
 
 
-def _node(args: list[str], node_path: str, cwd: Path | None = None, timeout: int = 900) -> subprocess.CompletedProcess:
-    env = {**os.environ, "NODE_PATH": node_path}
+def _node(args: list[str], node_path: str, cwd: Path | None = None, timeout: int = 900,
+          env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    env = {**os.environ, "NODE_PATH": node_path, **(env or {})}
     return subprocess.run(["node", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
 
 
@@ -76,9 +77,11 @@ def _serve(folder: Path):
         proc.wait()
 
 
-def _in_node(site: Path, build: str, node_path: str, max_tokens: int) -> dict:
-    proc = _node(["node_chat.mjs", f"models/{build}", "--prompt", PROMPT, "--max-tokens", str(max_tokens),
-                  "--json"], node_path, cwd=site)
+def _in_node(site: Path, build: str, node_path: str, max_tokens: int, env: dict[str, str] | None = None,
+             extra: tuple[str, ...] = ()) -> dict:
+    where = f"models/{build}" if build else "."
+    proc = _node(["node_chat.mjs", where, "--prompt", PROMPT, "--max-tokens", str(max_tokens), "--json", *extra],
+                 node_path, cwd=site, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
@@ -188,3 +191,54 @@ def test_smollm2_browser_and_node_match_cpu(smollm2_site, node_path, tmp_path):
     assert node["token_ids"] == browser["token_ids"]
     print(json.dumps({"browser": {k: browser[k] for k in ("load_s", "prefill_s", "decode_tok_s", "total_s")},
                       "node": {k: node[k] for k in ("load_s", "prefill_s", "decode_tok_s")}}))
+
+
+# --- Vulkan (issue: targets): the WebGPU build driven by Dawn's Vulkan backend on Mesa's lavapipe ------------------
+LAVAPIPE_ICD = "/usr/share/vulkan/icd.d/lvp_icd.json"
+ADAPTER_PROBE = ("const {create, globals} = require('webgpu'); Object.assign(globalThis, globals);"
+                 "create(['backend=vulkan']).requestAdapter().then(a => { console.log(a ? a.info.description : 'none');"
+                 " process.exit(0); });")
+
+
+@pytest.fixture(scope="module")
+def lavapipe(node_path):
+    proc = _node(["-e", ADAPTER_PROBE], node_path, env={"VK_ICD_FILENAMES": LAVAPIPE_ICD}, timeout=120)
+    desc = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else ""
+    if "llvmpipe" not in desc:
+        msg = (f"Dawn cannot use lavapipe ({desc or proc.stderr[-300:]}); it needs Mesa >= 24 "
+               "(Debian 12: apt-get install -t bookworm-backports mesa-vulkan-drivers)")
+        if os.environ.get("MLCC_REQUIRE_WEB") == "1":
+            pytest.fail(msg)
+        pytest.skip(msg)
+    return {"VK_ICD_FILENAMES": LAVAPIPE_ICD}
+
+
+@pytest.fixture(scope="module")
+def vulkan_site(node_path, hf_models, tmp_path_factory):
+    from mlcc.compiler.build import compile_model
+    from mlcc.web.site import build_site
+
+    root = tmp_path_factory.mktemp("vulkan")
+    src = hf_models("llama")
+    for quant in ("q4f32_1", "q4f16_1"):
+        compile_model(src, "vulkan", quant, root / f"vk-{quant}")
+        compile_model(src, "llvm", quant, root / f"cpu-{quant}")
+    return build_site([root / "vk-q4f32_1", root / "vk-q4f16_1"], root / "site"), root
+
+
+@pytest.mark.parametrize("quant", ["q4f32_1", "q4f16_1"])
+def test_vulkan_on_lavapipe_matches_cpu(vulkan_site, lavapipe, node_path, quant):
+    site, root = vulkan_site
+    want_text, want_n = _cpu_answer(root / f"cpu-{quant}", 16)
+    got = _in_node(site, f"vk-{quant}", node_path, 16, env=lavapipe, extra=("--backend", "vulkan"))
+    assert got["adapter"]["description"].startswith("llvmpipe"), got["adapter"]
+    assert got["usage"]["completion_tokens"] == want_n
+    assert got["content"] == want_text
+
+
+def test_site_picks_f16_where_supported_and_f32_in_chromium(vulkan_site, lavapipe, node_path):
+    site, _ = vulkan_site
+    on_lavapipe = _in_node(site, "", node_path, 4, env=lavapipe)     # lavapipe has shader-f16
+    assert on_lavapipe["model"] == "vk-q4f16_1"
+    in_chromium = _in_browser(site, node_path, 4)                       # SwiftShader has no shader-f16
+    assert "vk-q4f32_1" in in_chromium["status"]

@@ -155,6 +155,11 @@ export class MLCEngine {
       },
     });
 
+    // a kernel WebGPU rejects would otherwise fail silently and leave garbage logits
+    this._gpuError = null;
+    device.addEventListener("uncapturederror", (ev) => {
+      if (!this._gpuError) this._gpuError = ev.error ? ev.error.message : String(ev);
+    });
     const cache = await this._fetchJSON(joinUrl(base, "tensor-cache.json"));
     this._totalBytes = cache.records.reduce((s, r) => s + r.nbytes, 0);
     this._doneBytes = 0;
@@ -268,6 +273,9 @@ export class MLCEngine {
       }
     } finally {
       tvm.endScope();
+    }
+    if (this._gpuError) {
+      throw new EngineError(`WebGPU error in the model's kernels: ${this._gpuError.split("\n").slice(0, 3).join(" ")}`);
     }
     return token;
   }

@@ -1,5 +1,6 @@
 // Run an mlcc WebGPU build in Node.js through Dawn (npm `webgpu`), with the same engine as the browser page.
-//   node node_chat.mjs MODEL_DIR --prompt "..." [--max-tokens N] [--temperature T] [--seed S] [--json]
+//   node node_chat.mjs MODEL_DIR|SITE_DIR --prompt "..." [--max-tokens N] [--temperature T] [--seed S] [--json]
+//                      [--backend vulkan]   (Dawn's backend; Vulkan is its default on Linux)
 // tvmjs, the tokenizer and jinja come from ./vendor (written by `mlcc web`); Dawn from npm:
 //   npm install webgpu@0.6.2   (or point NODE_PATH at a node_modules that has it)
 import { createRequire } from "node:module";
@@ -9,11 +10,9 @@ import path from "node:path";
 import { MLCEngine } from "./engine.js";
 
 const require = createRequire(import.meta.url);
+// Chromium ships SwiftShader, a CPU Vulkan driver: the fallback when the system has no driver Dawn accepts
+// (e.g. Mesa lavapipe older than ~24 lacks shaderUniform*ArrayDynamicIndexing)
 const SWIFTSHADER_ICD = "/usr/lib/chromium/vk_swiftshader_icd.json";
-if (!process.env.VK_ICD_FILENAMES && existsSync(SWIFTSHADER_ICD)) {
-  // Dawn rejects old Mesa lavapipe; Chromium's SwiftShader is a Vulkan driver that it accepts
-  process.env.VK_ICD_FILENAMES = SWIFTSHADER_ICD;
-}
 
 function parseArgs(argv) {
   const args = { model: null, prompt: "Hello!", maxTokens: 32, temperature: 0, seed: 0, json: false, dawn: [] };
@@ -25,6 +24,7 @@ function parseArgs(argv) {
     else if (a === "--seed") args.seed = Number(argv[++i]);
     else if (a === "--json") args.json = true;
     else if (a === "--dawn") args.dawn.push(argv[++i]);
+    else if (a === "--backend") args.dawn.push(`backend=${argv[++i]}`);
     else args.model = a;
   }
   if (!args.model) throw new Error("usage: node node_chat.mjs MODEL_DIR --prompt TEXT [--max-tokens N] [--json]");
@@ -44,20 +44,39 @@ async function fileFetch(url) {
 const args = parseArgs(process.argv.slice(2));
 const { create, globals } = require("webgpu");
 Object.assign(globalThis, globals);
-const gpu = create(args.dawn);
+async function openGpu() {
+  let gpu = create(args.dawn);
+  if (await gpu.requestAdapter()) return gpu;
+  if (!process.env.VK_ICD_FILENAMES && existsSync(SWIFTSHADER_ICD)) {
+    process.env.VK_ICD_FILENAMES = SWIFTSHADER_ICD;
+    gpu = create(args.dawn);
+    if (await gpu.requestAdapter()) return gpu;
+  }
+  throw new Error("Dawn found no GPU adapter: install a Vulkan driver (GPU vendor's, or Mesa >= 24 lavapipe: " +
+    "mesa-vulkan-drivers) or chromium (its SwiftShader)");
+}
+
 const deps = { tvmjs: require("./vendor/tvmjs.cjs"), tokenizers: require("./vendor/tokenizers.cjs"),
   Template: require("./vendor/jinja.cjs").Template };
 const t0 = performance.now();
 let code = 0;
 try {
-  const engine = await MLCEngine.create({ modelUrl: path.resolve(args.model), deps, gpu, fetch: fileFetch,
+  const gpu = await openGpu();
+  // a site folder offers several builds (site.json); the engine takes the first this adapter can run
+  const siteJson = path.join(args.model, "site.json");
+  const models = existsSync(siteJson)
+    ? JSON.parse(await readFile(siteJson, "utf8")).models.map((m) => ({ ...m, url: path.resolve(args.model, m.url) }))
+    : [{ url: path.resolve(args.model), dtype: null }];
+  const engine = await MLCEngine.create({ models, deps, gpu, fetch: fileFetch,
     useCache: false, onProgress: (p) => { if (!args.json) process.stderr.write(`[${p.stage}] ${p.text}\n`); } });
   const loadS = (performance.now() - t0) / 1000;
   const reply = await engine.chat.completions.create({ messages: [{ role: "user", content: args.prompt }],
     max_tokens: args.maxTokens, temperature: args.temperature, seed: args.seed });
   const result = { content: reply.choices[0].message.content, finish_reason: reply.choices[0].finish_reason,
     usage: reply.usage, token_ids: engine.lastStats.token_ids, load_s: loadS,
-    decode_tok_s: engine.lastStats.decode_tok_s, prefill_s: engine.lastStats.prefill_s, adapter: engine.adapterInfo };
+    decode_tok_s: engine.lastStats.decode_tok_s, prefill_s: engine.lastStats.prefill_s, model: engine.modelId,
+    adapter: { vendor: engine.adapterInfo.vendor, architecture: engine.adapterInfo.architecture,
+      description: engine.adapterInfo.description } };
   if (args.json) console.log(JSON.stringify(result));
   else console.log(result.content);
 } catch (e) {
