@@ -72,6 +72,11 @@ def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
     return h.hexdigest()
 
 
+def shard_dir(rank: int) -> str:
+    """Sub-folder holding tensor-parallel rank `rank`'s weights."""
+    return f"tp-rank-{rank}"
+
+
 def add_shard_checksums(model_dir: Path) -> None:
     """Record a sha256 per shard in TVM's tensor-cache.json (unknown keys are ignored by TVM's loaders)."""
     path = Path(model_dir) / TENSOR_CACHE_FILE

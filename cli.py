@@ -18,8 +18,10 @@ def _user_errors() -> tuple[type[BaseException], ...]:
 
     from mlcc.targets.toolchains import ToolchainError
 
+    from mlcc.relax_models.llama import TensorParallelError
+
     errs: list[type[BaseException]] = [ArtifactError, UnknownArchitectureError, UnsupportedTargetError,
-                                       ToolchainError, FileNotFoundError]
+                                       ToolchainError, FileNotFoundError, TensorParallelError]
     try:
         from mlcc.compiler.quantize import UnknownQuantizationError
         from mlcc.compiler.weights import ModelSourceError
@@ -40,7 +42,7 @@ def cmd_compile(args: argparse.Namespace) -> int:
     from mlcc.compiler.build import compile_model
 
     r = compile_model(args.model, args.target, args.quant, args.output, context_window=args.context_window,
-                      tuning_db=args.tuning_db)
+                      tuning_db=args.tuning_db, tensor_parallel=args.tensor_parallel)
     print(f"wrote {r.output}  (library {r.library_bytes / 1e6:.1f} MB, weights {r.weight_bytes / 1e6:.1f} MB; "
           f"compile {r.seconds_compile:.1f}s, weights {r.seconds_weights:.1f}s)")
     return 0
@@ -100,6 +102,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--output", "-o", required=True, help="artifacts folder to write")
     c.add_argument("--context-window", type=int, default=None, help="override the model's context window")
     c.add_argument("--tuning-db", default=None, help="apply tuned kernels from this database (see `mlcc tune`)")
+    c.add_argument("--tensor-parallel", type=int, default=1, metavar="N",
+                   help="shard attention heads and MLP columns over N GPUs (TVM disco + NCCL)")
     c.set_defaults(func=cmd_compile)
 
     tu = sub.add_parser("tune", help="tune the model's static-shape kernels (meta-schedule + xgboost) into a DB")

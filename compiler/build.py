@@ -51,11 +51,13 @@ class BuiltModule:
 
 
 def export_module(source: ModelSource, preset: TargetPreset, quant: Quantization,
-                  context_window: int | None = None) -> BuiltModule:
+                  context_window: int | None = None, tensor_parallel: int = 1) -> BuiltModule:
     family = family_for(source.model_type, source.kind)
     cfg = family.config_cls.from_hf(source.config)
     if context_window:
         cfg.context_window_size = context_window
+    family.check_tensor_parallel(cfg, tensor_parallel, quant.group_size if quant.kind == "group" else None)
+    cfg.tensor_parallel_shards = tensor_parallel
     target = preset.tvm_target()
     if target.kind.name == "webgpu":
         quant = dataclasses.replace(quant, magic_int_to_float=False)
@@ -168,10 +170,12 @@ def compile_library(built: BuiltModule, out_path: Path, tuning_db: str | Path | 
     return ex
 
 
-def iter_params(source: ModelSource, built: BuiltModule) -> Iterator[tuple[str, np.ndarray]]:
-    """Our parameters in their stored form, one at a time (quantized where the model expects it)."""
+def iter_params(source: ModelSource, built: BuiltModule, rank: int = 0) -> Iterator[tuple[str, np.ndarray]]:
+    """Our parameters in their stored form, one at a time (this rank's shard; quantized where expected)."""
     wanted = {p["name"]: p for p in built.params}
+    shards = built.cfg.tensor_parallel_shards
     for name, w in iter_float_params(source, built.family, built.cfg):
+        w = built.family.shard_weight(name, w, built.cfg, rank, shards)
         base = name[: -len(".weight")]
         if f"{base}.q_weight" in wanted:
             qw, qs = group_quantize(w, built.quant)
@@ -187,11 +191,13 @@ def iter_params(source: ModelSource, built: BuiltModule) -> Iterator[tuple[str, 
             yield name, w.astype(spec["dtype"])
 
 
-def write_weights(source: ModelSource, built: BuiltModule, out: Path) -> None:
+def write_weights(source: ModelSource, built: BuiltModule, out: Path, rank: int = 0) -> None:
     from tqdm import tqdm
     from tvm.contrib import tvmjs
 
-    params = tqdm(iter_params(source, built), total=len(built.params), desc="converting weights", unit="tensor",
+    shards = built.cfg.tensor_parallel_shards
+    desc = "converting weights" + (f" (shard {rank + 1}/{shards})" if shards > 1 else "")
+    params = tqdm(iter_params(source, built, rank), total=len(built.params), desc=desc, unit="tensor",
                   file=sys.stderr)
     # TVM's writer prints one line per tensor to stdout; keep stdout for the program's own output.
     with contextlib.redirect_stdout(io.StringIO()):
@@ -215,6 +221,7 @@ def _config_json(built: BuiltModule, lib_name: str, tok: dict[str, Any], source:
         "library": lib_name,
         "cuda_arch": str(built.target.attrs["arch"]) if built.target.kind.name == "cuda" else None,
         "context_window_size": built.cfg.context_window_size,
+        "tensor_parallel": built.cfg.tensor_parallel_shards,
         "vocab_size": built.cfg.vocab_size,
         "hidden_size": built.cfg.hidden_size,
         "params": built.params,
@@ -225,13 +232,13 @@ def _config_json(built: BuiltModule, lib_name: str, tok: dict[str, Any], source:
 
 
 def compile_shape_only(model_type: str, hf_config: dict[str, Any], target: str, quant: str,
-                       output: str | Path) -> float:
+                       output: str | Path, tensor_parallel: int = 1) -> float:
     """Library + config for a config with no checkpoint (benchmarks fill the weights with random values)."""
     out = Path(output)
     out.mkdir(parents=True, exist_ok=True)
     source = ModelSource("config", out, model_type, hf_config, {})
     t0 = time.time()
-    built = export_module(source, get_target(target), get_quantization(quant))
+    built = export_module(source, get_target(target), get_quantization(quant), tensor_parallel=tensor_parallel)
     lib_name = "model" + built.preset.lib_ext
     compile_library(built, out / lib_name)
     seconds = time.time() - t0
@@ -242,7 +249,8 @@ def compile_shape_only(model_type: str, hf_config: dict[str, Any], target: str, 
 
 
 def compile_model(model: str | Path, target: str, quant: str, output: str | Path,
-                  context_window: int | None = None, tuning_db: str | Path | None = None) -> CompileReport:
+                  context_window: int | None = None, tuning_db: str | Path | None = None,
+                  tensor_parallel: int = 1) -> CompileReport:
     if target == "auto":
         from mlcc.targets import detect_local
 
@@ -255,7 +263,7 @@ def compile_model(model: str | Path, target: str, quant: str, output: str | Path
     out = Path(output)
     source = load_source(model)
     t0 = time.time()
-    built = export_module(source, preset, q, context_window)
+    built = export_module(source, preset, q, context_window, tensor_parallel)
     t1 = time.time()
     tmp = out.with_name(out.name + ".partial")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -267,7 +275,11 @@ def compile_model(model: str | Path, target: str, quant: str, output: str | Path
     compile_library(built, tmp / lib_name, tuning_db)
     t2 = time.time()
     log.info("compiled in %.1fs; converting weights ...", t2 - t1)
-    write_weights(source, built, tmp)
+    if tensor_parallel == 1:
+        write_weights(source, built, tmp)
+    else:
+        for rank in range(tensor_parallel):  # one tensor cache per GPU, each loaded by its own disco worker
+            write_weights(source, built, tmp / artifact.shard_dir(rank), rank)
     t3 = time.time()
     from .tokenizer_files import write_tokenizer
 
@@ -279,7 +291,7 @@ def compile_model(model: str | Path, target: str, quant: str, output: str | Path
         shutil.rmtree(out)
     tmp.rename(out)
     lib_bytes = (out / lib_name).stat().st_size
-    weight_bytes = sum(f.stat().st_size for f in out.glob("params_shard_*.bin"))
+    weight_bytes = sum(f.stat().st_size for f in out.rglob("params_shard_*.bin"))
     report = CompileReport(out, t1 - t0, t2 - t1, t3 - t2, lib_bytes, weight_bytes)
     log.info("wrote %s: library %.1f MB, weights %.1f MB", out, lib_bytes / 1e6, weight_bytes / 1e6)
     return report

@@ -26,6 +26,13 @@ class Family:
     def gguf_fixups(self, cfg: Any) -> dict[str, Callable]:
         return self.module.gguf_fixups(cfg)
 
+    # every family shares Llama's fused q/k/v and gate/up layout, so they shard the same way
+    def check_tensor_parallel(self, cfg: Any, shards: int, group_size: int | None) -> None:
+        llama.check_tensor_parallel(cfg, shards, group_size)
+
+    def shard_weight(self, name: str, w: Any, cfg: Any, rank: int, shards: int) -> Any:
+        return llama.shard_weight(name, w, cfg, rank, shards)
+
 
 _LLAMA = Family("llama", llama.LlamaConfig, llama.LlamaForCausalLM, llama, gguf=True)
 _QWEN2 = Family("qwen2", qwen2.Qwen2Config, qwen2.Qwen2ForCausalLM, qwen2, gguf=True)

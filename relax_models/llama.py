@@ -38,6 +38,7 @@ class LlamaConfig:
     context_window_size: int = 4096
     attention_bias: bool = False
     hidden_act: str = "silu"
+    tensor_parallel_shards: int = 1   # attention heads and MLP columns split across this many GPUs
 
     def __post_init__(self) -> None:
         if not self.head_dim:
@@ -76,10 +77,16 @@ class TiedEmbedding(nn.Embedding):
         return op.matmul(x, op.permute_dims(self.weight), out_dtype=self.weight.dtype)
 
 
+def _allreduce_across_shards(x: Tensor, shards: int) -> Tensor:
+    """Each shard holds a partial sum of a row-split projection; NCCL adds them up (no-op on one GPU)."""
+    return op.ccl_allreduce(x, "sum") if shards > 1 else x
+
+
 class LlamaAttention(nn.Module):
     def __init__(self, cfg: LlamaConfig):
-        self.num_q_heads = cfg.num_attention_heads
-        self.num_kv_heads = cfg.num_key_value_heads
+        self.shards = cfg.tensor_parallel_shards
+        self.num_q_heads = cfg.num_attention_heads // self.shards
+        self.num_kv_heads = cfg.num_key_value_heads // self.shards
         self.head_dim = cfg.head_dim
         qkv_out = (self.num_q_heads + 2 * self.num_kv_heads) * self.head_dim
         self.qkv_proj = nn.Linear(cfg.hidden_size, qkv_out, bias=cfg.attention_bias)
@@ -89,19 +96,21 @@ class LlamaAttention(nn.Module):
         b, s, _ = x.shape
         qkv = op.reshape(self.qkv_proj(x), (b, s, self.num_q_heads + 2 * self.num_kv_heads, self.head_dim))
         out = kv_cache.attention_with_fused_qkv(layer_id, qkv, self.num_q_heads, sm_scale=self.head_dim**-0.5)
-        return self.o_proj(op.reshape(out, (b, s, self.num_q_heads * self.head_dim)))
+        out = self.o_proj(op.reshape(out, (b, s, self.num_q_heads * self.head_dim)))
+        return _allreduce_across_shards(out, self.shards)
 
 
 class LlamaMLP(nn.Module):
     def __init__(self, cfg: LlamaConfig):
-        self.intermediate_size = cfg.intermediate_size
+        self.shards = cfg.tensor_parallel_shards
+        self.intermediate_size = cfg.intermediate_size // self.shards
         self.act = cfg.hidden_act
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * self.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(self.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: Tensor) -> Tensor:
         gate, up = op.split(self.gate_up_proj(x), 2, axis=-1)
-        return self.down_proj(ACTIVATIONS[self.act](gate) * up)
+        return _allreduce_across_shards(self.down_proj(ACTIVATIONS[self.act](gate) * up), self.shards)
 
 
 ACTIVATIONS = {
@@ -195,8 +204,8 @@ class LlamaForCausalLM(nn.Module):
             attn_kind="mha", max_batch_size=max_batch_size, max_total_seq_len=max_total_seq_len,
             prefill_chunk_size=prefill_chunk_size, page_size=page_size, support_sliding_window=support_sliding_window,
             layer_partition=rx.ShapeExpr([0, cfg.num_hidden_layers]), num_hidden_layers=cfg.num_hidden_layers,
-            num_attention_heads=cfg.num_attention_heads, num_key_value_heads=cfg.num_key_value_heads,
-            qk_head_dim=cfg.head_dim, v_head_dim=cfg.head_dim, mla_original_qk_head_dim=0, mla_original_v_head_dim=0,
+            num_attention_heads=cfg.num_attention_heads // cfg.tensor_parallel_shards,
+            num_key_value_heads=cfg.num_key_value_heads // cfg.tensor_parallel_shards, qk_head_dim=cfg.head_dim, v_head_dim=cfg.head_dim, mla_original_qk_head_dim=0, mla_original_v_head_dim=0,
             rope_mode=RopeMode.NORMAL, rope_scale=1, rope_theta=cfg.rope_theta, rope_scaling=cfg.rope_scaling or {},
             rope_ext_factors=rx.prim_value(0), rotary_dim=cfg.head_dim, enable_disaggregation=False,
             dtype=self.dtype, target=self.target,
@@ -246,6 +255,56 @@ def hf_weight_plan(cfg: LlamaConfig) -> dict[str, tuple[list[str], Any]]:
         plan[f"{p}.mlp.gate_up_proj.weight"] = ([f"{p}.mlp.gate_proj.weight", f"{p}.mlp.up_proj.weight"], concat)
         plan[f"{p}.mlp.down_proj.weight"] = ([f"{p}.mlp.down_proj.weight"], None)
     return plan
+
+
+# -- tensor parallelism -------------------------------------------------------------------------------------------
+
+class TensorParallelError(ValueError):
+    pass
+
+
+def check_tensor_parallel(cfg: LlamaConfig, shards: int, group_size: int | None) -> None:
+    """Every shard gets whole heads and whole quantization groups, or we refuse with the reason."""
+    if shards < 1:
+        raise TensorParallelError(f"--tensor-parallel must be >= 1, got {shards}")
+    if shards == 1:
+        return
+    for what, n in (("attention heads", cfg.num_attention_heads), ("key/value heads", cfg.num_key_value_heads),
+                    ("intermediate size", cfg.intermediate_size)):
+        if n % shards:
+            raise TensorParallelError(f"--tensor-parallel {shards}: the model's {what} ({n}) do not split evenly; "
+                                      f"use a shard count that divides {n}")
+    if group_size:
+        for what, n in (("attention output width", cfg.num_attention_heads // shards * cfg.head_dim),
+                        ("MLP width", cfg.intermediate_size // shards)):
+            if n % group_size:
+                raise TensorParallelError(
+                    f"--tensor-parallel {shards}: each shard's {what} ({n}) is not a multiple of the "
+                    f"quantization group size {group_size}; use fewer shards or an unquantized (q0*) build")
+
+
+def shard_weight(name: str, w: np.ndarray, cfg: LlamaConfig, rank: int, shards: int) -> np.ndarray:
+    """Rank `rank`'s slice of a full (fused) weight: q/k/v and gate/up split by output rows per head / column
+    block, o_proj and down_proj by input columns (their partial outputs are summed by the all-reduce);
+    embeddings, norms and the LM head are replicated."""
+    if shards == 1:
+        return w
+    hd = cfg.head_dim
+
+    def block(x: np.ndarray, axis: int) -> np.ndarray:
+        n = x.shape[axis] // shards
+        return np.take(x, np.arange(rank * n, (rank + 1) * n), axis=axis)
+
+    if ".qkv_proj." in name:
+        q_rows, kv_rows = cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd
+        q, k, v = np.split(w, [q_rows, q_rows + kv_rows], axis=0)
+        return np.concatenate([block(q, 0), block(k, 0), block(v, 0)], axis=0)
+    if ".gate_up_proj." in name:
+        gate, up = np.split(w, 2, axis=0)
+        return np.concatenate([block(gate, 0), block(up, 0)], axis=0)
+    if name.endswith(("o_proj.weight", "down_proj.weight")):
+        return block(w, 1)
+    return w
 
 
 def gguf_config(fields: dict[str, Any], arch: str, vocab_size: int, has_output: bool) -> dict[str, Any]:

@@ -21,6 +21,8 @@ from openai.types.chat.chat_completion import Choice as ChatChoice
 from openai.types.chat.chat_completion_chunk import Choice as ChunkChoice
 from openai.types.chat.chat_completion_chunk import ChoiceDelta
 
+from mlcc import artifact
+
 from .errors import ContextWindowExceededError, RequestError
 from .sampler import Sampler, SamplingParams
 from .scheduler import Event, Request, Scheduler
@@ -43,7 +45,8 @@ class Engine:
 
     def __init__(self, model: str | Path | None = None, target: str = "auto", quant: str | None = None, *,
                  max_batch: int = 4, context_window: int | None = None, kv_cache_tokens: int | None = None,
-                 prefill_chunk: int = 512, device_id: int = 0, policy: str = "no_evict"):
+                 prefill_chunk: int = 512, device_id: int = 0, policy: str = "no_evict",
+                 tensor_parallel: int | None = None):
         from mlcc.targets import detect_local
 
         from .jit import resolve_model
@@ -52,8 +55,18 @@ class Engine:
 
         if target == "auto":
             target = detect_local()
-        self.model_dir = resolve_model(model, target, quant)
-        self.model = LoadedModel(self.model_dir, device_id=device_id)
+        self.model_dir = resolve_model(model, target, quant, tensor_parallel or 1)
+        built_tp = int(artifact.read_config(self.model_dir).get("tensor_parallel", 1))
+        if tensor_parallel is not None and tensor_parallel != built_tp:
+            raise artifact.ArtifactError(
+                f"{self.model_dir} was compiled for --tensor-parallel {built_tp}, not {tensor_parallel}; recompile "
+                f"with `mlcc compile SOURCE --target {target} --tensor-parallel {tensor_parallel} --output DIR`")
+        if built_tp > 1:
+            from .tensor_parallel import TensorParallelModel
+
+            self.model = TensorParallelModel(self.model_dir)
+        else:
+            self.model = LoadedModel(self.model_dir, device_id=device_id)
         cfg = self.model.config
         self.model_name = Path(cfg["source"]["path"]).stem if "source" in cfg else self.model_dir.name
         self.tokenizer = Tokenizer(self.model_dir, cfg["tokenizer"])

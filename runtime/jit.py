@@ -40,7 +40,7 @@ def _source_fingerprint(path: Path) -> str:
     return json.dumps([[str(p.resolve()), p.stat().st_size, int(p.stat().st_mtime)] for p in files])
 
 
-def resolve_model(model: str | Path | None, target: str, quant: str | None) -> Path:
+def resolve_model(model: str | Path | None, target: str, quant: str | None, tensor_parallel: int = 1) -> Path:
     """Artifacts folder for (model, target, quant): as given, from the JIT cache, or freshly compiled."""
     path = Path(model) if model is not None else default_model_path()
     if path.is_dir() and (path / artifact.CONFIG_FILE).exists():
@@ -52,13 +52,14 @@ def resolve_model(model: str | Path | None, target: str, quant: str | None) -> P
     preset = get_target(target)
     quant = quant or DEFAULT_QUANT.get(preset.device, "q4f16_1")
     key = hashlib.sha256(json.dumps([_source_fingerprint(path), preset.name, quant, artifact.mlcc_version(),
-                                     artifact.tvm_version()]).encode()).hexdigest()[:20]
-    out = cache_root() / f"{path.stem}-{quant}-{preset.name}-{key}"
+                                     artifact.tvm_version(), tensor_parallel]).encode()).hexdigest()[:20]
+    tp = f"-tp{tensor_parallel}" if tensor_parallel > 1 else ""
+    out = cache_root() / f"{path.stem}-{quant}-{preset.name}{tp}-{key}"
     if (out / artifact.CONFIG_FILE).exists():
         log.info("using cached build %s", out)
         return out
     log.info("first use of %s: compiling for %s (%s) into %s", path.name, preset.name, quant, out)
     from mlcc.compiler.build import compile_model  # the compiler is only imported when we must compile
 
-    compile_model(path, preset.name, quant, out)
+    compile_model(path, preset.name, quant, out, tensor_parallel=tensor_parallel)
     return out

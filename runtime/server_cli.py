@@ -19,6 +19,8 @@ def add_serve_parser(sub) -> None:
     s.add_argument("--policy", choices=["no_evict", "max_util"], default="no_evict",
                    help="no_evict: admit only what can finish; max_util: admit eagerly, preempt and recompute")
     s.add_argument("--served-model-name", default=None)
+    s.add_argument("--tensor-parallel", type=int, default=None, metavar="N",
+                   help="GPUs the model is sharded over (must match how it was compiled; default: as compiled)")
     s.set_defaults(func=run_serve)
 
 
@@ -29,7 +31,8 @@ def run_serve(args: argparse.Namespace) -> int:
     from .server import create_app
 
     engine = Engine(args.model, target=args.target, quant=args.quant, max_batch=args.max_batch,
-                    kv_cache_tokens=args.kv_cache_tokens, prefill_chunk=args.prefill_chunk, policy=args.policy)
+                    kv_cache_tokens=args.kv_cache_tokens, prefill_chunk=args.prefill_chunk, policy=args.policy,
+                    tensor_parallel=args.tensor_parallel)
     app = create_app(engine, api_key=args.api_key, served_name=args.served_model_name)
     try:
         uvicorn.run(app, host=args.host, port=args.port, log_level="info")

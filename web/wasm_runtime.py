@@ -1,7 +1,7 @@
 """Build TVM's wasm runtime (VM, paged KV cache, WebGPU device API) from the apache-tvm wheel's own sources.
 
 The wheel ships `tvm/web/emcc/*.cc`, `src/runtime` and `include`; apache-tvm-ffi ships `src/ffi`. A few support
-headers are missing from the wheel; `web/wasm_support/` holds our own versions. Sources are staged into a build
+headers are missing from the wheel; `runtime/tvm_support/` holds our own versions. Sources are staged into a build
 folder (so their relative includes resolve), compiled once to LLVM bitcode with emscripten, and cached per
 TVM/emscripten version. Model wasm files link against this bitcode.
 """
@@ -19,7 +19,7 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 RUNTIME_SOURCES = ("wasm_runtime", "tvmjs_support", "webgpu_runtime")
-SUPPORT_DIR = Path(__file__).parent / "wasm_support"
+SUPPORT_DIR = Path(__file__).resolve().parents[1] / "runtime" / "tvm_support"
 
 
 class WasmToolchainError(RuntimeError):

@@ -1,0 +1,218 @@
+"""A tensor-parallel model: N GPUs of one host driven through TVM disco (threaded workers) with NCCL all-reduce.
+It offers the subset of LoadedModel's interface the Engine and scheduler use, so `Engine(..., tensor_parallel=N)`
+runs unchanged on top. Greedy ids come from a compiled argmax on the workers; other sampling reads worker 0's
+logits on the host."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+
+from mlcc import artifact
+
+log = logging.getLogger(__name__)
+
+# NVLink SHARP / multicast stay off (the device notes: multicast objects fail in these containers)
+NCCL_ENV = {"NCCL_NVLS_ENABLE": "0", "NCCL_CUMEM_ENABLE": "0"}
+_LOAD_LOCK = threading.Lock()   # TVM's tensor cache is one per process; workers take turns
+_RANDOM_SEED = 0
+
+
+def _load_shard_params(model_dir: str, names_json: str, weights: str):
+    """Runs on each disco worker thread: this rank's parameters onto this rank's GPU."""
+    import tvm
+
+    from .model import _random_param
+
+    rank = int(tvm.get_global_func("runtime.disco.worker_id")())
+    dev = tvm.cuda(rank)
+    specs = json.loads(names_json)
+    if weights == "random":
+        rng = np.random.default_rng(_RANDOM_SEED + rank)
+        return [tvm.runtime.tensor(_random_param(p, rng), dev) for p in specs]
+    with _LOAD_LOCK:
+        tvm.get_global_func("vm.builtin.tensor_cache.load")(str(Path(model_dir) / artifact.shard_dir(rank)),
+                                                           dev.dlpack_device_type(), rank)
+        params = tvm.get_global_func("vm.builtin.param_array_from_cache_by_name")([p["name"] for p in specs])
+        tvm.get_global_func("vm.builtin.tensor_cache.clear")()
+    return params
+
+
+class _WorkerLogits:
+    """Logits left on the workers (every rank holds the same all-reduced values); copied from worker 0 to the
+    host only when someone asks (.numpy()), so greedy decoding moves just the token ids."""
+
+    def __init__(self, model: "TensorParallelModel", dref, rows: int):
+        self.model, self.dref, self.shape = model, dref, (rows, model.vocab)
+
+    def numpy(self) -> np.ndarray:
+        import tvm
+
+        host = tvm.runtime.empty(self.shape, "float32", tvm.cpu())
+        self.model.sess.copy_from_worker_0(host, self.dref)
+        self.model.sess.sync_worker_0()
+        return host.numpy()
+
+
+class _Ids:
+    def __init__(self, ids: np.ndarray):
+        self._ids = ids
+
+    def numpy(self) -> np.ndarray:
+        return self._ids
+
+
+class _WorkerFunctions:
+    """What the Engine looks up in `model.vm`: greedy argmax runs on the workers; the compiled top-p sampler is
+    not offered (those requests sample on the host from worker 0's logits)."""
+
+    def __init__(self, model: "TensorParallelModel"):
+        self.model = model
+
+    def __getitem__(self, name: str):
+        if name == "argmax_logits":
+            return self.model.argmax
+        raise AttributeError(name)
+
+
+class TensorParallelModel:
+    def __init__(self, model_dir: str | Path, verify_checksums: bool = True, weights: str = "files"):
+        import tvm
+        from tvm.runtime import ShapeTuple, disco
+
+        from . import nccl_ccl
+        from .model import _load_backend_runtimes, _register_cuda_jit
+
+        self.dir = Path(model_dir)
+        self.config = artifact.read_config(self.dir)
+        self.shards = int(self.config.get("tensor_parallel", 1))
+        if self.config["device"] != "cuda":
+            raise artifact.ArtifactError(f"{self.dir}: tensor parallelism runs on CUDA GPUs; this build is for "
+                                         f"{self.config['target']}")
+        if self.shards < 2:
+            raise artifact.ArtifactError(f"{self.dir} was compiled for one GPU; recompile with "
+                                         "`mlcc compile ... --tensor-parallel N` to shard it")
+        _load_backend_runtimes("cuda")
+        n_gpus = sum(1 for i in range(16) if tvm.cuda(i).exist)
+        if n_gpus < self.shards:
+            raise artifact.ArtifactError(f"{self.dir} is sharded over {self.shards} GPUs but this machine has "
+                                         f"{n_gpus}; recompile with --tensor-parallel {max(n_gpus, 1)}")
+        if verify_checksums and weights == "files":
+            for rank in range(self.shards):
+                artifact.verify_shards(self.dir / artifact.shard_dir(rank))
+        if self.config.get("cuda_arch"):
+            _register_cuda_jit(self.config["cuda_arch"])
+        for k, v in NCCL_ENV.items():
+            os.environ.setdefault(k, v)
+        nccl_ccl.load()
+        tvm.register_global_func("mlcc.tp.load_params", _load_shard_params, override=True)
+
+        self.sess = disco.ThreadedSession(num_workers=self.shards)
+        self.sess.init_ccl("nccl", *range(self.shards))
+        self.mod = self.sess.load_vm_module(str(self.dir / self.config["library"]))
+        lib_stamp = json.loads(str(self.mod["_metadata"]().debug_get_from_remote(0)))
+        artifact.check_stamp(lib_stamp, self.config, self.dir)
+        self.stamp = lib_stamp
+        self.params = self.sess.get_global_func("mlcc.tp.load_params")(
+            str(self.dir), json.dumps(self.config["params"]), weights)
+        self._shape = ShapeTuple
+        g = self.sess.get_global_func
+        self._f = {n: self.mod[n] for n in ("embed", "prefill", "decode", "batch_prefill", "batch_decode",
+                                            "create_paged_kv_cache")}
+        self._kv_add, self._kv_remove = g("vm.builtin.kv_state_add_sequence"), g("vm.builtin.kv_state_remove_sequence")
+        self._kv_fork, self._kv_popn = g("vm.builtin.kv_state_fork_sequence"), g("vm.builtin.kv_state_popn")
+        self._kv_begin, self._kv_end = g("vm.builtin.kv_state_begin_forward"), g("vm.builtin.kv_state_end_forward")
+        self._kv_free_pages = g("vm.builtin.attention_kv_cache_get_num_available_pages")
+        self._reshape, self._getitem = g("vm.builtin.reshape"), g("vm.builtin.tuple_getitem")
+        self.kv = None
+        self._argmax = self.mod["argmax_logits"]
+        self.vm = _WorkerFunctions(self)
+        self.device_kind = "cuda"
+        self.dev = tvm.cuda(0)
+        self.hidden = int(self.config["hidden_size"])
+        self.vocab = int(self.config["vocab_size"])
+        self.context_window = int(self.config["context_window_size"])
+        log.info("tensor-parallel model on %d GPUs (disco + NCCL): %s", self.shards, self.dir)
+
+    # -- KV cache ------------------------------------------------------------------------------------------------
+    def create_kv_cache(self, max_batch: int, max_total_tokens: int, prefill_chunk: int, page_size: int = 16):
+        S = self._shape
+        self.kv = self._f["create_paged_kv_cache"](S([max_batch]), S([max_total_tokens]), S([prefill_chunk]),
+                                                   S([page_size]), S([0]))
+        self.page_size, self.prefill_chunk, self.max_batch = page_size, prefill_chunk, max_batch
+        return self.kv
+
+    def add_sequence(self, seq_id: int) -> None:
+        self._kv_add(self.kv, seq_id)
+
+    def remove_sequence(self, seq_id: int) -> None:
+        self._kv_remove(self.kv, seq_id)
+
+    def fork_sequence(self, parent: int, child: int) -> None:
+        self._kv_fork(self.kv, parent, child, -1)
+
+    def popn(self, seq_id: int, n: int) -> None:
+        self._kv_popn(self.kv, seq_id, n)
+
+    def free_pages(self) -> int:
+        return int(self._kv_free_pages(self.kv).debug_get_from_remote(0))
+
+    # -- forward -------------------------------------------------------------------------------------------------
+    def _to_dev(self, a: np.ndarray):
+        """Host tensors: with several workers, sampling happens on the host."""
+        import tvm
+
+        return tvm.runtime.tensor(np.asarray(a), tvm.cpu())
+
+    def _embed(self, ids: Sequence[int], shape: list[int]):
+        arr = np.asarray(ids, dtype=np.int32)
+        if arr.size and (arr.min() < 0 or arr.max() >= self.vocab):
+            raise ValueError(f"token id out of range [0, {self.vocab}): {int(arr.min())}..{int(arr.max())}")
+        ids_ref = self.sess.broadcast(arr)
+        return self._reshape(self._f["embed"](ids_ref, self.params), self._shape(shape))
+
+    def _logits(self, out, rows: int) -> _WorkerLogits:
+        return _WorkerLogits(self, self._reshape(self._getitem(out, 0), self._shape([rows, self.vocab])), rows)
+
+    def argmax(self, logits) -> _Ids:
+        """Greedy ids: computed on the workers, only int32[rows] crosses to the host."""
+        import tvm
+
+        if not isinstance(logits, _WorkerLogits):  # rows already brought to the host
+            return _Ids(np.asarray(logits.numpy()).argmax(axis=-1).astype(np.int32))
+        ids = self._argmax(logits.dref)
+        host = tvm.runtime.empty((logits.shape[0],), "int32", tvm.cpu())
+        self.sess.copy_from_worker_0(host, ids)
+        self.sess.sync_worker_0()
+        return _Ids(host.numpy())
+
+    def prefill(self, seq_ids: Sequence[int], token_lists: Sequence[Sequence[int]]) -> _WorkerLogits:
+        lens = [len(t) for t in token_lists]
+        flat = [t for ts in token_lists for t in ts]
+        emb = self._embed(flat, [1, len(flat), self.hidden])
+        self._kv_begin(self.kv, self._shape(list(seq_ids)), self._shape(lens))
+        if len(seq_ids) == 1:
+            out = self._f["prefill"](emb, self.kv, self.params)
+        else:
+            pos = self.sess.broadcast(np.cumsum(lens).astype(np.int32) - 1)
+            out = self._f["batch_prefill"](emb, pos, self.kv, self.params)
+        self._kv_end(self.kv)
+        return self._logits(out, len(seq_ids))
+
+    def decode(self, seq_ids: Sequence[int], tokens: Sequence[int]) -> _WorkerLogits:
+        n = len(seq_ids)
+        emb = self._embed(tokens, [n, 1, self.hidden])
+        self._kv_begin(self.kv, self._shape(list(seq_ids)), self._shape([1] * n))
+        out = self._f["decode" if n == 1 else "batch_decode"](emb, self.kv, self.params)
+        self._kv_end(self.kv)
+        return self._logits(out, n)
+
+    def info(self) -> dict[str, Any]:
+        return {"dir": str(self.dir), "target": self.config["target"], "quantization": self.config["quantization"],
+                "stamp": self.stamp, "tensor_parallel": self.shards}
