@@ -99,8 +99,7 @@ def cmd_run(a) -> None:
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
     libs, out = Path(a.libs), Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    gpus = [tvm.cuda(i).device_name for i in range(8) if tvm.cuda(i).exist]
-    result: dict = {"gpus": gpus}
+    result: dict = {}
     # 1. numerics: same weights, one GPU vs two
     prompt = [(i * 37) % 300 + 5 for i in range(60)]
     l1, ids1 = _greedy(_load(libs / "small-tp1", 1), prompt, 32)
@@ -140,6 +139,8 @@ def cmd_run(a) -> None:
         del m
         gc.collect()
     result["decode"] = rows
+    gpus = [tvm.cuda(i).device_name for i in range(8) if tvm.cuda(i).exist]  # after the CUDA runtime is loaded
+    result["gpus"] = gpus
     (out / "tp_cuda.json").write_text(json.dumps(result, indent=1))
     p = result["parity"]
     print(f"\nGPUs: {', '.join(gpus)}")

@@ -99,4 +99,9 @@ def load(path: Path | None = None) -> None:
     ctypes.CDLL(str(lib), mode=ctypes.RTLD_GLOBAL)
     if tvm.get_global_func("runtime.disco.nccl.init_ccl", allow_missing=True) is None:
         raise NcclUnavailableError(f"{lib} loaded but registered no runtime.disco.nccl functions")
+    # In runtime-only TVM, tvm.runtime.disco's FFI table was filled before libtvm_runtime_extra was loaded
+    import tvm_ffi
+    from tvm.runtime.disco import _ffi_api
+
+    tvm_ffi.init_ffi_api("runtime.disco", _ffi_api.__name__)
     _LOADED = lib

@@ -30,7 +30,7 @@ def _load_shard_params(model_dir: str, names_json: str, weights: str):
 
     from .model import _random_param
 
-    rank = int(tvm.get_global_func("runtime.disco.worker_id")())
+    rank = int(tvm.get_global_func("runtime.disco.worker_id")()[0])  # a Shape([id])
     dev = tvm.cuda(rank)
     specs = json.loads(names_json)
     if weights == "random":
@@ -84,7 +84,7 @@ class _WorkerFunctions:
 class TensorParallelModel:
     def __init__(self, model_dir: str | Path, verify_checksums: bool = True, weights: str = "files"):
         import tvm
-        from tvm.runtime import ShapeTuple, disco
+        from tvm.runtime import ShapeTuple
 
         from . import nccl_ccl
         from .model import _load_backend_runtimes, _register_cuda_jit
@@ -111,12 +111,14 @@ class TensorParallelModel:
         for k, v in NCCL_ENV.items():
             os.environ.setdefault(k, v)
         nccl_ccl.load()
+        from tvm.runtime import disco  # after nccl_ccl.load(): it needs libtvm_runtime_extra
+
         tvm.register_global_func("mlcc.tp.load_params", _load_shard_params, override=True)
 
         self.sess = disco.ThreadedSession(num_workers=self.shards)
         self.sess.init_ccl("nccl", *range(self.shards))
         self.mod = self.sess.load_vm_module(str(self.dir / self.config["library"]))
-        lib_stamp = json.loads(str(self.mod["_metadata"]().debug_get_from_remote(0)))
+        lib_stamp = json.loads(str(self._from_worker0(self.mod["_metadata"]())))
         artifact.check_stamp(lib_stamp, self.config, self.dir)
         self.stamp = lib_stamp
         self.params = self.sess.get_global_func("mlcc.tp.load_params")(
@@ -161,7 +163,15 @@ class TensorParallelModel:
         self._kv_popn(self.kv, seq_id, n)
 
     def free_pages(self) -> int:
-        return int(self._kv_free_pages(self.kv).debug_get_from_remote(0))
+        return int(self._from_worker0(self._kv_free_pages(self.kv)))
+
+    @staticmethod
+    def _from_worker0(dref):
+        """A small value held by worker 0. (Called through the FFI: in runtime-only TVM the DRef Python class
+        is not bound, because libtvm_runtime_extra is loaded after tvm.runtime.disco is imported.)"""
+        from tvm.runtime.disco import _ffi_api
+
+        return _ffi_api.DRefDebugGetFromRemote(dref, 0)
 
     # -- forward -------------------------------------------------------------------------------------------------
     def _to_dev(self, a: np.ndarray):
