@@ -214,26 +214,29 @@ def lavapipe(node_path):
 
 
 @pytest.fixture(scope="module")
-def vulkan_site(node_path, hf_models, tmp_path_factory):
+def vulkan_site(tiny_site, node_path, hf_models, tmp_path_factory):
+    """A site with the vulkan preset's q4f16_1 build next to the webgpu q4f32_1 one (both WGSL in a .wasm)."""
     from mlcc.compiler.build import compile_model
     from mlcc.web.site import build_site
 
+    site, _ = tiny_site
     root = tmp_path_factory.mktemp("vulkan")
-    src = hf_models("llama")
-    for quant in ("q4f32_1", "q4f16_1"):
-        compile_model(src, "vulkan", quant, root / f"vk-{quant}")
-        compile_model(src, "llvm", quant, root / f"cpu-{quant}")
-    return build_site([root / "vk-q4f32_1", root / "vk-q4f16_1"], root / "site"), root
+    compile_model(hf_models("llama"), "vulkan", "q4f16_1", root / "vk-q4f16_1")
+    compile_model(hf_models("llama"), "llvm", "q4f16_1", root / "cpu-q4f16_1")
+    mixed = build_site([site.parent / "tiny-q4f32", root / "vk-q4f16_1"], root / "site")
+    return mixed, root
 
 
-@pytest.mark.parametrize("quant", ["q4f32_1", "q4f16_1"])
-def test_vulkan_on_lavapipe_matches_cpu(vulkan_site, lavapipe, node_path, quant):
+def test_vulkan_on_lavapipe_matches_cpu(vulkan_site, tiny_site, lavapipe, node_path):
+    """Dawn's Vulkan backend on Mesa's lavapipe, f16 (vulkan preset) and f32 builds, against the CPU target."""
     site, root = vulkan_site
-    want_text, want_n = _cpu_answer(root / f"cpu-{quant}", 16)
-    got = _in_node(site, f"vk-{quant}", node_path, 16, env=lavapipe, extra=("--backend", "vulkan"))
-    assert got["adapter"]["description"].startswith("llvmpipe"), got["adapter"]
-    assert got["usage"]["completion_tokens"] == want_n
-    assert got["content"] == want_text
+    _, cpu_f32 = tiny_site
+    for build, cpu in (("vk-q4f16_1", root / "cpu-q4f16_1"), ("tiny-q4f32", cpu_f32)):
+        want_text, want_n = _cpu_answer(cpu, 16)
+        got = _in_node(site, build, node_path, 16, env=lavapipe, extra=("--backend", "vulkan"))
+        assert got["adapter"]["description"].startswith("llvmpipe"), got["adapter"]
+        assert got["usage"]["completion_tokens"] == want_n, build
+        assert got["content"] == want_text, build
 
 
 def test_site_picks_f16_where_supported_and_f32_in_chromium(vulkan_site, lavapipe, node_path):
@@ -241,4 +244,4 @@ def test_site_picks_f16_where_supported_and_f32_in_chromium(vulkan_site, lavapip
     on_lavapipe = _in_node(site, "", node_path, 4, env=lavapipe)     # lavapipe has shader-f16
     assert on_lavapipe["model"] == "vk-q4f16_1"
     in_chromium = _in_browser(site, node_path, 4)                       # SwiftShader has no shader-f16
-    assert "vk-q4f32_1" in in_chromium["status"]
+    assert "tiny-q4f32" in in_chromium["status"]
