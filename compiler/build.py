@@ -151,9 +151,7 @@ def compile_library(built: BuiltModule, out_path: Path, tuning_db: str | Path | 
 
     # CUDA graphs: static-shape stretches of decode (between paged-attention calls) are captured once and
     # replayed, which removes most per-kernel launch and VM dispatch cost at batch 1.
-    # (Not with tensor parallelism: disco's NCCL calls are not capturable as TVM issues them.)
-    config = {"relax.backend.use_cuda_graph": built.target.kind.name == "cuda"
-              and built.cfg.tensor_parallel_shards == 1}
+    config = {"relax.backend.use_cuda_graph": built.target.kind.name == "cuda"}
     if built.target.kind.name != "llvm" and built.cfg.rope_scaling:
         # TVM 0.27 bug: TIR CSE breaks the GPU tree-attention kernel under scaled RoPE ("cse_v21 has been used
         # before definition"). nvcc/NVRTC run their own CSE, so the kernels lose little without it.

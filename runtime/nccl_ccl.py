@@ -47,6 +47,24 @@ def _cuda_include() -> Path:
                                "toolkit or pip install nvidia-cuda-runtime-cu13, or set CUDA_HOME")
 
 
+_STREAM_LOOKUP = """    const auto func = tvm::ffi::Function::GetGlobal("runtime.get_" TVM_DISCO_DEVICE_NAME "_stream");
+    TVM_FFI_ICHECK(func.has_value());
+    deviceStream_t stream = static_cast<deviceStream_t>((*func)().cast<void*>());"""
+_ENV_STREAM = """    deviceStream_t stream = static_cast<deviceStream_t>(TVMFFIEnvGetStream(kDLCUDA, device_id));"""
+
+
+def _issue_on_env_stream(header: Path) -> None:
+    """Collectives go on the stream TVM launches kernels on (tvm-ffi's env stream). The wheel's source asks a
+    global function that this runtime does not route to the env stream, so under TVM's CUDA-graph capture NCCL
+    landed on a stream synchronizing with the legacy one (cudaErrorStreamCaptureUnsupported); on the env stream
+    the all-reduce is captured into the graph like any kernel."""
+    text = header.read_text()
+    if _STREAM_LOOKUP not in text:
+        raise NcclUnavailableError(f"{header}: disco's NCCL source changed; mlcc's stream patch needs updating")
+    header.write_text(text.replace(_STREAM_LOOKUP, _ENV_STREAM).replace(
+        "#include <tvm/ffi/function.h>", "#include <tvm/ffi/function.h>\n#include <tvm/ffi/extra/c_env_api.h>", 1))
+
+
 def library_path() -> Path:
     """The bridge .so, compiled on first use (needs g++, CUDA headers, NCCL)."""
     import tvm
@@ -56,7 +74,7 @@ def library_path() -> Path:
 
     tvm_dir, ffi_dir, nccl = Path(tvm.__file__).parent, Path(tvm_ffi.__file__).parent, _nccl_dir()
     src_dir = tvm_dir / "src" / "runtime" / "extra" / "disco"
-    key = hashlib.sha256(f"{tvm.__version__}|{tvm_ffi.__version__}|{nccl}|2".encode()
+    key = hashlib.sha256(f"{tvm.__version__}|{tvm_ffi.__version__}|{nccl}|3".encode()
                          + (src_dir / "nccl" / "nccl.cc").read_bytes()).hexdigest()[:16]
     out = cache_root() / "nccl-ccl" / key / "libmlcc_disco_nccl.so"
     if out.exists():
@@ -68,6 +86,7 @@ def library_path() -> Path:
     shutil.rmtree(stage, ignore_errors=True)
     shutil.copytree(src_dir, stage / "src" / "runtime" / "extra" / "disco")
     shutil.copytree(SUPPORT_DIR / "src", stage / "src", dirs_exist_ok=True)
+    _issue_on_env_stream(stage / "src" / "runtime" / "extra" / "disco" / "nccl" / "nccl_context.h")
     libcudart = next(iter(sorted(Path(_cuda_include()).parent.glob("lib*/libcudart.so*"))), None)
     cmd = [cxx, "-O2", "-shared", "-fPIC", "-std=c++17", f"-I{SUPPORT_DIR / 'include'}", f"-I{tvm_dir / 'include'}",
            f"-I{ffi_dir / 'include'}", f"-I{ffi_dir / '3rdparty' / 'dlpack' / 'include'}", f"-I{_cuda_include()}",

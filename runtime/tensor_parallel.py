@@ -1,4 +1,4 @@
-"""A tensor-parallel model: N GPUs of one host driven through TVM disco (threaded workers) with NCCL all-reduce.
+"""A tensor-parallel model: N GPUs of one host driven through TVM disco (worker processes) with NCCL all-reduce.
 It offers the subset of LoadedModel's interface the Engine and scheduler use, so `Engine(..., tensor_parallel=N)`
 runs unchanged on top. Greedy ids come from a compiled argmax on the workers; other sampling reads worker 0's
 logits on the host."""
@@ -20,7 +20,7 @@ log = logging.getLogger(__name__)
 
 # NVLink SHARP / multicast stay off (the device notes: multicast objects fail in these containers)
 NCCL_ENV = {"NCCL_NVLS_ENABLE": "0", "NCCL_CUMEM_ENABLE": "0"}
-_LOAD_LOCK = threading.Lock()   # TVM's tensor cache is one per process; workers take turns
+_LOAD_LOCK = threading.Lock()   # TVM's tensor cache is one per process (worker 0 shares the controller's)
 _RANDOM_SEED = 0
 
 
@@ -115,7 +115,10 @@ class TensorParallelModel:
 
         tvm.register_global_func("mlcc.tp.load_params", _load_shard_params, override=True)
 
-        self.sess = disco.ThreadedSession(num_workers=self.shards)
+        # Worker processes, not threads: TVM captures CUDA graphs in global mode, which forbids the other threads'
+        # CUDA calls while one worker captures.
+        os.environ["MLCC_CUDA_ARCH"] = self.config.get("cuda_arch") or ""
+        self.sess = disco.ProcessSession(num_workers=self.shards, entrypoint="mlcc.runtime.disco_worker")
         self.sess.init_ccl("nccl", *range(self.shards))
         self.mod = self.sess.load_vm_module(str(self.dir / self.config["library"]))
         lib_stamp = json.loads(str(self._from_worker0(self.mod["_metadata"]())))
