@@ -64,8 +64,13 @@ def cmd_targets(args: argparse.Namespace) -> int:
     from mlcc.targets import UNAVAILABLE
 
     print(f"{'target':14s} {'device':7s} {'here':12s} description")
+    import shutil
+
     for name, p in TARGETS.items():
-        here = "runs" if p.can_run_here() else "compile-only"
+        if p.lib_ext == ".wasm":  # run by mlcc's JS engine: a browser, or node + Dawn
+            here = "runs (node)" if shutil.which("node") else "browser"
+        else:
+            here = "runs" if p.can_run_here() else "compile-only"
         print(f"{name:14s} {p.device:7s} {here:12s} {p.description}")
         if p.notes:
             print(f"{'':35s}{p.notes}")

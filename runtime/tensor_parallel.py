@@ -18,8 +18,8 @@ from mlcc import artifact
 
 log = logging.getLogger(__name__)
 
-# NVLink SHARP / multicast stay off (the device notes: multicast objects fail in these containers)
-NCCL_ENV = {"NCCL_NVLS_ENABLE": "0", "NCCL_CUMEM_ENABLE": "0"}
+# NVLink multicast stays off: on shared hosts a program using it can take the GPUs out of service (device notes)
+NCCL_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 _LOAD_LOCK = threading.Lock()   # TVM's tensor cache is one per process (worker 0 shares the controller's)
 _RANDOM_SEED = 0
 

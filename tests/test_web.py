@@ -130,6 +130,19 @@ def test_tiny_browser_matches_cpu(tiny_site, node_path):
     assert got["content"] == want_text
 
 
+def test_sampling_runs_in_the_wasm(tiny_site, node_path):
+    """temperature/top-p sampling goes through TVM's sampler inside the wasm: a nucleus of ~one token is greedy,
+    and a seed fixes the draw."""
+    site, cpu = tiny_site
+    want_text, _ = _cpu_answer(cpu, 16)
+    narrow = _in_node(site, "tiny-q4f32", node_path, 16, extra=("--temperature", "1.0", "--top-p", "1e-6"))
+    assert narrow["content"] == want_text
+    hot = [_in_node(site, "tiny-q4f32", node_path, 16, extra=("--temperature", "1.5", "--seed", "7"))
+           for _ in range(2)]
+    assert hot[0]["token_ids"] == hot[1]["token_ids"]
+    assert hot[0]["token_ids"] != narrow["token_ids"]
+
+
 def test_web_rejects_corrupted_shard_and_foreign_library(tiny_site, node_path, tmp_path):
     site, _ = tiny_site
     bad = tmp_path / "site"

@@ -178,7 +178,8 @@ export class MLCEngine {
     for (const name of ["embed", "prefill", "decode", "create_paged_kv_cache", "argmax_logits"]) {
       this.fn[name] = tvm.detachFromCurrentScope(this.vm.getFunction(name));
     }
-    for (const [key, name] of [["kvAdd", "vm.builtin.kv_state_add_sequence"],
+    for (const [key, name] of [["sampleTopP", "vm.builtin.sample_top_p_from_logits"],
+      ["penalize", "vm.builtin.apply_presence_and_frequency_penalty"], ["kvAdd", "vm.builtin.kv_state_add_sequence"],
       ["kvRemove", "vm.builtin.kv_state_remove_sequence"], ["kvBegin", "vm.builtin.kv_state_begin_forward"],
       ["kvEnd", "vm.builtin.kv_state_end_forward"]]) {
       this.fn[key] = tvm.detachFromCurrentScope(tvm.getGlobalFunc(name));
@@ -262,14 +263,25 @@ export class MLCEngine {
     let token;
     try {
       const logits = this._forward(ids, isDecode);
-      if (sampling.temperature < 1e-5) {
+      const penalized = sampling.counts.size > 0 && (sampling.presence !== 0 || sampling.frequency !== 0);
+      if (sampling.temperature < 1e-5 && !penalized) {
         this.idOnCpu.copyFrom(this.fn.argmax_logits(logits));
         await this.dev.sync();
         token = this.idOnCpu.toArray()[0];
       } else {
+        // TVM's runtime samplers, inside the wasm, on the logits copied to wasm memory
         this.logitsOnCpu.copyFrom(logits);
         await this.dev.sync();
-        token = sampleTopP(this.logitsOnCpu.toArray(), sampling);
+        if (penalized) {
+          const ids = [...sampling.counts.keys()];
+          const cpu = tvm.cpu();
+          this.fn.penalize(this.logitsOnCpu, tvm.empty([ids.length], "int32", cpu).copyFrom(Int32Array.from(ids)),
+            tvm.empty([ids.length], "int32", cpu).copyFrom(Int32Array.from(ids.map((i) => sampling.counts.get(i)))),
+            sampling.presence, sampling.frequency);
+        }
+        token = sampling.temperature < 1e-5
+          ? argmaxOf(this.logitsOnCpu.toArray())
+          : this.fn.sampleTopP(this.logitsOnCpu, sampling.temperature, sampling.top_p, sampling.rng());
       }
     } finally {
       tvm.endScope();
@@ -302,6 +314,8 @@ export class MLCEngine {
     };
     num("temperature", 0, 2);
     num("top_p", 0, 1);
+    num("presence_penalty", -2, 2);
+    num("frequency_penalty", -2, 2);
     if (req.top_p === 0) err("top_p must be > 0", "top_p");
     if (req.max_tokens != null && !(Number.isInteger(req.max_tokens) && req.max_tokens >= 1)) {
       err("max_tokens must be a positive integer", "max_tokens");
@@ -360,7 +374,8 @@ export class MLCEngine {
     }
     const maxTokens = Math.min(req.max_tokens || room, room);
     const sampling = { temperature: req.temperature == null ? 1.0 : req.temperature, top_p: req.top_p == null ? 1.0 : req.top_p,
-      rng: makeRng(req.seed == null ? (Math.random() * 2 ** 32) >>> 0 : req.seed) };
+      rng: makeRng(req.seed == null ? (Math.random() * 2 ** 32) >>> 0 : req.seed),
+      presence: req.presence_penalty || 0, frequency: req.frequency_penalty || 0, counts: new Map() };
     const t0 = performance.now();
     this.fn.kvAdd(this.kv, this.tvm.scalar(0, "int64"));
     const out = [];
@@ -378,6 +393,7 @@ export class MLCEngine {
       while (true) {
         if (this.eosIds.has(token)) { finish = "stop"; break; }
         out.push(token);
+        sampling.counts.set(token, (sampling.counts.get(token) || 0) + 1);
         text = this.tokenizer.decode(Int32Array.from(out.filter((t) => !this.specialIds.has(t))));
         let visible = text.endsWith("\uFFFD") ? text.slice(0, text.length - 1) : text;
         let hitStop = false;
@@ -409,29 +425,8 @@ export class MLCEngine {
   }
 }
 
-/** temperature + nucleus sampling on the host (float64), the same rule as mlcc's Python sampler. */
-export function sampleTopP(logits, { temperature, top_p, rng }) {
-  let max = -Infinity;
-  for (const v of logits) if (v > max) max = v;
-  const probs = new Float64Array(logits.length);
-  let sum = 0;
-  for (let i = 0; i < logits.length; i++) {
-    probs[i] = Math.exp((logits[i] - max) / temperature);
-    sum += probs[i];
-  }
-  const order = Array.from(probs.keys()).sort((a, b) => probs[b] - probs[a]);
-  let keep = 0;
-  let cum = 0;
-  for (; keep < order.length; keep++) {
-    cum += probs[order[keep]] / sum;
-    if (cum >= top_p) { keep++; break; }
-  }
-  const kept = order.slice(0, Math.max(1, Math.min(keep, order.length)));
-  const mass = kept.reduce((s, i) => s + probs[i], 0);
-  let u = rng() * mass;
-  for (const i of kept) {
-    u -= probs[i];
-    if (u <= 0) return i;
-  }
-  return kept[kept.length - 1];
+function argmaxOf(values) {
+  let best = 0;
+  for (let i = 1; i < values.length; i++) if (values[i] > values[best]) best = i;
+  return best;
 }

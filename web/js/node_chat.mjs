@@ -1,5 +1,6 @@
 // Run an mlcc WebGPU build in Node.js through Dawn (npm `webgpu`), with the same engine as the browser page.
-//   node node_chat.mjs MODEL_DIR|SITE_DIR --prompt "..." [--max-tokens N] [--temperature T] [--seed S] [--json]
+//   node node_chat.mjs MODEL_DIR|SITE_DIR --prompt "..." [--max-tokens N] [--temperature T] [--top-p P] [--seed S]
+//                      [--json]
 //                      [--backend vulkan]   (Dawn's backend; Vulkan is its default on Linux)
 // tvmjs, the tokenizer and jinja come from ./vendor (written by `mlcc web`); Dawn from npm:
 //   npm install webgpu@0.6.2   (or point NODE_PATH at a node_modules that has it)
@@ -15,13 +16,15 @@ const require = createRequire(import.meta.url);
 const SWIFTSHADER_ICD = "/usr/lib/chromium/vk_swiftshader_icd.json";
 
 function parseArgs(argv) {
-  const args = { model: null, prompt: "Hello!", maxTokens: 32, temperature: 0, seed: 0, json: false, dawn: [] };
+  const args = { model: null, prompt: "Hello!", maxTokens: 32, temperature: 0, topP: 1, seed: 0, json: false,
+    dawn: [] };
   for (let i = 0; i < argv.length; i++) {
     const a = argv[i];
     if (a === "--prompt") args.prompt = argv[++i];
     else if (a === "--max-tokens") args.maxTokens = Number(argv[++i]);
     else if (a === "--temperature") args.temperature = Number(argv[++i]);
     else if (a === "--seed") args.seed = Number(argv[++i]);
+    else if (a === "--top-p") args.topP = Number(argv[++i]);
     else if (a === "--json") args.json = true;
     else if (a === "--dawn") args.dawn.push(argv[++i]);
     else if (a === "--backend") args.dawn.push(`backend=${argv[++i]}`);
@@ -71,7 +74,7 @@ try {
     useCache: false, onProgress: (p) => { if (!args.json) process.stderr.write(`[${p.stage}] ${p.text}\n`); } });
   const loadS = (performance.now() - t0) / 1000;
   const reply = await engine.chat.completions.create({ messages: [{ role: "user", content: args.prompt }],
-    max_tokens: args.maxTokens, temperature: args.temperature, seed: args.seed });
+    max_tokens: args.maxTokens, temperature: args.temperature, top_p: args.topP, seed: args.seed });
   const result = { content: reply.choices[0].message.content, finish_reason: reply.choices[0].finish_reason,
     usage: reply.usage, token_ids: engine.lastStats.token_ids, load_s: loadS,
     decode_tok_s: engine.lastStats.decode_tok_s, prefill_s: engine.lastStats.prefill_s, model: engine.modelId,
