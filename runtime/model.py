@@ -74,6 +74,10 @@ class LoadedModel:
         self.dir = Path(model_dir)
         self.config = artifact.read_config(self.dir)
         self.device_kind = self.config["device"]
+        if self.device_kind == "webgpu":
+            raise artifact.ArtifactError(
+                f"{self.dir} is a {self.config['target']} build (model.wasm): it runs in a browser or Node.js, not in "
+                f"the Python engine; `mlcc web {self.dir} --output SITE` writes the page and node_chat.mjs")
         if verify_checksums and weights == "files":
             artifact.verify_shards(self.dir)
         _load_backend_runtimes(self.device_kind)

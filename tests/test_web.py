@@ -258,3 +258,12 @@ def test_site_picks_f16_where_supported_and_f32_in_chromium(vulkan_site, lavapip
     assert on_lavapipe["model"] == "vk-q4f16_1"
     in_chromium = _in_browser(site, node_path, 4)                       # SwiftShader has no shader-f16
     assert "tiny-q4f32" in in_chromium["status"]
+
+
+def test_python_engine_points_wasm_builds_to_the_web_runtime(tiny_site):
+    from mlcc.artifact import ArtifactError
+    from mlcc.runtime.engine import Engine
+
+    site, _ = tiny_site
+    with pytest.raises(ArtifactError, match="runs in a browser or Node.js"):
+        Engine(site.parent / "tiny-q4f32", target="llvm")
