@@ -90,6 +90,29 @@ def _decode_speed(m) -> float:
     return STEPS / (time.perf_counter() - t)
 
 
+def _serve_answer(model_dir: Path) -> str:
+    """`mlcc serve --tensor-parallel 2` answered through the official openai client."""
+    import subprocess
+
+    import openai
+
+    from mlcc.runtime.loadgen import wait_until_healthy
+
+    port = 8123
+    proc = subprocess.Popen([sys.executable, "-m", "mlcc", "serve", str(model_dir), "--target", "cuda",
+                             "--tensor-parallel", "2", "--port", str(port), "--kv-cache-tokens", "2048",
+                             "--served-model-name", "tp2"])
+    try:
+        wait_until_healthy(f"http://127.0.0.1:{port}", proc, timeout=240)
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none")
+        r = client.chat.completions.create(model="tp2", messages=[{"role": "user", "content": "hello there"}],
+                                           max_tokens=24, temperature=0)
+        return r.choices[0].message.content
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
+
+
 def cmd_run(a) -> None:
     import gc
 
@@ -125,6 +148,7 @@ def cmd_run(a) -> None:
         gc.collect()
     result["engine_equal"] = answers[1] == answers[2]
     result["engine_answers"] = answers
+    result["serve_equal"] = _serve_answer(libs / "small-tp2") == answers[1]
     # 3. speed, 8B shape
     compile_times = json.loads((libs / "compile_times.json").read_text())
     rows = []
@@ -145,7 +169,8 @@ def cmd_run(a) -> None:
     p = result["parity"]
     print(f"\nGPUs: {', '.join(gpus)}")
     print(f"logits N=2 vs N=1 (same weights, q4f16_1): max rel err {p['max_rel_err_first_logits']:.2e}; greedy "
-          f"{p['greedy_equal_tokens']}/{p['greedy_steps']} tokens equal; Engine chat equal: {result['engine_equal']}")
+          f"{p['greedy_equal_tokens']}/{p['greedy_steps']} tokens equal; Engine chat equal: {result['engine_equal']}; "
+          f"mlcc serve --tensor-parallel 2 via openai equal: {result['serve_equal']}")
     print(f"{'model':10s} {'N':>2s} {'decode tok/s':>13s} {'load s':>7s} {'compile s':>9s}")
     for r in rows:
         print(f"{r['model']:10s} {r['tensor_parallel']:2d} {r['decode_tok_s']:13.1f} {r['load_s']:7.1f} "

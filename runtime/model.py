@@ -63,7 +63,31 @@ def _random_param(spec: dict[str, Any], rng: np.random.Generator) -> np.ndarray:
     return np.resize(block, n).reshape(shape)
 
 
-class LoadedModel:
+class PagedKVOps:
+    """The paged-KV-cache calls, the same whether the functions are local (LoadedModel) or run on every
+    tensor-parallel worker (disco functions in TensorParallelModel)."""
+
+    def create_kv_cache(self, max_batch: int, max_total_tokens: int, prefill_chunk: int, page_size: int = 16):
+        S = self._shape
+        self.kv = self._f["create_paged_kv_cache"](S([max_batch]), S([max_total_tokens]), S([prefill_chunk]),
+                                                   S([page_size]), S([0]))
+        self.page_size, self.prefill_chunk, self.max_batch = page_size, prefill_chunk, max_batch
+        return self.kv
+
+    def add_sequence(self, seq_id: int) -> None:
+        self._kv_add(self.kv, seq_id)
+
+    def remove_sequence(self, seq_id: int) -> None:
+        self._kv_remove(self.kv, seq_id)
+
+    def fork_sequence(self, parent: int, child: int) -> None:
+        self._kv_fork(self.kv, parent, child, -1)
+
+    def popn(self, seq_id: int, n: int) -> None:
+        self._kv_popn(self.kv, seq_id, n)
+
+
+class LoadedModel(PagedKVOps):
     def __init__(self, model_dir: str | Path, device_id: int = 0, verify_checksums: bool = True,
                  weights: str = "files"):
         """weights="random" fills parameters with random values (speed benchmarks of shape-only builds)."""
@@ -127,28 +151,6 @@ class LoadedModel:
         self.hidden = int(self.config["hidden_size"])
         self.vocab = int(self.config["vocab_size"])
         self.context_window = int(self.config["context_window_size"])
-
-    # -- KV cache ------------------------------------------------------------------------------------------------
-    def create_kv_cache(self, max_batch: int, max_total_tokens: int, prefill_chunk: int, page_size: int = 16):
-        S = self._shape
-        self.kv = self._f["create_paged_kv_cache"](S([max_batch]), S([max_total_tokens]), S([prefill_chunk]),
-                                                   S([page_size]), S([0]))
-        self.page_size = page_size
-        self.prefill_chunk = prefill_chunk
-        self.max_batch = max_batch
-        return self.kv
-
-    def add_sequence(self, seq_id: int) -> None:
-        self._kv_add(self.kv, seq_id)
-
-    def remove_sequence(self, seq_id: int) -> None:
-        self._kv_remove(self.kv, seq_id)
-
-    def fork_sequence(self, parent: int, child: int) -> None:
-        self._kv_fork(self.kv, parent, child, -1)
-
-    def popn(self, seq_id: int, n: int) -> None:
-        self._kv_popn(self.kv, seq_id, n)
 
     def free_pages(self) -> int:
         return int(self._kv_free_pages(self.kv))

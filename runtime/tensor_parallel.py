@@ -16,6 +16,8 @@ import numpy as np
 
 from mlcc import artifact
 
+from .model import PagedKVOps
+
 log = logging.getLogger(__name__)
 
 # NVLink multicast stays off: on shared hosts a program using it can take the GPUs out of service (device notes)
@@ -81,7 +83,7 @@ class _WorkerFunctions:
         raise AttributeError(name)
 
 
-class TensorParallelModel:
+class TensorParallelModel(PagedKVOps):
     def __init__(self, model_dir: str | Path, verify_checksums: bool = True, weights: str = "files"):
         import tvm
         from tvm.runtime import ShapeTuple
@@ -144,26 +146,6 @@ class TensorParallelModel:
         self.vocab = int(self.config["vocab_size"])
         self.context_window = int(self.config["context_window_size"])
         log.info("tensor-parallel model on %d GPUs (disco + NCCL): %s", self.shards, self.dir)
-
-    # -- KV cache ------------------------------------------------------------------------------------------------
-    def create_kv_cache(self, max_batch: int, max_total_tokens: int, prefill_chunk: int, page_size: int = 16):
-        S = self._shape
-        self.kv = self._f["create_paged_kv_cache"](S([max_batch]), S([max_total_tokens]), S([prefill_chunk]),
-                                                   S([page_size]), S([0]))
-        self.page_size, self.prefill_chunk, self.max_batch = page_size, prefill_chunk, max_batch
-        return self.kv
-
-    def add_sequence(self, seq_id: int) -> None:
-        self._kv_add(self.kv, seq_id)
-
-    def remove_sequence(self, seq_id: int) -> None:
-        self._kv_remove(self.kv, seq_id)
-
-    def fork_sequence(self, parent: int, child: int) -> None:
-        self._kv_fork(self.kv, parent, child, -1)
-
-    def popn(self, seq_id: int, n: int) -> None:
-        self._kv_popn(self.kv, seq_id, n)
 
     def free_pages(self) -> int:
         return int(self._from_worker0(self._kv_free_pages(self.kv)))
