@@ -156,6 +156,45 @@ def cmd_mlcc(a) -> None:
     (out / "decode_mlcc.json").write_text(json.dumps(rows, indent=1))
 
 
+def static_cache_decode(hf, conf, steps: int, compiled: bool, warm: int = 8) -> tuple[float, list[int]]:
+    """gpt-fast style: a StaticCache, eager prefill, then one-token decode steps through
+    torch.compile(mode="reduce-overhead") (CUDA graphs). Returns (decode tok/s, greedy ids)."""
+    import inspect
+
+    import torch
+    from transformers import StaticCache
+
+    dev = next(hf.parameters()).device
+    cache_kw = "cache" if "cache" in inspect.signature(hf.forward).parameters else "past_key_values"
+    try:
+        cache = StaticCache(config=conf, max_cache_len=PROMPT + warm + steps + 8)
+    except TypeError:  # older transformers
+        cache = StaticCache(config=conf, max_batch_size=1, max_cache_len=PROMPT + warm + steps + 8, device=dev,
+                            dtype=next(hf.parameters()).dtype)
+
+    def step(ids, pos):
+        return hf(input_ids=ids, position_ids=pos.unsqueeze(0), cache_position=pos, use_cache=True,
+                  **{cache_kw: cache}).logits[:, -1]
+
+    fn = torch.compile(step, mode="reduce-overhead", fullgraph=True) if compiled else step
+    ids = torch.full((1, PROMPT), 7, device=dev)
+    with torch.no_grad():
+        tok = step(ids, torch.arange(PROMPT, device=dev)).argmax(-1, keepdim=True)
+        out = [int(tok)]
+        pos = PROMPT
+        for i in range(warm + steps):
+            if i == warm:
+                torch.cuda.synchronize() if dev.type == "cuda" else None
+                t = time.perf_counter()
+            if compiled:
+                torch.compiler.cudagraph_mark_step_begin()
+            tok = fn(tok, torch.tensor([pos], device=dev)).argmax(-1, keepdim=True).clone()
+            out.append(int(tok))  # the id reaches the host every step, as in mlcc's loop
+            pos += 1
+        dt = time.perf_counter() - t
+    return steps / dt, out
+
+
 def cmd_hf(a) -> None:
     import torch
     import transformers as tf
@@ -175,6 +214,16 @@ def cmd_hf(a) -> None:
         gen = dict(max_new_tokens=STEPS, min_new_tokens=STEPS, do_sample=False, cache_implementation="static",
                    pad_token_id=0)
         for mode in a.modes.split(","):
+            if mode == "compile-static":
+                try:
+                    tok_s, _ = static_cache_decode(hf, conf, STEPS, compiled=True)
+                    rows.append({"model": model, "quant": "fp16", "engine": "transformers-compile-static",
+                                 "decode_tok_s": tok_s, "transformers": tf.__version__, "torch": torch.__version__})
+                except Exception as e:  # noqa: BLE001 - report, keep going
+                    rows.append({"model": model, "engine": "transformers-compile-static", "error": str(e)[:300]})
+                print(json.dumps(rows[-1]))
+                (out / f"decode_hf_{a.tag}.json").write_text(json.dumps(rows, indent=1))
+                continue
             if mode == "compile":
                 hf.forward = torch.compile(hf.forward, mode="reduce-overhead", fullgraph=True)
             try:
