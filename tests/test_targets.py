@@ -28,7 +28,8 @@ def _compile(hf_models, tmp_path, target):
 
 
 @pytest.mark.skipif(not ROCM_READY, reason="ROCm toolchain missing (.ci/run installs lld-19 rocm-device-libs)")
-@pytest.mark.parametrize("target,arch", [("rocm-gfx942", b"gfx942"), ("rocm-gfx1100", b"gfx1100")])
+@pytest.mark.parametrize("target,arch", [("rocm-gfx942", b"gfx942"), ("rocm-gfx90a", b"gfx90a"),
+                                         ("rocm-gfx1100", b"gfx1100")])
 def test_rocm_library_holds_hsaco_kernels(target, arch, hf_models, tmp_path):
     _, lib = _compile(hf_models, tmp_path, target)
     assert b"amdgcn-amd-amdhsa" in lib and arch in lib
@@ -78,3 +79,12 @@ def test_missing_rocm_linker_is_a_clear_error(monkeypatch):
     with pytest.raises(ToolchainError, match="apt-get install lld-19"):
         with rocm_toolchain():
             pass
+
+
+@pytest.mark.parametrize("target,marker", [("cuda-sm80", b"__global__"), ("llvm-generic", b"ELF")])
+def test_remaining_presets_compile(target, marker, hf_models, tmp_path):
+    """The presets no other test builds: CUDA for Ampere (kernels travel as CUDA source) and the portable CPU."""
+    out, lib = _compile(hf_models, tmp_path, target)
+    assert marker in lib
+    if target == "cuda-sm80":
+        assert json.loads((out / "mlcc-config.json").read_text())["cuda_arch"] == "sm_80"
