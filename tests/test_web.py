@@ -87,13 +87,15 @@ def _in_node(site: Path, build: str, node_path: str, max_tokens: int, env: dict[
 
 
 def _in_browser(site: Path, node_path: str, max_tokens: int, screenshot: Path | None = None,
-                typed: bool = False) -> dict:
+                typed: bool = False, reload: bool = False) -> dict:
     with _serve(site) as url:
         args = [str(JS / "browser_run.mjs"), url, "--prompt", PROMPT, "--max-tokens", str(max_tokens)]
         if screenshot:
             args += ["--screenshot", str(screenshot)]
         if typed:
             args.append("--typed")
+        if reload:
+            args.append("--reload")
         proc = _node(args, node_path)
     out = json.loads(proc.stdout.strip().splitlines()[-1]) if proc.stdout.strip() else {"error": proc.stderr}
     assert proc.returncode == 0 and out["ok"], out
@@ -124,10 +126,13 @@ def test_tiny_node_matches_cpu(tiny_site, node_path):
 def test_tiny_browser_matches_cpu(tiny_site, node_path):
     site, cpu = tiny_site
     want_text, want_n = _cpu_answer(cpu, 16)
-    got = _in_browser(site, node_path, 16)
+    got = _in_browser(site, node_path, 16, reload=True)
     assert got["state"] == "ready"
     assert len(got["token_ids"]) == want_n
     assert got["content"] == want_text
+    # the second visit takes every weight shard from the browser's Cache API
+    shards = len(json.loads((site / "models" / "tiny-q4f32" / "tensor-cache.json").read_text())["records"])
+    assert got["reload"] == {"state": "ready", "shards_from_cache": shards}
 
 
 def test_sampling_runs_in_the_wasm(tiny_site, node_path):

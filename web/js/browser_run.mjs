@@ -5,7 +5,8 @@ const require = createRequire(import.meta.url);
 const { chromium } = require("playwright-core");
 
 const argv = process.argv.slice(2);
-const opt = { url: null, prompt: "Hello!", maxTokens: 16, screenshot: null, timeout: 600, typed: false };
+const opt = { url: null, prompt: "Hello!", maxTokens: 16, screenshot: null, timeout: 600, typed: false,
+  reload: false };
 for (let i = 0; i < argv.length; i++) {
   const a = argv[i];
   if (a === "--prompt") opt.prompt = argv[++i];
@@ -13,6 +14,7 @@ for (let i = 0; i < argv.length; i++) {
   else if (a === "--screenshot") opt.screenshot = argv[++i];
   else if (a === "--timeout") opt.timeout = Number(argv[++i]);
   else if (a === "--typed") opt.typed = true;
+  else if (a === "--reload") opt.reload = true;
   else opt.url = a;
 }
 const executablePath = process.env.CHROMIUM || "/usr/bin/chromium";
@@ -48,8 +50,18 @@ try {
     result = await page.evaluate(([p, n]) => window.mlccAsk(p, { max_tokens: n }), [opt.prompt, opt.maxTokens]);
   }
   if (opt.screenshot) await page.screenshot({ path: opt.screenshot, fullPage: true });
+  let reload = null;
+  if (opt.reload) {
+    // a second visit: the weights should come from the Cache API, not the network
+    await page.reload();
+    await page.waitForFunction(() => window.mlccState && window.mlccState !== "loading", null,
+      { timeout: opt.timeout * 1000 });
+    reload = await page.evaluate(() => ({ state: window.mlccState,
+      shards_from_cache: window.mlccEngine ? window.mlccEngine.shardsFromCache : null }));
+  }
   out = { ok: true, ...state, content: result.content, token_ids: result.stats.token_ids,
-    decode_tok_s: result.stats.decode_tok_s, prefill_s: result.stats.prefill_s, total_s: (Date.now() - t0) / 1000 };
+    decode_tok_s: result.stats.decode_tok_s, prefill_s: result.stats.prefill_s, total_s: (Date.now() - t0) / 1000,
+    reload };
 } catch (e) {
   out = { ok: false, error: e.message, console: consoleLines.slice(-30) };
 } finally {

@@ -187,6 +187,7 @@ export class MLCEngine {
 
     // weights: shard by shard, each checked against its sha256, then copied to the GPU
     const byName = new Map();
+    this.shardsFromCache = 0;
     for (const shard of cache.records) {
       const { bytes, cached } = await this._fetchBytes(joinUrl(base, shard.dataPath), shard.sha256, shard.dataPath);
       for (const rec of shard.records) {
@@ -195,6 +196,7 @@ export class MLCEngine {
         byName.set(rec.name, t);
       }
       this._doneBytes += shard.nbytes;
+      if (cached) this.shardsFromCache += 1;
       this._progress("download", this._doneBytes, this._totalBytes,
         `${shard.dataPath}${cached ? " (from cache)" : ""}`);
     }
