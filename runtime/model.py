@@ -63,9 +63,23 @@ def _random_param(spec: dict[str, Any], rng: np.random.Generator) -> np.ndarray:
     return np.resize(block, n).reshape(shape)
 
 
-class PagedKVOps:
-    """The paged-KV-cache calls, the same whether the functions are local (LoadedModel) or run on every
-    tensor-parallel worker (disco functions in TensorParallelModel)."""
+def load_params(folder: Path, specs: list[dict[str, Any]], dev, weights: str = "files", seed: int = 0) -> list:
+    """Parameters in the VM's order onto `dev`: from the tensor cache in `folder`, or random for speed runs."""
+    import tvm
+
+    if weights == "random":
+        rng = np.random.default_rng(seed)
+        return [tvm.runtime.tensor(_random_param(p, rng), dev) for p in specs]
+    tvm.get_global_func("vm.builtin.tensor_cache.load")(str(folder), dev.dlpack_device_type(), dev.index)
+    params = tvm.get_global_func("vm.builtin.param_array_from_cache_by_name")([p["name"] for p in specs])
+    tvm.get_global_func("vm.builtin.tensor_cache.clear")()
+    return params
+
+
+class PagedModel:
+    """The KV-cache calls and forward passes shared by LoadedModel (local VM functions) and TensorParallelModel
+    (disco functions run on every worker). Subclasses say how ids, positions and logits move:
+    _embed_shaped(ids, shape), _positions(int32 array), _logits(outputs, rows)."""
 
     def create_kv_cache(self, max_batch: int, max_total_tokens: int, prefill_chunk: int, page_size: int = 16):
         S = self._shape
@@ -86,8 +100,38 @@ class PagedKVOps:
     def popn(self, seq_id: int, n: int) -> None:
         self._kv_popn(self.kv, seq_id, n)
 
+    def _check_ids(self, ids: Sequence[int]) -> np.ndarray:
+        arr = np.asarray(ids, dtype=np.int32)
+        if arr.size and (arr.min() < 0 or arr.max() >= self.vocab):
+            # the compiled take() does no bounds check (TVM's fast mode); never let a bad id reach it
+            raise ValueError(f"token id out of range [0, {self.vocab}): {int(arr.min())}..{int(arr.max())}")
+        return arr
 
-class LoadedModel(PagedKVOps):
+    def prefill(self, seq_ids: Sequence[int], token_lists: Sequence[Sequence[int]]):
+        """Ragged prefill of several sequences in one call; logits [len(seq_ids), vocab] of each last token."""
+        lens = [len(t) for t in token_lists]
+        flat = [t for ts in token_lists for t in ts]
+        emb = self._embed_shaped(flat, [1, len(flat), self.hidden])
+        self._kv_begin(self.kv, self._shape(list(seq_ids)), self._shape(lens))
+        if len(seq_ids) == 1:
+            out = self._f["prefill"](emb, self.kv, self.params)
+        else:
+            pos = self._positions(np.cumsum(lens).astype(np.int32) - 1)
+            out = self._f["batch_prefill"](emb, pos, self.kv, self.params)
+        self._kv_end(self.kv)
+        return self._logits(out, len(seq_ids))
+
+    def decode(self, seq_ids: Sequence[int], tokens: Sequence[int]):
+        """One new token for each sequence; logits [len(seq_ids), vocab]."""
+        n = len(seq_ids)
+        emb = self._embed_shaped(tokens, [n, 1, self.hidden])
+        self._kv_begin(self.kv, self._shape(list(seq_ids)), self._shape([1] * n))
+        out = self._f["decode" if n == 1 else "batch_decode"](emb, self.kv, self.params)
+        self._kv_end(self.kv)
+        return self._logits(out, n)
+
+
+class LoadedModel(PagedModel):
     def __init__(self, model_dir: str | Path, device_id: int = 0, verify_checksums: bool = True,
                  weights: str = "files"):
         """weights="random" fills parameters with random values (speed benchmarks of shape-only builds)."""
@@ -125,15 +169,7 @@ class LoadedModel(PagedKVOps):
         artifact.check_stamp(lib_stamp, self.config, self.dir)
         self.stamp = lib_stamp
 
-        if weights == "random":
-            rng = np.random.default_rng(0)
-            self.params = [tvm.runtime.tensor(_random_param(p, rng), self.dev) for p in self.config["params"]]
-        else:
-            names = [p["name"] for p in self.config["params"]]
-            tvm.get_global_func("vm.builtin.tensor_cache.load")(str(self.dir), self.dev.dlpack_device_type(),
-                                                                self.dev.index)
-            self.params = tvm.get_global_func("vm.builtin.param_array_from_cache_by_name")(names)
-            tvm.get_global_func("vm.builtin.tensor_cache.clear")()
+        self.params = load_params(self.dir, self.config["params"], self.dev, weights)
         self._shape = ShapeTuple
         self._f = {n: self.vm[n] for n in ("embed", "prefill", "decode", "batch_prefill", "batch_decode",
                                            "prefill_all_logits", "create_paged_kv_cache")}
@@ -162,44 +198,24 @@ class LoadedModel(PagedKVOps):
         return tvm.runtime.tensor(a, self.dev)
 
     def embed(self, ids: Sequence[int]):
-        arr = np.asarray(ids, dtype=np.int32)
-        if arr.size and (arr.min() < 0 or arr.max() >= self.vocab):
-            # the compiled take() does no bounds check (TVM's fast mode); never let a bad id reach it
-            raise ValueError(f"token id out of range [0, {self.vocab}): {int(arr.min())}..{int(arr.max())}")
-        return self._f["embed"](self._to_dev(arr), self.params)
+        return self._f["embed"](self._to_dev(self._check_ids(ids)), self.params)
 
-    def prefill(self, seq_ids: Sequence[int], token_lists: Sequence[Sequence[int]]):
-        """Ragged prefill of several sequences in one call; returns logits [len(seq_ids), vocab] on the device."""
-        lens = [len(t) for t in token_lists]
-        flat = [t for ts in token_lists for t in ts]
-        emb = self._reshape(self.embed(flat), self._shape([1, len(flat), self.hidden]))
-        self._kv_begin(self.kv, self._shape(list(seq_ids)), self._shape(lens))
-        if len(seq_ids) == 1:
-            logits, _ = self._f["prefill"](emb, self.kv, self.params)
-        else:
-            pos = np.cumsum(lens).astype(np.int32) - 1
-            logits, _ = self._f["batch_prefill"](emb, self._to_dev(pos), self.kv, self.params)
-        self._kv_end(self.kv)
-        return self._reshape(logits, self._shape([len(seq_ids), self.vocab]))
+    def _embed_shaped(self, ids: Sequence[int], shape: list[int]):
+        return self._reshape(self.embed(ids), self._shape(shape))
+
+    def _positions(self, pos: np.ndarray):
+        return self._to_dev(pos)
+
+    def _logits(self, out, rows: int):
+        """On the device: the sampler runs the compiled argmax/sampler on it."""
+        return self._reshape(out[0], self._shape([rows, self.vocab]))
 
     def prefill_all_logits(self, seq_id: int, tokens: Sequence[int]):
-        emb = self._reshape(self.embed(tokens), self._shape([1, len(tokens), self.hidden]))
+        emb = self._embed_shaped(tokens, [1, len(tokens), self.hidden])
         self._kv_begin(self.kv, self._shape([seq_id]), self._shape([len(tokens)]))
         logits, _ = self._f["prefill_all_logits"](emb, self.kv, self.params)
         self._kv_end(self.kv)
         return logits
-
-    def decode(self, seq_ids: Sequence[int], tokens: Sequence[int]):
-        """One new token for each sequence; returns logits [len(seq_ids), vocab] on the device."""
-        n = len(seq_ids)
-        emb = self._reshape(self.embed(tokens), self._shape([n, 1, self.hidden]))
-        self._kv_begin(self.kv, self._shape(list(seq_ids)), self._shape([1] * n))
-        if n == 1:
-            logits, _ = self._f["decode"](emb, self.kv, self.params)
-        else:
-            logits, _ = self._f["batch_decode"](emb, self.kv, self.params)
-        self._kv_end(self.kv)
-        return self._reshape(logits, self._shape([n, self.vocab]))
 
     def info(self) -> dict[str, Any]:
         return {"dir": str(self.dir), "target": self.config["target"], "quantization": self.config["quantization"],

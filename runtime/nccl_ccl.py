@@ -87,9 +87,10 @@ def library_path() -> Path:
     shutil.copytree(src_dir, stage / "src" / "runtime" / "extra" / "disco")
     shutil.copytree(SUPPORT_DIR / "src", stage / "src", dirs_exist_ok=True)
     _issue_on_env_stream(stage / "src" / "runtime" / "extra" / "disco" / "nccl" / "nccl_context.h")
-    libcudart = next(iter(sorted(Path(_cuda_include()).parent.glob("lib*/libcudart.so*"))), None)
+    cuda_include = _cuda_include()
+    libcudart = next(iter(sorted(cuda_include.parent.glob("lib*/libcudart.so*"))), None)
     cmd = [cxx, "-O2", "-shared", "-fPIC", "-std=c++17", f"-I{SUPPORT_DIR / 'include'}", f"-I{tvm_dir / 'include'}",
-           f"-I{ffi_dir / 'include'}", f"-I{ffi_dir / '3rdparty' / 'dlpack' / 'include'}", f"-I{_cuda_include()}",
+           f"-I{ffi_dir / 'include'}", f"-I{ffi_dir / '3rdparty' / 'dlpack' / 'include'}", f"-I{cuda_include}",
            f"-I{nccl / 'include'}", str(stage / "src" / "runtime" / "extra" / "disco" / "nccl" / "nccl.cc"),
            "-o", str(out) + ".tmp", f"-L{tvm_dir / 'lib'}", "-ltvm_runtime", "-ltvm_runtime_extra",
            f"-L{ffi_dir / 'lib'}", "-ltvm_ffi",

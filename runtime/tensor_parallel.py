@@ -16,34 +16,23 @@ import numpy as np
 
 from mlcc import artifact
 
-from .model import PagedKVOps
+from .model import PagedModel, load_params
 
 log = logging.getLogger(__name__)
 
 # NVLink multicast stays off: on shared hosts a program using it can take the GPUs out of service (device notes)
 NCCL_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 _LOAD_LOCK = threading.Lock()   # TVM's tensor cache is one per process (worker 0 shares the controller's)
-_RANDOM_SEED = 0
 
 
-def _load_shard_params(model_dir: str, names_json: str, weights: str):
-    """Runs on each disco worker thread: this rank's parameters onto this rank's GPU."""
+def _load_shard_params(model_dir: str, specs_json: str, weights: str):
+    """Runs on each disco worker: this rank's parameters onto this rank's GPU."""
     import tvm
 
-    from .model import _random_param
-
     rank = int(tvm.get_global_func("runtime.disco.worker_id")()[0])  # a Shape([id])
-    dev = tvm.cuda(rank)
-    specs = json.loads(names_json)
-    if weights == "random":
-        rng = np.random.default_rng(_RANDOM_SEED + rank)
-        return [tvm.runtime.tensor(_random_param(p, rng), dev) for p in specs]
     with _LOAD_LOCK:
-        tvm.get_global_func("vm.builtin.tensor_cache.load")(str(Path(model_dir) / artifact.shard_dir(rank)),
-                                                           dev.dlpack_device_type(), rank)
-        params = tvm.get_global_func("vm.builtin.param_array_from_cache_by_name")([p["name"] for p in specs])
-        tvm.get_global_func("vm.builtin.tensor_cache.clear")()
-    return params
+        return load_params(Path(model_dir) / artifact.shard_dir(rank), json.loads(specs_json), tvm.cuda(rank),
+                           weights, seed=rank)
 
 
 class _WorkerLogits:
@@ -83,7 +72,7 @@ class _WorkerFunctions:
         raise AttributeError(name)
 
 
-class TensorParallelModel(PagedKVOps):
+class TensorParallelModel(PagedModel):
     def __init__(self, model_dir: str | Path, verify_checksums: bool = True, weights: str = "files"):
         import tvm
         from tvm.runtime import ShapeTuple
@@ -165,12 +154,12 @@ class TensorParallelModel(PagedKVOps):
 
         return tvm.runtime.tensor(np.asarray(a), tvm.cpu())
 
-    def _embed(self, ids: Sequence[int], shape: list[int]):
-        arr = np.asarray(ids, dtype=np.int32)
-        if arr.size and (arr.min() < 0 or arr.max() >= self.vocab):
-            raise ValueError(f"token id out of range [0, {self.vocab}): {int(arr.min())}..{int(arr.max())}")
-        ids_ref = self.sess.broadcast(arr)
+    def _embed_shaped(self, ids: Sequence[int], shape: list[int]):
+        ids_ref = self.sess.broadcast(self._check_ids(ids))
         return self._reshape(self._f["embed"](ids_ref, self.params), self._shape(shape))
+
+    def _positions(self, pos: np.ndarray):
+        return self.sess.broadcast(pos)
 
     def _logits(self, out, rows: int) -> _WorkerLogits:
         return _WorkerLogits(self, self._reshape(self._getitem(out, 0), self._shape([rows, self.vocab])), rows)
@@ -186,27 +175,6 @@ class TensorParallelModel(PagedKVOps):
         self.sess.copy_from_worker_0(host, ids)
         self.sess.sync_worker_0()
         return _Ids(host.numpy())
-
-    def prefill(self, seq_ids: Sequence[int], token_lists: Sequence[Sequence[int]]) -> _WorkerLogits:
-        lens = [len(t) for t in token_lists]
-        flat = [t for ts in token_lists for t in ts]
-        emb = self._embed(flat, [1, len(flat), self.hidden])
-        self._kv_begin(self.kv, self._shape(list(seq_ids)), self._shape(lens))
-        if len(seq_ids) == 1:
-            out = self._f["prefill"](emb, self.kv, self.params)
-        else:
-            pos = self.sess.broadcast(np.cumsum(lens).astype(np.int32) - 1)
-            out = self._f["batch_prefill"](emb, pos, self.kv, self.params)
-        self._kv_end(self.kv)
-        return self._logits(out, len(seq_ids))
-
-    def decode(self, seq_ids: Sequence[int], tokens: Sequence[int]) -> _WorkerLogits:
-        n = len(seq_ids)
-        emb = self._embed(tokens, [n, 1, self.hidden])
-        self._kv_begin(self.kv, self._shape(list(seq_ids)), self._shape([1] * n))
-        out = self._f["decode" if n == 1 else "batch_decode"](emb, self.kv, self.params)
-        self._kv_end(self.kv)
-        return self._logits(out, n)
 
     def info(self) -> dict[str, Any]:
         return {"dir": str(self.dir), "target": self.config["target"], "quantization": self.config["quantization"],

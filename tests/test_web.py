@@ -13,6 +13,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -68,8 +69,6 @@ def _serve(folder: Path):
             with socket.socket() as s:
                 if s.connect_ex(("127.0.0.1", port)) == 0:
                     break
-            import time
-
             time.sleep(0.1)
         yield f"http://127.0.0.1:{port}/"
     finally:

@@ -6,6 +6,7 @@ import logging
 import os
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 from .wasm_runtime import build_runtime, emcc_env
 
@@ -18,15 +19,9 @@ def export_wasm(executable: Any, out_path: Path) -> None:
     home = build_runtime()
 
     def fcompile(output: str, objects: list[str], options: list[str] | None = None) -> None:
-        # create_tvmjs_wasm finds the runtime bitcode under $TVM_HOME/web/dist/wasm
-        saved = dict(os.environ)
-        os.environ.update(emcc_env())
-        os.environ["TVM_HOME"] = str(home)
-        try:
+        # create_tvmjs_wasm finds the runtime bitcode under $TVM_HOME/web/dist/wasm and runs emcc with os.environ
+        with mock.patch.dict(os.environ, {**emcc_env(), "TVM_HOME": str(home)}):
             emcc.create_tvmjs_wasm(output, objects, options)
-        finally:
-            os.environ.clear()
-            os.environ.update(saved)
 
     # LLVM 22 bitcode does not link with Debian's wasm-ld 14; plain objects do.
     fcompile.object_format = "o"
