@@ -1,7 +1,8 @@
 """Decode/prefill speed on CUDA, side by side with transformers and the bandwidth roofline (issue 4).
 
     python bench/decode.py build --out .dev/bench             # here: shape-only CUDA libraries (+ compile times)
-    python3 bench/decode.py mlcc --libs .dev/bench --out $OUT  # device: mlcc rows + copy bandwidth
+    python bench/decode.py reference --out .dev/ref && cp .dev/ref/reference.npz .dev/bench/   # here: CPU logits
+    python3 bench/decode.py mlcc --libs .dev/bench --out $OUT  # device: check logits vs the CPU, then time
     python3 bench/decode.py hf --out $OUT                      # device: transformers rows (same shapes, fp16)
     python bench/decode.py table bench/results/decode_*.json   # here: one table
 
@@ -33,6 +34,64 @@ MODELS = {"llama3-8b": ("llama", LLAMA3_8B), "qwen2.5-0.5b": ("qwen2", QWEN25_05
           "smollm2-135m": ("llama", SMOLLM2_135M)}
 RUNS = [("llama3-8b", "q4f16_1"), ("llama3-8b", "q0f16"), ("qwen2.5-0.5b", "q4f16_1"), ("smollm2-135m", "q4f16_1")]
 PROMPT, STEPS = 128, 256
+CHECKED = ("smollm2-135m", "qwen2.5-0.5b")   # small enough to run on the CPU here as the reference
+CHECK_PROMPT, CHECK_FORCED = [7, 1, 99, 3000, 42, 5, 123, 8], [11, 2024, 5, 777, 31000, 9, 400, 16000]
+CHECK_STEPS = len(CHECK_FORCED)
+
+
+def teacher_forced_logits(m, forced: list[int]) -> tuple[np.ndarray, list[int]]:
+    """Logits after the check prompt and after each decode step fed a fixed token (random weights make the greedy
+    tokens of both builds constant, which would test little), so both builds see identical inputs."""
+    m.create_kv_cache(1, 1024, 256)
+    m.add_sequence(0)
+    rows = [m.prefill([0], [CHECK_PROMPT]).numpy().reshape(-1)]
+    toks = []
+    for i in range(CHECK_STEPS):
+        toks.append(int(rows[-1].argmax()))
+        rows.append(m.decode([0], [forced[i]]).numpy().reshape(-1))
+    m.remove_sequence(0)
+    return np.stack(rows).astype(np.float32), toks
+
+
+def cmd_reference(a) -> None:
+    """The CPU (llvm) build of each checked shape, same quantization and the same seeded random weights."""
+    from mlcc.compiler.build import compile_shape_only
+    from mlcc.runtime.model import LoadedModel
+
+    out = Path(a.out)
+    ref = {}
+    for model, quant in RUNS:
+        if model not in CHECKED:
+            continue
+        arch, cfg = MODELS[model]
+        d = out / f"ref-{model}-{quant}"
+        compile_shape_only(arch, cfg, "llvm", quant, d)
+        logits, toks = teacher_forced_logits(LoadedModel(d, weights="random"), CHECK_FORCED)
+        ref[f"{model}/{quant}/logits"], ref[f"{model}/{quant}/tokens"] = logits, np.array(toks)
+        print(model, quant, "reference tokens", toks)
+    np.savez_compressed(out / "reference.npz", **ref)
+
+
+def check_argmax(m) -> bool:
+    """The compiled argmax against numpy on rows with ties, a maximum in the last partial chunk, and random rows."""
+    import tvm
+
+    vocab = m.config["vocab_size"]
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((4, vocab)).astype(np.float32)
+    x[1, [5, vocab - 1]] = 100.0      # tie: the lower index wins, like numpy
+    x[2, vocab - 1] = 100.0           # the last element
+    got = m.vm["argmax_logits"](tvm.runtime.tensor(x, m.dev)).numpy()
+    return bool((got == x.argmax(-1)).all())
+
+
+def check_against_reference(m, ref, key: str) -> dict:
+    """Max |logit difference| relative to the largest reference logit, and greedy agreement, per step."""
+    logits, _ = teacher_forced_logits(m, CHECK_FORCED)
+    want = ref[f"{key}/logits"]
+    rel = float(np.abs(logits - want).max() / np.abs(want).max())
+    same = int((logits.argmax(-1) == want.argmax(-1)).sum())
+    return {"max_rel_err": rel, "argmax_equal": f"{same}/{len(want)}", "ok": rel < 5e-2 and same >= len(want) - 1}
 
 
 def cmd_build(a) -> None:
@@ -89,6 +148,8 @@ def cmd_mlcc(a) -> None:
     out.mkdir(parents=True, exist_ok=True)
     bw = copy_bandwidth()
     compile_times = json.loads((Path(a.libs) / "compile_times.json").read_text())
+    ref_file = Path(a.libs) / "reference.npz"
+    ref = np.load(ref_file) if ref_file.exists() else None
     rows = []
     for model, quant in RUNS:
         if a.only and f"{model}/{quant}" not in a.only.split(","):
@@ -99,6 +160,18 @@ def cmd_mlcc(a) -> None:
         t = time.perf_counter()
         m = LoadedModel(d, weights="random")
         load_s = time.perf_counter() - t
+        if not check_argmax(m):
+            rows.append({"model": model, "quant": quant, "engine": "mlcc", "error": "argmax_logits differs from numpy"})
+            print(rows[-1], flush=True)
+            continue
+        check = None
+        if ref is not None and f"{model}/{quant}/logits" in ref:
+            check = check_against_reference(m, ref, f"{model}/{quant}")
+            print(model, quant, "check vs CPU build:", check, flush=True)
+            if not check["ok"]:
+                rows.append({"model": model, "quant": quant, "engine": "mlcc", "check": check,
+                             "error": "logits differ from the CPU build: not timed"})
+                continue
         m.create_kv_cache(1, 4096, 2048)
         argmax = m.vm["argmax_logits"]
         # decode: one token per step, the id copied to the host each step (as in serving)
@@ -145,7 +218,7 @@ def cmd_mlcc(a) -> None:
                "roofline_tok_s": bw / nbytes, "bytes_per_token": nbytes, "copy_bw_GBs": bw / 1e9,
                "prefill_tok_s_512": prefill[512], "prefill_tok_s_2048": prefill[2048], "gpu_mem_GiB": peak,
                "load_s": load_s, "compile_s": compile_times[f"{model}/{quant}"],
-               "step_ms": {k: round(v, 3) for k, v in phases.items()}}
+               "step_ms": {k: round(v, 3) for k, v in phases.items()}, "check_vs_cpu": check}
         row["fraction_of_roofline"] = row["decode_tok_s"] / row["roofline_tok_s"]
         rows.append(row)
         print(json.dumps(row))
@@ -253,9 +326,10 @@ def cmd_table(a) -> None:
     print(f"{'model':14} {'quant':8} {'mlcc tok/s':>10} {'roofline':>9} {'frac':>6} {'HF eager':>9} {'HF compile':>10} "
           f"{'x compile':>9} {'prefill512':>10} {'prefill2k':>10} {'mem GiB':>8} {'compile s':>9}")
     for r in rows:
-        if r["engine"] != "mlcc":
+        if r["engine"] != "mlcc" or "decode_tok_s" not in r:
             continue
-        e, c = hf.get((r["model"], "transformers-eager")), hf.get((r["model"], "transformers-compile"))
+        e, c = hf.get((r["model"], "transformers-eager")), (hf.get((r["model"], "transformers-compile-static"))
+                                                       or hf.get((r["model"], "transformers-compile")))
         print(f"{r['model']:14} {r['quant']:8} {r['decode_tok_s']:>10.0f} {r['roofline_tok_s']:>9.0f} "
               f"{r['fraction_of_roofline']:>6.1%} {e or 0:>9.0f} {c or 0:>10.0f} "
               f"{(r['decode_tok_s'] / c) if c else 0:>9.2f} {r['prefill_tok_s_512']:>10.0f} "
@@ -271,6 +345,8 @@ def main() -> None:
     m.add_argument("--libs", required=True)
     m.add_argument("--out", required=True)
     m.add_argument("--only", default=None, help="comma-separated model/quant pairs")
+    r = sub.add_parser("reference")
+    r.add_argument("--out", required=True)
     h = sub.add_parser("hf")
     h.add_argument("--out", required=True)
     h.add_argument("--models", default="llama3-8b,qwen2.5-0.5b,smollm2-135m")
@@ -279,7 +355,7 @@ def main() -> None:
     t = sub.add_parser("table")
     t.add_argument("files", nargs="+")
     a = p.parse_args()
-    {"build": cmd_build, "mlcc": cmd_mlcc, "hf": cmd_hf, "table": cmd_table}[a.cmd](a)
+    {"build": cmd_build, "reference": cmd_reference, "mlcc": cmd_mlcc, "hf": cmd_hf, "table": cmd_table}[a.cmd](a)
 
 
 if __name__ == "__main__":

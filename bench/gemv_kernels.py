@@ -4,7 +4,9 @@
     python3 bench/gemv_kernels.py run --libs .dev/gemv      # device: time each kernel, print GB/s
 
 Each kernel is the fused dequantize+matmul of one Llama-3-8B projection at batch 1, built exactly as the model
-pipeline builds it, then scheduled by the rule named in the variant.
+pipeline builds it, then scheduled by the rule named in the variant ("mlcc": the hand-written q4 kernel of
+mlcc.schedules.cuda_q4_gemv, which the model pipeline now uses). Every kernel's output is checked against numpy
+on random inputs before it is timed.
 """
 
 from __future__ import annotations
@@ -64,17 +66,22 @@ def cmd_build(a) -> None:
     import tvm
     from tvm.s_tir import dlight as dl
 
-    variants = {"gemv": [dl.gpu.GEMV()], "lowbatch": [dl.gpu.LowBatchGEMV()], "matmul": [dl.gpu.Matmul()]}
+    from mlcc.schedules.cuda_q4_gemv import q4_decode_gemv_pass
+    from mlcc.targets.toolchains import toolchain_for
+
+    variants = {"gemv": [], "mlcc": [q4_decode_gemv_pass]}
     target = _target()
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     for quant in ("q4f16_1", "q0f16"):
         ks = kernels(quant)
-        for vname, rules in variants.items():
+        for vname, passes in variants.items():
+            if vname == "mlcc" and quant != "q4f16_1":
+                continue
             mod = tvm.IRModule({name: f.with_attr("global_symbol", name) for name, f, _ in ks})
-            with target:
-                mod = dl.ApplyDefaultSchedule(*rules, dl.gpu.Fallback())(mod)
-            tvm.compile(mod, target).export_library(str(out / f"{quant}-{vname}.so"))
+            with target, toolchain_for("cuda"):
+                mod = tvm.transform.Sequential(passes + [dl.ApplyDefaultSchedule(dl.gpu.GEMV(), dl.gpu.Fallback())])(mod)
+                tvm.compile(mod, target).export_library(str(out / f"{quant}-{vname}.so"))
             print("built", quant, vname)
     meta = {}
     for quant in ("q4f16_1", "q0f16"):
@@ -84,6 +91,31 @@ def cmd_build(a) -> None:
                     else [[[1, 1, k], "float16"], [[n, k], "float16"]])
             meta[f"{quant}/{name}"] = {"bytes": nb, "args": args + [[[1, 1, n], "float16"]]}
     (out / "meta.json").write_text(json.dumps(meta, indent=1))
+
+
+def _inputs(specs, quant: str) -> list[np.ndarray]:
+    """x ~ N(0, 1), random 4-bit codes, scales ~ 0.01: values like a real layer's, so errors are visible."""
+    rng = np.random.default_rng(0)
+    out = []
+    for shape, dtype in specs[:-1]:
+        if dtype == "uint32":
+            out.append(rng.integers(0, 1 << 32, size=shape, dtype=np.uint32))
+        elif len(out) == 0:
+            out.append(rng.standard_normal(shape).astype(dtype))
+        else:
+            out.append((rng.standard_normal(shape) * (0.01 if quant == "q4f16_1" else 0.02)).astype(dtype))
+    return out + [np.zeros(specs[-1][0], dtype=specs[-1][1])]
+
+
+def _reference(host: list[np.ndarray], quant: str) -> np.ndarray:
+    from mlcc.compiler.quant_schemes import get_quantization, group_dequantize
+
+    x = host[0].astype(np.float32).reshape(-1)
+    if quant == "q4f16_1":
+        w = group_dequantize(host[1], host[2], get_quantization(quant))
+    else:
+        w = host[1].astype(np.float32)
+    return w @ x
 
 
 def cmd_run(a) -> None:
@@ -102,17 +134,21 @@ def cmd_run(a) -> None:
         m = tvm.runtime.load_module(str(lib))
         for name in ("qkv", "o", "gate_up", "down", "lm_head"):
             spec = meta[f"{quant}/{name}"]
-            args = [tvm.runtime.tensor(np.zeros(s, dtype=d) if d != "uint32" else
-                                       np.random.randint(0, 2**31, size=s, dtype=np.int64).astype(np.uint32), dev)
-                    for s, d in spec["args"]]
+            host = _inputs(spec["args"], quant)
+            args = [tvm.runtime.tensor(h, dev) for h in host]
             try:
+                m[name](*args)
+                got = args[-1].numpy().astype(np.float32).reshape(-1)
+                want = _reference(host, quant)
+                rel = float(np.abs(got - want).max() / np.abs(want).max())
+                ok = rel < 2e-2  # fp16 output and fp16 (dlight) or fp16-per-group (mlcc) partial sums
                 t = m.time_evaluator(name, dev, number=50, repeat=3, min_repeat_ms=50)(*args).mean
                 rows.append({"quant": quant, "rule": variant, "kernel": name, "us": t * 1e6,
-                             "GB_s": spec["bytes"] / t / 1e9})
+                             "GB_s": spec["bytes"] / t / 1e9, "max_rel_err": rel, "check_ok": ok})
             except Exception as e:  # noqa: BLE001
                 rows.append({"quant": quant, "rule": variant, "kernel": name, "error": str(e)[:200]})
             r = rows[-1]
-            print(f"{quant:8} {variant:9} {name:8} " + (f"{r['us']:9.1f} us {r['GB_s']:7.0f} GB/s" if "us" in r
+            print(f"{quant:8} {variant:9} {name:8} " + (f"{r['us']:9.1f} us {r['GB_s']:7.0f} GB/s  err {r['max_rel_err']:.1e} {'ok' if r['check_ok'] else 'WRONG'}" if "us" in r
                                                         else r["error"]), flush=True)
     Path(a.out).mkdir(parents=True, exist_ok=True)
     (Path(a.out) / "gemv_kernels.json").write_text(json.dumps(rows, indent=1))

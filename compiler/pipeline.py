@@ -5,7 +5,7 @@ from __future__ import annotations
 import tvm
 from tvm import relax
 
-from mlcc.schedules import default_schedule_passes
+from mlcc.schedules import default_schedule_passes, handwritten_kernel_passes
 
 
 def fusion_passes(target: tvm.target.Target) -> list[tvm.transform.Pass]:
@@ -33,6 +33,7 @@ def build_pipeline(target: tvm.target.Target, tuning_db: str | None = None) -> t
     def _passes() -> list[tvm.transform.Pass]:
         return (
             fusion_passes(target)
+            + handwritten_kernel_passes(target)
             # tuned records first (only faster-than-default ones are ever stored); the rules skip what they scheduled
             + ([relax.transform.MetaScheduleApplyDatabase(str(tuning_db))] if tuning_db else [])
             + default_schedule_passes(target)

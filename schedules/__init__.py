@@ -5,6 +5,15 @@ from __future__ import annotations
 import tvm
 
 
+def handwritten_kernel_passes(target: tvm.target.Target) -> list[tvm.transform.Pass]:
+    """Kernels we write ourselves where the generic rules fall short; they run before tuning records and dlight."""
+    if target.kind.name == "cuda":
+        from .cuda_q4_gemv import q4_decode_gemv_pass
+
+        return [q4_decode_gemv_pass]
+    return []
+
+
 def default_schedule_passes(target: tvm.target.Target) -> list[tvm.transform.Pass]:
     from tvm.s_tir import dlight as dl
 

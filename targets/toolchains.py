@@ -48,5 +48,31 @@ def no_toolchain() -> Iterator[None]:
     yield
 
 
+@contextlib.contextmanager
+def cuda_source_helpers() -> Iterator[None]:
+    """Our hand-written CUDA kernels call small device helpers (mlcc.schedules.cuda_q4_gemv); TVM hands every
+    generated CUDA translation unit to `tvm_callback_cuda_postproc`, where the helpers are added, so the library
+    carries complete source."""
+    import tvm_ffi
+
+    from mlcc.schedules.cuda_q4_gemv import add_cuda_helpers
+
+    name = "tvm_callback_cuda_postproc"
+    previous = tvm_ffi.get_global_func(name, allow_missing=True)
+
+    def postproc(code: str, target=None) -> str:
+        code = previous(code, target) if previous is not None else code
+        return add_cuda_helpers(code)
+
+    tvm_ffi.register_global_func(name, postproc, override=True)
+    try:
+        yield
+    finally:
+        if previous is not None:
+            tvm_ffi.register_global_func(name, previous, override=True)
+        else:
+            tvm_ffi.remove_global_func(name)
+
+
 def toolchain_for(kind: str):
-    return rocm_toolchain() if kind == "rocm" else no_toolchain()
+    return {"rocm": rocm_toolchain, "cuda": cuda_source_helpers}.get(kind, no_toolchain)()
