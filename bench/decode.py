@@ -35,14 +35,16 @@ MODELS = {"llama3-8b": ("llama", LLAMA3_8B), "qwen2.5-0.5b": ("qwen2", QWEN25_05
 RUNS = [("llama3-8b", "q4f16_1"), ("llama3-8b", "q0f16"), ("qwen2.5-0.5b", "q4f16_1"), ("smollm2-135m", "q4f16_1")]
 PROMPT, STEPS = 128, 256
 CHECKED = ("smollm2-135m", "qwen2.5-0.5b")   # small enough to run on the CPU here as the reference
-CHECK_PROMPT, CHECK_FORCED = [7, 1, 99, 3000, 42, 5, 123, 8], [11, 2024, 5, 777, 31000, 9, 400, 16000]
+# a few hundred tokens of context, so decode attention runs multi-step chunks
+CHECK_PROMPT = [7, 1, 99, 3000, 42, 5, 123, 8] + [(37 * i) % 40000 + 10 for i in range(250)]
+CHECK_FORCED = [11, 2024, 5, 777, 31000, 9, 400, 16000]
 CHECK_STEPS = len(CHECK_FORCED)
 
 
 def teacher_forced_logits(m, forced: list[int]) -> tuple[np.ndarray, list[int]]:
     """Logits after the check prompt and after each decode step fed a fixed token (random weights make the greedy
     tokens of both builds constant, which would test little), so both builds see identical inputs."""
-    m.create_kv_cache(1, 1024, 256)
+    m.create_kv_cache(1, 1024, 512)
     m.add_sequence(0)
     rows = [m.prefill([0], [CHECK_PROMPT]).numpy().reshape(-1)]
     toks = []

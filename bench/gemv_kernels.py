@@ -66,7 +66,7 @@ def cmd_build(a) -> None:
     import tvm
     from tvm.s_tir import dlight as dl
 
-    from mlcc.schedules.cuda_q4_gemv import q4_decode_gemv_pass
+    from mlcc.schedules.cuda_q4_gemv import GemvShape, make_q4_gemv, q4_decode_gemv_pass
     from mlcc.targets.toolchains import toolchain_for
 
     variants = {"gemv": [], "mlcc": [q4_decode_gemv_pass]}
@@ -82,7 +82,13 @@ def cmd_build(a) -> None:
             with target, toolchain_for("cuda"):
                 mod = tvm.transform.Sequential(passes + [dl.ApplyDefaultSchedule(dl.gpu.GEMV(), dl.gpu.Fallback())])(mod)
                 tvm.compile(mod, target).export_library(str(out / f"{quant}-{vname}.so"))
-            print("built", quant, vname)
+        if quant == "q4f16_1":  # launch-shape sweep of the hand-written kernel (warps wanted per launch)
+            for wanted in (2048, 8192, 16384):
+                mod = tvm.IRModule({name: make_q4_gemv(GemvShape(*SHAPES[name], "none"), wanted)
+                                    .with_attr("global_symbol", name) for name, _, _ in ks})
+                with target, toolchain_for("cuda"):
+                    tvm.compile(mod, target).export_library(str(out / f"{quant}-mlccw{wanted}.so"))
+        print("built", quant)
     meta = {}
     for quant in ("q4f16_1", "q0f16"):
         for name, _, nb in kernels(quant):

@@ -42,6 +42,13 @@ def main() -> None:
             tok = int(argmax(m.decode([0], [tok])).numpy()[0])
         wall = (time.perf_counter() - t) / a.steps * 1e3
     kernels = collections.defaultdict(lambda: [0, 0.0])
+    gaps = collections.defaultdict(lambda: [0, 0.0])  # idle GPU time, by the kernel before and after it
+    spans = sorted((e.time_range.start, e.time_range.end, re.sub(r"\d+", "#", re.sub(r"(_kernel)?(_\d+)?$", "", e.name)))
+                   for e in prof.events() if e.device_type.name == "CUDA" and e.device_time_total > 0)
+    for (_, end, before), (start, _, after) in zip(spans, spans[1:]):
+        if start - end > 2:  # us
+            gaps[f"{before[:28]} -> {after[:28]}"][0] += 1
+            gaps[f"{before[:28]} -> {after[:28]}"][1] += (start - end) / 1e3
     gpu_total = 0.0
     for e in prof.events():
         if e.device_type.name == "CUDA" and e.device_time_total > 0:
@@ -56,10 +63,39 @@ def main() -> None:
     print(f"{'kernel (digits folded)':60} {'calls/tok':>9} {'ms/tok':>8}")
     for k, c, t in rows[:25]:
         print(f"{k[:60]:60} {c:9.1f} {t:8.3f}")
+    # host time per call of each piece of a step (no syncs but the last: launches are asynchronous, so a piece
+    # that outruns the GPU shows only its own CPU cost)
+    host = collections.defaultdict(float)
+    for _ in range(a.steps):
+        t0 = time.perf_counter()
+        ids = m._ids_to_dev(m._check_ids([tok]))
+        t1 = time.perf_counter()
+        emb = m._reshape(m._f["embed"](ids, m.params), m._shape([1, 1, m.hidden]))
+        t2 = time.perf_counter()
+        m._kv_begin(m.kv, m._shape([0]), m._shape([1]))
+        t3 = time.perf_counter()
+        out = m._f["decode"](emb, m.kv, m.params)
+        t4 = time.perf_counter()
+        m._kv_end(m.kv)
+        ids_out = argmax(m._logits(out, 1))
+        t5 = time.perf_counter()
+        tok = int(ids_out.numpy()[0])
+        t6 = time.perf_counter()
+        for k, v in (("ids to device", t1 - t0), ("embed call", t2 - t1), ("kv begin_forward", t3 - t2),
+                     ("decode call (enqueue)", t4 - t3), ("end_forward + argmax call", t5 - t4),
+                     ("wait for GPU + id to host", t6 - t5)):
+            host[k] += v * 1e3 / a.steps
+    print("host ms per step: " + ", ".join(f"{k} {v:.3f}" for k, v in host.items()))
+    gap_rows = sorted(((k, c / a.steps, t / a.steps) for k, (c, t) in gaps.items()), key=lambda r: -r[2])
+    print(f"{'GPU idle > 2 us, between':60} {'count/tok':>9} {'ms/tok':>8}")
+    for k, c, t in gap_rows[:10]:
+        print(f"{k[:60]:60} {c:9.1f} {t:8.3f}")
     Path(a.out).mkdir(parents=True, exist_ok=True)
     (Path(a.out) / f"profile_{a.model}.json").write_text(json.dumps(
         {"wall_ms_per_token": wall, "gpu_busy_ms_per_token": gpu_total / a.steps,
-         "kernels": [{"name": k, "calls_per_token": c, "ms_per_token": t} for k, c, t in rows]}, indent=1))
+         "kernels": [{"name": k, "calls_per_token": c, "ms_per_token": t} for k, c, t in rows],
+         "host_ms_per_step": host,
+         "idle_gaps": [{"between": k, "per_token": c, "ms_per_token": t} for k, c, t in gap_rows]}, indent=1))
 
 
 if __name__ == "__main__":

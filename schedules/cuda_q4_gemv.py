@@ -80,7 +80,7 @@ class GemvShape:
 _WARPS_WANTED = 4096
 
 
-def launch_config(n: int, k: int) -> tuple[int, int, int, int]:
+def launch_config(n: int, k: int, warps_wanted: int = _WARPS_WANTED) -> tuple[int, int, int, int]:
     """(lanes per row, rows per thread, row warps per block, warps splitting K)."""
     groups = k // 32
     lanes = 32
@@ -91,19 +91,19 @@ def launch_config(n: int, k: int) -> tuple[int, int, int, int]:
     def warps_total() -> int:
         return -(-n // (rows * (32 // lanes))) * ksplit
 
-    while warps_total() < _WARPS_WANTED and groups >= lanes * ksplit * 2 and ksplit < 8:
+    while warps_total() < warps_wanted and groups >= lanes * ksplit * 2 and ksplit < 8:
         ksplit *= 2
-    while warps_total() < _WARPS_WANTED // 2 and rows > 1:  # small models: fewer rows per thread, more threads
+    while warps_total() < warps_wanted // 2 and rows > 1:  # small models: fewer rows per thread, more threads
         rows //= 2
     return lanes, rows, max(1, 4 // ksplit), ksplit
 
 
-def make_q4_gemv(shape: GemvShape):
+def make_q4_gemv(shape: GemvShape, warps_wanted: int = _WARPS_WANTED):
     """The hand-scheduled kernel for one projection, with the parameter order of TVM's fused function."""
     from tvm.script import tirx as T
 
     n, k, epi = shape.n, shape.k, shape.epilogue
-    lanes, rows, row_warps, ksplit = launch_config(n, k)
+    lanes, rows, row_warps, ksplit = launch_config(n, k, warps_wanted)
     warps = row_warps * ksplit
     groups = k // 32
     slots = 32 // lanes

@@ -13,6 +13,7 @@ from mlcc.compiler.build import compile_library, export_module
 from mlcc.compiler.pipeline import fusion_passes
 from mlcc.compiler.quantize import get_quantization, group_dequantize, group_quantize
 from mlcc.compiler.weights import load_source
+from mlcc.schedules.cuda_decode_attention import _decode_kernel_shape, make_split_decode, split_decode_attention_pass
 from mlcc.schedules.cuda_q4_gemv import HELPER_NAME, GemvShape, make_q4_gemv, match_q4_gemv, q4_decode_gemv_pass
 from mlcc.targets import get_target
 
@@ -53,6 +54,17 @@ def test_float32_models_keep_the_default_schedule(hf_models):
     assert not [f for f in _prim_funcs(mod).values() if match_q4_gemv(f) is not None]
 
 
+def test_split_kv_decode_attention_replaces_tvms_kernel(hf_models):
+    built, _ = _fused(hf_models)
+    funcs = _prim_funcs(built.mod)
+    assert _decode_kernel_shape(funcs["batch_decode_paged_kv"]) == (2, 4, 16, "float16", 16)
+    assert _decode_kernel_shape(funcs["batch_decode_paged_kv_sliding_window"]) is None  # different signature
+    after = _prim_funcs(split_decode_attention_pass(built.mod))
+    assert "part_md" in after["batch_decode_paged_kv"].script()  # the split-KV kernel, same global symbol
+    assert after["batch_decode_paged_kv"].attrs["global_symbol"] == "batch_decode_paged_kv"
+    assert "part_md" not in after["batch_decode_paged_kv_sliding_window"].script()
+
+
 def test_cuda_library_source_carries_the_helpers_and_compiles(hf_models, tmp_path):
     built, _ = _fused(hf_models)
     ex = compile_library(built, tmp_path / "model.so")
@@ -67,6 +79,7 @@ def test_cuda_library_source_carries_the_helpers_and_compiles(hf_models, tmp_pat
     assert src.count(f"unsigned {HELPER_NAME}(unsigned w") == 1          # defined once
     assert src.count(f"{HELPER_NAME}(") > 10                            # and called by the kernels
     assert "argmax_partial_kernel" in src and "argmax_merge_kernel" in src
+    assert "part_md" in src  # split-KV decode attention
     nvcc = shutil.which("nvcc")
     if nvcc is None:
         return  # the source checks above still ran; NVRTC compiles it at load on a GPU machine
@@ -103,3 +116,39 @@ def test_q4_kernel_matches_numpy_on_the_gpu(n, k, epilogue):
         want = want + res.reshape(-1)
     got = args[-1].numpy().reshape(-1).astype(np.float32)
     np.testing.assert_allclose(got, want, rtol=0, atol=2e-2 * np.abs(want).max())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("h_kv,h_qo,d", [(8, 32, 128), (3, 9, 64)])
+@pytest.mark.parametrize("lens", [[1], [17], [700], [5, 300, 1500]])
+def test_split_kv_decode_attention_matches_numpy_on_the_gpu(h_kv, h_qo, d, lens):
+    import math
+
+    if not tvm.cuda(0).exist:
+        pytest.fail("marked gpu but no CUDA device")
+    rng = np.random.default_rng(0)
+    page = 16
+    n_pages = [-(-n // page) for n in lens]
+    pages = (rng.standard_normal((sum(n_pages) + 2, 2, h_kv, page, d)) * 0.5).astype(np.float16)
+    values = rng.permutation(sum(n_pages) + 2)[:sum(n_pages)].astype(np.int32)
+    indptr = np.concatenate([[0], np.cumsum(n_pages)]).astype(np.int32)
+    last = np.array([n - (p - 1) * page for n, p in zip(lens, n_pages)], np.int32)
+    q = rng.standard_normal((len(lens), h_qo, d)).astype(np.float16)
+    lib = tvm.compile(tvm.IRModule({"main": make_split_decode(h_kv, h_qo, d, "float16", page)
+                                    .with_attr("global_symbol", "main")}), get_target("cuda").tvm_target())
+    dev = tvm.cuda(0)
+    zeros = np.zeros(len(lens), np.int32)
+    args = [tvm.runtime.tensor(x, dev) for x in (q, pages, indptr, values, last, zeros, zeros, np.zeros_like(q),
+                                                  np.zeros((len(lens), h_qo), np.float32))]
+    sm = 1 / math.sqrt(d)
+    lib["main"](*args, 0, 1.0, 10000.0, sm)
+    for i, n in enumerate(lens):
+        pg = values[indptr[i]:indptr[i + 1]]
+        k = pages[pg, 0].transpose(1, 0, 2, 3).reshape(h_kv, -1, d)[:, :n].astype(np.float32)
+        v = pages[pg, 1].transpose(1, 0, 2, 3).reshape(h_kv, -1, d)[:, :n].astype(np.float32)
+        for h in range(h_qo):
+            s = k[h // (h_qo // h_kv)] @ q[i, h].astype(np.float32) * sm
+            p = np.exp(s - s.max())
+            np.testing.assert_allclose(args[7].numpy()[i, h].astype(np.float32), p @ v[h // (h_qo // h_kv)] / p.sum(),
+                                       atol=2e-2)
+            assert abs(args[8].numpy()[i, h] - (s.max() + np.log(p.sum())) * math.log2(math.e)) < 1e-2

@@ -1,0 +1,197 @@
+"""Split-KV paged decode attention for CUDA (issue 4: the decode step's attention).
+
+TVM's `batch_decode_paged_kv` runs one thread block per (sequence, KV head): at batch 1 that is 8 blocks for a
+Llama-3-8B layer, each walking the whole context in a serial loop — 17 us per layer on an H200 at a few hundred
+tokens, a quarter of the decode step. This kernel has the same signature (the paged KV cache calls it in place of
+TVM's) and splits each sequence's context into SPLITS chunks, one block each, with flash-decoding's two phases in one
+PrimFunc: (1) per chunk, every query head of the KV head's group keeps an online softmax (max, sum, output) over its
+tokens, several tokens in flight per block, partials to a workspace; (2) one warp per query head merges the chunks.
+The number of chunks is fixed (the host cannot see the lengths, which live on the device); empty chunks add nothing.
+
+Scores are in log2 units (scaled by sm_scale·log2 e) and lse is max + log2(sum), as TVM's kernels write it. RoPE
+must already be applied (the KV cache's NORMAL rope mode, which mlcc's models use): `rotary_mode` is ignored.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import tvm
+
+log = logging.getLogger(__name__)
+
+SPLITS = 16          # chunks per sequence: 8 KV heads x 16 = 128 blocks at batch 1, about one per SM
+TOKENS_IN_FLIGHT = 4
+
+
+def make_split_decode(h_kv: int, h_qo: int, d: int, dtype: str, page_size: int):
+    from tvm.script import tirx as T
+
+    group = h_qo // h_kv
+    vec = 4
+    lanes = d // vec
+    tp = TOKENS_IN_FLIGHT
+    splits = SPLITS
+    log2e = math.log2(math.e)
+    assert lanes in (4, 8, 16, 32) and lanes * group * tp <= 1024, (d, group)
+
+    @T.prim_func(s_tir=True)
+    def batch_decode_paged_kv_split(
+        Q_handle: T.handle, pages_handle: T.handle, page_table_indptr_handle: T.handle,
+        page_table_values_handle: T.handle, var_length_info: T.handle, k_rope_pos_offset_handle: T.handle,
+        q_rope_position_handle: T.handle, output_handle: T.handle, lse_handle: T.handle,
+        rotary_mode: T.int32, rope_scale: T.float32, rope_theta: T.float32, sm_scale: T.float32,
+    ):
+        T.func_attr({"tirx.is_scheduled": True, "global_symbol": "batch_decode_paged_kv"})
+        B = T.int32()
+        nnz_pages = T.int32()
+        max_num_pages = T.int32()
+        pages_elem_offset = T.int64()
+        page_indptr_elem_offset = T.int32()
+        page_values_elem_offset = T.int32()
+        k_rope_pos_offset_elem_offset = T.int32()
+        q_rope_position_elem_offset = T.int32()
+        length_info_elem_offset = T.int32()
+
+        Q = T.match_buffer(Q_handle, (B, h_qo, d), dtype)
+        pages = T.match_buffer(pages_handle, (max_num_pages, 2, h_kv, page_size, d), dtype,
+                               elem_offset=pages_elem_offset)
+        page_table_indptr = T.match_buffer(page_table_indptr_handle, (B + 1,), "int32",
+                                           elem_offset=page_indptr_elem_offset)
+        page_table_values = T.match_buffer(page_table_values_handle, (nnz_pages,), "int32",
+                                           elem_offset=page_values_elem_offset)
+        k_rope_pos_offset = T.match_buffer(k_rope_pos_offset_handle, (B,), "int32",
+                                           elem_offset=k_rope_pos_offset_elem_offset)
+        q_rope_position = T.match_buffer(q_rope_position_handle, (B,), "int32",
+                                         elem_offset=q_rope_position_elem_offset)
+        output = T.match_buffer(output_handle, (B, h_qo, d), dtype)
+        lse = T.match_buffer(lse_handle, (B, h_qo), "float32")
+        length_info = T.match_buffer(var_length_info, (B,), "int32", elem_offset=length_info_elem_offset)
+
+        part_o = T.sblock_alloc_buffer((B, h_qo, splits, d), "float32", scope="global")
+        part_md = T.sblock_alloc_buffer((B, h_qo, splits, 2), "float32", scope="global")
+
+        for bx in T.thread_binding(B, thread="blockIdx.x"):
+            for by in T.thread_binding(h_kv * splits, thread="blockIdx.y"):
+                for tz in T.thread_binding(tp, thread="threadIdx.z"):
+                    for ty in T.thread_binding(group, thread="threadIdx.y"):
+                        for tx in T.thread_binding(lanes, thread="threadIdx.x"):
+                            with T.sblock("chunk"):
+                                T.reads()
+                                T.writes()
+                                q = T.sblock_alloc_buffer((vec,), "float32", scope="local")
+                                o = T.sblock_alloc_buffer((vec,), "float32", scope="local")
+                                st = T.sblock_alloc_buffer((4,), "float32", scope="local")  # m, d, score, rescale
+                                n_tok = T.sblock_alloc_buffer((1,), "int32", scope="local")
+                                o_sh = T.sblock_alloc_buffer((tp, group, d), "float32", scope="shared")
+                                md_sh = T.sblock_alloc_buffer((tp, group, 2), "float32", scope="shared")
+                                page_begin: T.let[T.int32] = page_table_indptr[bx]
+                                page_end: T.let[T.int32] = page_table_indptr[bx + 1]
+                                n_tok[0] = T.if_then_else(page_begin != page_end,
+                                                          (page_end - page_begin - 1) * page_size + length_info[bx], 0)
+                                chunk: T.let[T.int32] = (n_tok[0] + splits - 1) // splits
+                                kv_head: T.let[T.int32] = by // splits
+                                start: T.let[T.int32] = by % splits * chunk
+                                for v in T.vectorized(vec):
+                                    q[v] = T.Cast("float32", Q[bx, kv_head * group + ty, tx * vec + v]) * sm_scale * log2e
+                                    o[v] = T.float32(0)
+                                st[0] = T.float32(-5e4)
+                                st[1] = T.float32(0)
+                                for it in T.serial((chunk + tp - 1) // tp):
+                                    # every thread runs every step (the shuffles need whole warps, and a warp can
+                                    # hold two token slots): tokens past the chunk read a valid one and score -5e4
+                                    pos: T.let[T.int32] = T.min(start + it * tp + tz, n_tok[0] - 1)
+                                    page: T.let[T.int32] = page_table_values[page_begin + pos // page_size]
+                                    off: T.let[T.int32] = pos % page_size
+                                    st[2] = T.float32(0)
+                                    for v in T.unroll(vec):
+                                        st[2] = st[2] + q[v] * T.Cast("float32", pages[page, 0, kv_head, off, tx * vec + v])
+                                    for sh in T.unroll(5):
+                                        if (1 << sh) < lanes:
+                                            st[2] = st[2] + T.call_pure_extern(
+                                                "float32", "__shfl_xor_sync", T.uint32(0xFFFFFFFF), st[2], 1 << sh, lanes)
+                                    if it * tp + tz >= chunk or start + it * tp + tz >= n_tok[0]:
+                                        st[2] = T.float32(-5e4)
+                                    st[3] = T.exp2(st[0] - T.max(st[0], st[2]))
+                                    st[0] = T.max(st[0], st[2])
+                                    st[2] = T.exp2(st[2] - st[0])
+                                    st[1] = st[1] * st[3] + st[2]
+                                    for v in T.vectorized(vec):
+                                        o[v] = o[v] * st[3] + st[2] * T.Cast("float32", pages[page, 1, kv_head, off, tx * vec + v])
+                                # the tokens in flight meet in shared memory; tz == 0 merges them
+                                for v in T.vectorized(vec):
+                                    o_sh[tz, ty, tx * vec + v] = o[v]
+                                md_sh[tz, ty, 0] = st[0]
+                                md_sh[tz, ty, 1] = st[1]
+                                T.evaluate(T.tvm_storage_sync("shared"))
+                                if tz == 0:
+                                    for j in T.serial(tp - 1):
+                                        st[2] = T.max(st[0], md_sh[j + 1, ty, 0])
+                                        st[3] = T.exp2(md_sh[j + 1, ty, 0] - st[2])
+                                        st[1] = st[1] * T.exp2(st[0] - st[2]) + md_sh[j + 1, ty, 1] * st[3]
+                                        for v in T.vectorized(vec):
+                                            o[v] = o[v] * T.exp2(st[0] - st[2]) + o_sh[j + 1, ty, tx * vec + v] * st[3]
+                                        st[0] = st[2]
+                                    for v in T.vectorized(vec):
+                                        part_o[bx, kv_head * group + ty, by % splits, tx * vec + v] = o[v]
+                                    part_md[bx, kv_head * group + ty, by % splits, 0] = st[0]
+                                    part_md[bx, kv_head * group + ty, by % splits, 1] = st[1]
+
+        for bx in T.thread_binding(B, thread="blockIdx.x"):
+            for by in T.thread_binding(h_qo, thread="blockIdx.y"):
+                for tx in T.thread_binding(lanes, thread="threadIdx.x"):
+                    with T.sblock("merge"):
+                        T.reads()
+                        T.writes()
+                        o = T.sblock_alloc_buffer((vec,), "float32", scope="local")
+                        st = T.sblock_alloc_buffer((4,), "float32", scope="local")  # m, d, new m, weight
+                        st[0] = T.float32(-5e4)
+                        st[1] = T.float32(1)  # TVM's convention: an empty sequence gives 0, not NaN
+                        for v in T.vectorized(vec):
+                            o[v] = T.float32(0)
+                        for s in T.serial(splits):
+                            st[2] = T.max(st[0], part_md[bx, by, s, 0])
+                            st[3] = T.exp2(part_md[bx, by, s, 0] - st[2])
+                            st[1] = st[1] * T.exp2(st[0] - st[2]) + part_md[bx, by, s, 1] * st[3]
+                            for v in T.vectorized(vec):
+                                o[v] = o[v] * T.exp2(st[0] - st[2]) + part_o[bx, by, s, tx * vec + v] * st[3]
+                            st[0] = st[2]
+                        for v in T.vectorized(vec):
+                            output[bx, by, tx * vec + v] = T.Cast(dtype, o[v] / st[1])
+                        if tx == 0:
+                            lse[bx, by] = st[0] + T.log2(st[1])
+
+    return batch_decode_paged_kv_split
+
+
+def _decode_kernel_shape(func) -> tuple[int, int, int, str, int] | None:
+    """(kv heads, query heads, head dim, dtype, page size) of TVM's non-sliding-window decode kernel."""
+    attrs = func.attrs
+    if attrs is None or attrs.get("global_symbol") != "batch_decode_paged_kv" or len(func.params) != 13:
+        return None
+    try:
+        q, pages = func.params[0], func.params[1]
+        _, h_qo, d = (int(x) if i else x for i, x in enumerate(q.shape))
+        _, _, h_kv, page_size, d2 = (int(x) if i else x for i, x in enumerate(pages.shape))
+    except (TypeError, ValueError, AttributeError):
+        return None
+    if d != d2 or h_qo % h_kv or str(q.dtype) != str(pages.dtype):
+        return None
+    return h_kv, h_qo, d, str(q.dtype), page_size
+
+
+@tvm.transform.module_pass(opt_level=0, name="mlcc_cuda_split_decode_attention")
+def split_decode_attention_pass(mod: tvm.ir.IRModule, _ctx) -> tvm.ir.IRModule:
+    for gv, func in list(mod.functions.items()):
+        if not isinstance(func, tvm.tirx.PrimFunc):
+            continue
+        shape = _decode_kernel_shape(func)
+        if shape is None:
+            continue
+        h_kv, h_qo, d, dtype, page_size = shape
+        lanes, group = d // 4, h_qo // h_kv
+        if lanes not in (4, 8, 16, 32) or d % 4 or lanes * group * TOKENS_IN_FLIGHT > 1024:
+            continue
+        mod[gv] = make_split_decode(h_kv, h_qo, d, dtype, page_size)
+    return mod
