@@ -289,13 +289,13 @@ def cmd_hf(a) -> None:
         gen = dict(max_new_tokens=STEPS, min_new_tokens=STEPS, do_sample=False, cache_implementation="static",
                    pad_token_id=0)
         for mode in a.modes.split(","):
-            if mode == "compile-static":
+            if mode in ("compile-static", "eager-static"):  # the same one-token loop, compiled or not
                 try:
-                    tok_s, _ = static_cache_decode(hf, conf, STEPS, compiled=True)
-                    rows.append({"model": model, "quant": "fp16", "engine": "transformers-compile-static",
+                    tok_s, _ = static_cache_decode(hf, conf, STEPS, compiled=mode == "compile-static")
+                    rows.append({"model": model, "quant": "fp16", "engine": f"transformers-{mode}",
                                  "decode_tok_s": tok_s, "transformers": tf.__version__, "torch": torch.__version__})
                 except Exception as e:  # noqa: BLE001 - report, keep going
-                    rows.append({"model": model, "engine": "transformers-compile-static", "error": str(e)[:300]})
+                    rows.append({"model": model, "engine": f"transformers-{mode}", "error": str(e)[:300]})
                 print(json.dumps(rows[-1]))
                 (out / f"decode_hf_{a.tag}.json").write_text(json.dumps(rows, indent=1))
                 continue
@@ -330,8 +330,8 @@ def cmd_table(a) -> None:
     for r in rows:
         if r["engine"] != "mlcc" or "decode_tok_s" not in r:
             continue
-        e, c = hf.get((r["model"], "transformers-eager")), (hf.get((r["model"], "transformers-compile-static"))
-                                                       or hf.get((r["model"], "transformers-compile")))
+        e = hf.get((r["model"], "transformers-eager-static")) or hf.get((r["model"], "transformers-eager"))
+        c = hf.get((r["model"], "transformers-compile-static")) or hf.get((r["model"], "transformers-compile"))
         print(f"{r['model']:14} {r['quant']:8} {r['decode_tok_s']:>10.0f} {r['roofline_tok_s']:>9.0f} "
               f"{r['fraction_of_roofline']:>6.1%} {e or 0:>9.0f} {c or 0:>10.0f} "
               f"{(r['decode_tok_s'] / c) if c else 0:>9.2f} {r['prefill_tok_s_512']:>10.0f} "
