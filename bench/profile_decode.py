@@ -2,6 +2,7 @@
 which records every CUDA kernel in the process, TVM's included.
 
     python3 bench/profile_decode.py --libs .dev/bench --model llama3-8b-q4f16_1 --out $OUT
+    python3 bench/profile_decode.py --libs .dev/bench --model llama3-8b-q4f16_1 --prefill 2048 --steps 3 --out $OUT
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ def main() -> None:
     p.add_argument("--libs", required=True)
     p.add_argument("--model", default="llama3-8b-q4f16_1")
     p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--prefill", type=int, default=0, help="profile prefills of this many tokens instead of decode")
     p.add_argument("--out", required=True)
     a = p.parse_args()
 
@@ -36,10 +38,16 @@ def main() -> None:
     tok = 7
     for _ in range(5):
         tok = int(argmax(m.decode([0], [tok])).numpy()[0])
+    prompt = [1 + i % 1000 for i in range(a.prefill)]
     with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
         t = time.perf_counter()
         for _ in range(a.steps):
-            tok = int(argmax(m.decode([0], [tok])).numpy()[0])
+            if a.prefill:
+                m.add_sequence(1)
+                m.prefill([1], [prompt]).numpy()
+                m.remove_sequence(1)
+            else:
+                tok = int(argmax(m.decode([0], [tok])).numpy()[0])
         wall = (time.perf_counter() - t) / a.steps * 1e3
     kernels = collections.defaultdict(lambda: [0, 0.0])
     gaps = collections.defaultdict(lambda: [0, 0.0])  # idle GPU time, by the kernel before and after it
@@ -58,7 +66,8 @@ def main() -> None:
             kernels[name][1] += e.device_time_total / 1e3  # ms
             gpu_total += e.device_time_total / 1e3
     rows = sorted(((k, c / a.steps, t / a.steps) for k, (c, t) in kernels.items()), key=lambda r: -r[2])
-    print(f"{a.model}: wall {wall:.3f} ms/token, GPU busy {gpu_total / a.steps:.3f} ms/token "
+    unit = f"prefill of {a.prefill}" if a.prefill else "token"
+    print(f"{a.model}: wall {wall:.3f} ms/{unit}, GPU busy {gpu_total / a.steps:.3f} ms/token "
           f"({gpu_total / a.steps / wall:.0%}), kernels/token {sum(r[1] for r in rows):.0f}")
     print(f"{'kernel (digits folded)':60} {'calls/tok':>9} {'ms/tok':>8}")
     for k, c, t in rows[:25]:
@@ -66,7 +75,7 @@ def main() -> None:
     # host time per call of each piece of a step (no syncs but the last: launches are asynchronous, so a piece
     # that outruns the GPU shows only its own CPU cost)
     host = collections.defaultdict(float)
-    for _ in range(a.steps):
+    for _ in range(0 if a.prefill else a.steps):
         t0 = time.perf_counter()
         ids = m._ids_to_dev(m._check_ids([tok]))
         t1 = time.perf_counter()
@@ -85,14 +94,15 @@ def main() -> None:
                      ("decode call (enqueue)", t4 - t3), ("end_forward + argmax call", t5 - t4),
                      ("wait for GPU + id to host", t6 - t5)):
             host[k] += v * 1e3 / a.steps
-    print("host ms per step: " + ", ".join(f"{k} {v:.3f}" for k, v in host.items()))
+    if host:
+        print("host ms per step: " + ", ".join(f"{k} {v:.3f}" for k, v in host.items()))
     gap_rows = sorted(((k, c / a.steps, t / a.steps) for k, (c, t) in gaps.items()), key=lambda r: -r[2])
     print(f"{'GPU idle > 2 us, between':60} {'count/tok':>9} {'ms/tok':>8}")
     for k, c, t in gap_rows[:10]:
         print(f"{k[:60]:60} {c:9.1f} {t:8.3f}")
     Path(a.out).mkdir(parents=True, exist_ok=True)
-    (Path(a.out) / f"profile_{a.model}.json").write_text(json.dumps(
-        {"wall_ms_per_token": wall, "gpu_busy_ms_per_token": gpu_total / a.steps,
+    (Path(a.out) / f"profile_{a.model}{f'_prefill{a.prefill}' if a.prefill else ''}.json").write_text(json.dumps(
+        {"unit": unit, "wall_ms_per_token": wall, "gpu_busy_ms_per_token": gpu_total / a.steps,
          "kernels": [{"name": k, "calls_per_token": c, "ms_per_token": t} for k, c, t in rows],
          "host_ms_per_step": host,
          "idle_gaps": [{"between": k, "per_token": c, "ms_per_token": t} for k, c, t in gap_rows]}, indent=1))
