@@ -152,3 +152,21 @@ def test_split_kv_decode_attention_matches_numpy_on_the_gpu(h_kv, h_qo, d, lens)
             np.testing.assert_allclose(args[7].numpy()[i, h].astype(np.float32), p @ v[h // (h_qo // h_kv)] / p.sum(),
                                        atol=2e-2)
             assert abs(args[8].numpy()[i, h] - (s.max() + np.log(p.sum())) * math.log2(math.e)) < 1e-2
+
+
+def test_wide_prefill_attention_is_tvms_kernel_with_a_bigger_grid(hf_models, monkeypatch):
+    """Rebuilt with TVM's own grid size, each prefill kernel is structurally identical to TVM's: the shapes,
+    dtype and flags we read back from the original are the ones it was built with."""
+    from mlcc.schedules import cuda_prefill_attention as cpa
+
+    built, _ = _fused(hf_models)
+    funcs = _prim_funcs(built.mod)
+    target = get_target("cuda").tvm_target()
+    monkeypatch.setattr(cpa, "_num_blocks", lambda h_kv: 16)
+    for name, kind in (("batch_prefill_ragged_kv", "ragged"), ("batch_prefill_paged_kv", "paged")):
+        tvm.ir.assert_structural_equal(cpa._rebuild(kind, funcs[name], target), funcs[name])
+    monkeypatch.undo()
+    with target:
+        wide = _prim_funcs(cpa.wide_prefill_attention_pass(built.mod))
+    assert 'thread_binding(528, thread="blockIdx.x")' in wide["batch_prefill_ragged_kv"].script()
+    assert 'thread_binding(16, thread="blockIdx.x")' in wide["batch_prefill_paged_kv_sliding_window"].script()
