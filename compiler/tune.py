@@ -22,16 +22,24 @@ def tune_model(model: str | Path, target: str, quant: str, trials: int, db: str 
                max_tasks: int | None = None) -> list[TaskReport]:
     import tvm
 
-    from mlcc.schedules import default_schedule_for
+    from mlcc.schedules import default_schedule_for, handwritten_kernel_passes
 
     from .pipeline import fusion_passes
 
+    import importlib.util
+
+    from mlcc.targets.toolchains import ToolchainError
+
     preset, q = get_target(target), get_quantization(quant)
+    if importlib.util.find_spec("xgboost") is None:
+        raise ToolchainError("mlcc tune needs xgboost for its cost model: pip install xgboost-cpu "
+                             "(or install mlcc with the [tune] extra)")
     built = export_module(load_source(model), preset, q)
     if not preset.can_run_here():
         raise ValueError(f"tuning measures kernels on the device: target '{preset.name}' cannot run on this machine")
     with built.target:
-        mod = tvm.transform.Sequential(fusion_passes(built.target))(built.mod)
+        # the same kernels compile will schedule: hand-written ones are taken out of tuning
+        mod = tvm.transform.Sequential(fusion_passes(built.target) + handwritten_kernel_passes(built.target))(built.mod)
     return tune(mod, built.target, default_schedule_for(built.target), trials, db or default_tuning_db(), max_tasks)
 
 

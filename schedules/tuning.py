@@ -44,10 +44,13 @@ def _arg_specs(f: tirx.PrimFunc) -> list[tuple[list, str]] | None:
 
 def extract_tasks(mod: tvm.ir.IRModule, max_tasks: int | None = None) -> list[tuple[str, tirx.PrimFunc]]:
     """Static-shape matmul kernels (decode GEMVs, fixed-size GEMMs), largest first. Kernels with symbolic
-    dimensions are left to the default rules: a record is only valid for the shape it was tuned on."""
+    dimensions are left to the default rules: a record is only valid for the shape it was tuned on. Kernels that
+    are already scheduled (mlcc's hand-written CUDA kernels) are what compile uses: nothing to tune."""
     tasks = []
     for gv, f in mod.functions.items():
         if not isinstance(f, tirx.PrimFunc) or "matmul" not in gv.name_hint:
+            continue
+        if f.attrs is not None and "tirx.is_scheduled" in f.attrs:
             continue
         specs = _arg_specs(f)
         if specs is None:
