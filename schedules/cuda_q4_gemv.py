@@ -51,10 +51,6 @@ __device__ __forceinline__ unsigned mlcc_q4x8_hfma2(unsigned w, unsigned x01, un
               mlcc_u2h(__byte_perm(x23, x67, 0x7632)), a);
   return mlcc_h2u(a);
 }
-// acc (fp16x2 bits) += w * x, for fp16 weights (q0f16)
-__device__ __forceinline__ unsigned mlcc_h2fma(unsigned w, unsigned x, unsigned acc) {
-  return mlcc_h2u(__hfma2(mlcc_u2h(w), mlcc_u2h(x), mlcc_u2h(acc)));
-}
 __device__ __forceinline__ float mlcc_h2_sum(unsigned acc) {
   const half2 a = mlcc_u2h(acc);
   return __low2float(a) + __high2float(a);
@@ -64,7 +60,7 @@ __device__ __forceinline__ float mlcc_h2_sum(unsigned acc) {
 
 def add_cuda_helpers(code: str) -> str:
     """Insert the helpers before the first kernel of a CUDA translation unit that uses them."""
-    if (HELPER_NAME not in code and "mlcc_h2fma(" not in code) or "mlcc_u2h(unsigned" in code:
+    if HELPER_NAME not in code or "mlcc_u2h(unsigned" in code:
         return code
     at = code.find('extern "C" __global__')
     return code[:at] + CUDA_HELPERS + "\n" + code[at:] if at >= 0 else CUDA_HELPERS + code
@@ -77,7 +73,6 @@ class GemvShape:
     epilogue: str          # "none" | "add" | "cast"
     residual_shape: tuple[int, ...] = ()
     out_dtype: str = "float16"
-    weights: str = "q4"    # "q4" (q4f16_1 codes + scales) | "f16" (q0f16)
 
 
 # Enough warps in flight to cover DRAM latency on a big GPU (132 SMs x 16 warps on an H100/H200, ~32 KB of loads
@@ -85,15 +80,13 @@ class GemvShape:
 _WARPS_WANTED = 4096
 
 
-def launch_config(n: int, k: int, warps_wanted: int = _WARPS_WANTED, weights: str = "q4"
-                  ) -> tuple[int, int, int, int]:
+def launch_config(n: int, k: int, warps_wanted: int = _WARPS_WANTED) -> tuple[int, int, int, int]:
     """(lanes per row, rows per thread, row warps per block, warps splitting K)."""
     groups = k // 32
     lanes = 32
     while lanes > 4 and groups < lanes:
         lanes //= 2
-    # a 32-element group of fp16 weights is 16 registers a row: two rows in flight instead of four
-    rows, ksplit = (4 if weights == "q4" else 2), 1
+    rows, ksplit = 4, 1
 
     def warps_total() -> int:
         return -(-n // (rows * (32 // lanes))) * ksplit
@@ -110,9 +103,7 @@ def make_q4_gemv(shape: GemvShape, warps_wanted: int = _WARPS_WANTED):
     from tvm.script import tirx as T
 
     n, k, epi = shape.n, shape.k, shape.epilogue
-    q4 = shape.weights == "q4"
-    wwords = 4 if q4 else 16  # 32-bit words of weights per 32-element group
-    lanes, rows, row_warps, ksplit = launch_config(n, k, warps_wanted, shape.weights)
+    lanes, rows, row_warps, ksplit = launch_config(n, k, warps_wanted)
     warps = row_warps * ksplit
     groups = k // 32
     slots = 32 // lanes
@@ -131,8 +122,8 @@ def make_q4_gemv(shape: GemvShape, warps_wanted: int = _WARPS_WANTED):
     @T.macro
     def body(x, w, s, res, out):
         xw = T.decl_buffer((k // 2,), "uint32", data=x.data)
-        ww = T.decl_buffer((n * groups * wwords,), "uint32", data=w.data)
-        sf = T.decl_buffer((n * groups,), "float16", data=s.data)  # unread for fp16 weights
+        ww = T.decl_buffer((n * k // 8,), "uint32", data=w.data)
+        sf = T.decl_buffer((n * groups,), "float16", data=s.data)
         rf = T.decl_buffer((n,), "float16", data=res.data)  # unread unless epilogue == "add"
         for bx in T.thread_binding(blocks, thread="blockIdx.x"):
             for ty in T.thread_binding(warps, thread="threadIdx.y"):
@@ -141,7 +132,7 @@ def make_q4_gemv(shape: GemvShape, warps_wanted: int = _WARPS_WANTED):
                         T.reads()
                         T.writes()
                         xl = T.sblock_alloc_buffer((16,), "uint32", scope="local")
-                        wl = T.sblock_alloc_buffer((rows, wwords), "uint32", scope="local")
+                        wl = T.sblock_alloc_buffer((rows, 4), "uint32", scope="local")
                         acc = T.sblock_alloc_buffer((rows,), "uint32", scope="local")
                         accf = T.sblock_alloc_buffer((rows,), "float32", scope="local")
                         red = T.sblock_alloc_buffer((warps, slots, rows), "float32", scope="shared")
@@ -153,31 +144,23 @@ def make_q4_gemv(shape: GemvShape, warps_wanted: int = _WARPS_WANTED):
                                     for v in T.vectorized(4):
                                         xl[q * 4 + v] = xw[group_of(it, ty, tx) * 16 + q * 4 + v]
                                 for r in T.unroll(rows):
-                                    for q in T.unroll(wwords // 4):
-                                        if row_of(bx, ty, tx, r) < n:
-                                            for v in T.vectorized(4):
-                                                wl[r, q * 4 + v] = ww[(row_of(bx, ty, tx, r) * groups + group_of(it, ty, tx)) * wwords + q * 4 + v]
-                                        else:  # code 7 / fp16 zero: the missing rows add nothing
-                                            for v in T.vectorized(4):
-                                                wl[r, q * 4 + v] = T.uint32(0x77777777 if q4 else 0)
+                                    if row_of(bx, ty, tx, r) < n:
+                                        for v in T.vectorized(4):
+                                            wl[r, v] = ww[row_of(bx, ty, tx, r) * (k // 8) + group_of(it, ty, tx) * 4 + v]
+                                    else:
+                                        for v in T.vectorized(4):
+                                            wl[r, v] = T.uint32(0x77777777)
                                 for r in T.unroll(rows):
                                     acc[r] = T.uint32(0)
-                                if q4:
-                                    for c in T.unroll(4):
-                                        for r in T.unroll(rows):
-                                            acc[r] = T.call_pure_extern("uint32", HELPER_NAME, wl[r, c], xl[c * 4],
-                                                                        xl[c * 4 + 1], xl[c * 4 + 2], xl[c * 4 + 3],
-                                                                        acc[r])
+                                for c in T.unroll(4):
                                     for r in T.unroll(rows):
-                                        if row_of(bx, ty, tx, r) < n:
-                                            accf[r] = accf[r] + T.call_pure_extern("float32", "mlcc_h2_sum", acc[r]) * \
-                                                T.Cast("float32", sf[row_of(bx, ty, tx, r) * groups + group_of(it, ty, tx)])
-                                else:
-                                    for c in T.unroll(16):
-                                        for r in T.unroll(rows):
-                                            acc[r] = T.call_pure_extern("uint32", "mlcc_h2fma", wl[r, c], xl[c], acc[r])
-                                    for r in T.unroll(rows):
-                                        accf[r] = accf[r] + T.call_pure_extern("float32", "mlcc_h2_sum", acc[r])
+                                        acc[r] = T.call_pure_extern("uint32", HELPER_NAME, wl[r, c], xl[c * 4],
+                                                                    xl[c * 4 + 1], xl[c * 4 + 2], xl[c * 4 + 3],
+                                                                    acc[r])
+                                for r in T.unroll(rows):
+                                    if row_of(bx, ty, tx, r) < n:
+                                        accf[r] = accf[r] + T.call_pure_extern("float32", "mlcc_h2_sum", acc[r]) * \
+                                            T.Cast("float32", sf[row_of(bx, ty, tx, r) * groups + group_of(it, ty, tx)])
                         for r in T.unroll(rows):
                             for o in T.unroll(5):
                                 if (1 << o) < lanes:
@@ -200,19 +183,7 @@ def make_q4_gemv(shape: GemvShape, warps_wanted: int = _WARPS_WANTED):
                                 else:
                                     out[0, 0, row_of(bx, ty, tx, r)] = T.Cast(out_dtype, T.Cast("float16", accf[r]))
 
-    if not q4 and epi == "add":
-        @T.prim_func(private=True, s_tir=True)
-        def func(x: T.Buffer((1, 1, k), "float16"), w: T.Buffer((n, k), "float16"),
-                 res: T.Buffer(r_shape, "float16"), out: T.Buffer((1, 1, n), "float16")):
-            T.func_attr({"tirx.is_scheduled": True, "tirx.noalias": True})
-            body(x, w, x, res, out)
-    elif not q4:
-        @T.prim_func(private=True, s_tir=True)
-        def func(x: T.Buffer((1, 1, k), "float16"), w: T.Buffer((n, k), "float16"),
-                 out: T.Buffer((1, 1, n), out_dtype)):
-            T.func_attr({"tirx.is_scheduled": True, "tirx.noalias": True})
-            body(x, w, x, out, out)
-    elif epi == "add":
+    if epi == "add":
         @T.prim_func(private=True, s_tir=True)
         def func(x: T.Buffer((1, 1, k), "float16"), w: T.Buffer((n, k // 8), "uint32"),
                  s: T.Buffer((n, groups), "float16"), res: T.Buffer(r_shape, "float16"),
@@ -236,8 +207,7 @@ def _static_ints(shape) -> tuple[int, ...] | None:
 
 
 def match_q4_gemv(func) -> GemvShape | None:
-    """The shape of a batch-1 projection PrimFunc — q4f16_1 dequantize→matmul or fp16 NT_matmul, then optionally
-    +residual/bias or a cast — or None if it is anything else."""
+    """The shape of a batch-1 q4f16_1 dequantize→matmul[→add|cast] PrimFunc, or None if it is anything else."""
     from tvm import s_tir
 
     try:
@@ -245,35 +215,19 @@ def match_q4_gemv(func) -> GemvShape | None:
         blocks = {sch.get(b).name_hint: sch.get(b) for b in sch.get_child_blocks(sch.get_sblock("root"))}
     except Exception:  # noqa: BLE001 - not a plain block-structured function: not ours
         return None
-    main = {"dequantize", "matmul"} if "dequantize" in blocks else {"NT_matmul"}
-    extra = set(blocks) - main
-    if not main <= set(blocks) or len(extra) > 1 or not extra <= {"T_add", "compute"}:
+    extra = set(blocks) - {"dequantize", "matmul"}
+    if not {"dequantize", "matmul"} <= set(blocks) or len(extra) > 1 or not extra <= {"T_add", "compute"}:
         return None
-    mm = blocks["matmul"] if "dequantize" in main else blocks["NT_matmul"]
-    if len(mm.reads) != 2:
+    deq, mm = blocks["dequantize"], blocks["matmul"]
+    if len(deq.reads) != 2 or len(mm.reads) != 2:
         return None
-    if "dequantize" in main:
-        deq = blocks["dequantize"]
-        if len(deq.reads) != 2:
-            return None
-        w, s = (r.source for r in deq.reads)
-        x = next((r.source for r in mm.reads if not r.source.same_as(deq.writes[0].source)), None)
-        weights = "q4"
-    else:  # fp16 weights read directly: x, W in that order
-        (x, w), s, weights = (r.source for r in mm.reads), None, "f16"
-    ys = _static_ints(mm.writes[0].source.shape)
-    ws, xs = (_static_ints(b.shape) if b is not None else None for b in (w, x))
-    if None in (ws, xs, ys) or x.dtype != "float16" or len(ws) != 2:
+    w, s = (r.source for r in deq.reads)
+    x = next((r.source for r in mm.reads if not r.source.same_as(deq.writes[0].source)), None)
+    ws, ss, xs, ys = (_static_ints(b.shape) for b in (w, s, x, mm.writes[0].source)) if x is not None else [None] * 4
+    if None in (ws, ss, xs, ys) or w.dtype != "uint32" or s.dtype != "float16" or x.dtype != "float16":
         return None
-    if weights == "q4":
-        n, k = ws[0], ws[1] * 8
-        if w.dtype != "uint32" or s.dtype != "float16" or _static_ints(s.shape) != (n, k // 32):
-            return None
-    else:
-        n, k = ws
-        if w.dtype != "float16" or str(mm.writes[0].source.dtype) != "float16":
-            return None
-    if xs != (1, 1, k) or ys != (1, 1, n) or k % 32:
+    n, k = ws[0], ws[1] * 8
+    if xs != (1, 1, k) or ys != (1, 1, n) or ss != (n, k // 32) or k % 32:
         return None
     if not extra:
         epilogue, res, out = "none", None, mm.writes[0].source
@@ -296,10 +250,10 @@ def match_q4_gemv(func) -> GemvShape | None:
             epilogue, res = "cast", None
         if _static_ints(out.shape) != (1, 1, n):
             return None
-    expected = [x, w] + ([s] if s is not None else []) + ([res] if res is not None else []) + [out]
+    expected = [x, w, s] + ([res] if res is not None else []) + [out]
     if len(func.params) != len(expected) or not all(p.same_as(e) for p, e in zip(func.params, expected)):
         return None
-    return GemvShape(n, k, epilogue, _static_ints(res.shape) if res is not None else (), str(out.dtype), weights)
+    return GemvShape(n, k, epilogue, _static_ints(res.shape) if res is not None else (), str(out.dtype))
 
 
 @tvm.transform.module_pass(opt_level=0, name="mlcc_cuda_q4_gemv")
