@@ -16,6 +16,6 @@ python3 bench/decode_attention.py run --libs .dev/attn --out "$OUT"
 python3 bench/decode.py mlcc --libs .dev/bench --out "$OUT"
 python3 bench/profile_decode.py --libs .dev/bench --model llama3-8b-q4f16_1 --out "$OUT"
 python3 bench/profile_decode.py --libs .dev/bench --model llama3-8b-q4f16_1 --prefill 2048 --steps 3 --out "$OUT"
-# transformers on the same shapes in the same call: eager (static cache) and torch.compile, gpt-fast style
-python3 bench/decode.py hf --out "$OUT" --models "${HF_MODELS:-llama3-8b}" --modes eager-static,compile-static --tag h200
+# transformers on the same shapes in the same call: generate() eager (static cache) and torch.compile steps, gpt-fast style
+python3 bench/decode.py hf --out "$OUT" --models "${HF_MODELS:-llama3-8b}" --modes eager,compile-static --tag h200
 python3 bench/decode.py table "$OUT"/decode_mlcc.json "$OUT"/decode_hf_h200.json
