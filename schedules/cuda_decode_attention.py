@@ -23,18 +23,35 @@ log = logging.getLogger(__name__)
 
 SPLITS = 16          # chunks per sequence: 8 KV heads x 16 = 128 blocks at batch 1, about one per SM
 TOKENS_IN_FLIGHT = 4
+VEC = 4              # head-dim elements per lane
+
+
+def supported(h_kv: int, h_qo: int, d: int) -> bool:
+    """Head dim split over a power-of-two number of lanes within a warp, and the block within 1024 threads."""
+    lanes = d // VEC
+    return d % VEC == 0 and lanes in (4, 8, 16, 32) and lanes * (h_qo // h_kv) * TOKENS_IN_FLIGHT <= 1024
 
 
 def make_split_decode(h_kv: int, h_qo: int, d: int, dtype: str, page_size: int):
     from tvm.script import tirx as T
 
+    assert supported(h_kv, h_qo, d), (h_kv, h_qo, d)
     group = h_qo // h_kv
-    vec = 4
+    vec = VEC
     lanes = d // vec
     tp = TOKENS_IN_FLIGHT
     splits = SPLITS
     log2e = math.log2(math.e)
-    assert lanes in (4, 8, 16, 32) and lanes * group * tp <= 1024, (d, group)
+
+    @T.macro
+    def merge_state(st, o, m_other, d_other, o_other):
+        """Fold another online-softmax state (max, sum, output element v = o_other(v)) into (st[0], st[1], o)."""
+        st[2] = T.max(st[0], m_other)
+        st[3] = T.exp2(m_other - st[2])
+        st[1] = st[1] * T.exp2(st[0] - st[2]) + d_other * st[3]
+        for v in T.vectorized(vec):
+            o[v] = o[v] * T.exp2(st[0] - st[2]) + o_other(v) * st[3]
+        st[0] = st[2]
 
     @T.prim_func(s_tir=True)
     def batch_decode_paged_kv_split(
@@ -127,12 +144,8 @@ def make_split_decode(h_kv: int, h_qo: int, d: int, dtype: str, page_size: int):
                                 T.evaluate(T.tvm_storage_sync("shared"))
                                 if tz == 0:
                                     for j in T.serial(tp - 1):
-                                        st[2] = T.max(st[0], md_sh[j + 1, ty, 0])
-                                        st[3] = T.exp2(md_sh[j + 1, ty, 0] - st[2])
-                                        st[1] = st[1] * T.exp2(st[0] - st[2]) + md_sh[j + 1, ty, 1] * st[3]
-                                        for v in T.vectorized(vec):
-                                            o[v] = o[v] * T.exp2(st[0] - st[2]) + o_sh[j + 1, ty, tx * vec + v] * st[3]
-                                        st[0] = st[2]
+                                        merge_state(st, o, md_sh[j + 1, ty, 0], md_sh[j + 1, ty, 1],
+                                                    lambda v: o_sh[j + 1, ty, tx * vec + v])
                                     for v in T.vectorized(vec):
                                         part_o[bx, kv_head * group + ty, by % splits, tx * vec + v] = o[v]
                                     part_md[bx, kv_head * group + ty, by % splits, 0] = st[0]
@@ -151,12 +164,8 @@ def make_split_decode(h_kv: int, h_qo: int, d: int, dtype: str, page_size: int):
                         for v in T.vectorized(vec):
                             o[v] = T.float32(0)
                         for s in T.serial(splits):
-                            st[2] = T.max(st[0], part_md[bx, by, s, 0])
-                            st[3] = T.exp2(part_md[bx, by, s, 0] - st[2])
-                            st[1] = st[1] * T.exp2(st[0] - st[2]) + part_md[bx, by, s, 1] * st[3]
-                            for v in T.vectorized(vec):
-                                o[v] = o[v] * T.exp2(st[0] - st[2]) + part_o[bx, by, s, tx * vec + v] * st[3]
-                            st[0] = st[2]
+                            merge_state(st, o, part_md[bx, by, s, 0], part_md[bx, by, s, 1],
+                                        lambda v: part_o[bx, by, s, tx * vec + v])
                         for v in T.vectorized(vec):
                             output[bx, by, tx * vec + v] = T.Cast(dtype, o[v] / st[1])
                         if tx == 0:
@@ -190,8 +199,7 @@ def split_decode_attention_pass(mod: tvm.ir.IRModule, _ctx) -> tvm.ir.IRModule:
         if shape is None:
             continue
         h_kv, h_qo, d, dtype, page_size = shape
-        lanes, group = d // 4, h_qo // h_kv
-        if lanes not in (4, 8, 16, 32) or d % 4 or lanes * group * TOKENS_IN_FLIGHT > 1024:
+        if not supported(h_kv, h_qo, d):
             continue
         mod[gv] = make_split_decode(h_kv, h_qo, d, dtype, page_size)
     return mod
