@@ -9,7 +9,7 @@ from mlcc.schedules import default_schedule_passes, handwritten_kernel_passes
 
 
 def fusion_passes(target: tvm.target.Target) -> list[tvm.transform.Pass]:
-    """Up to the fused, still unscheduled kernels: what tuning extracts its tasks from."""
+    """Up to the fused, still unscheduled kernels."""
     from tvm.relax import pipeline as P
 
     return (P.library_dispatch_passes(target)
@@ -24,6 +24,12 @@ def fusion_passes(target: tvm.target.Target) -> list[tvm.transform.Pass]:
                relax.transform.DeadCodeElimination()])
 
 
+def kernel_passes(target: tvm.target.Target) -> list[tvm.transform.Pass]:
+    """The fused kernels with mlcc's hand-written ones already in place: what the default rules and tuning records
+    schedule, and what tuning extracts its tasks from."""
+    return fusion_passes(target) + handwritten_kernel_passes(target)
+
+
 def build_pipeline(target: tvm.target.Target, tuning_db: str | None = None) -> tvm.transform.Pass:
     @tvm.transform.module_pass(opt_level=0, name="mlcc_pipeline")
     def _pipeline(mod: tvm.ir.IRModule, _ctx: tvm.transform.PassContext) -> tvm.ir.IRModule:
@@ -32,8 +38,7 @@ def build_pipeline(target: tvm.target.Target, tuning_db: str | None = None) -> t
 
     def _passes() -> list[tvm.transform.Pass]:
         return (
-            fusion_passes(target)
-            + handwritten_kernel_passes(target)
+            kernel_passes(target)
             # tuned records first (only faster-than-default ones are ever stored); the rules skip what they scheduled
             + ([relax.transform.MetaScheduleApplyDatabase(str(tuning_db))] if tuning_db else [])
             + default_schedule_passes(target)

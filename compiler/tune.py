@@ -20,15 +20,14 @@ def default_tuning_db() -> Path:
 
 def tune_model(model: str | Path, target: str, quant: str, trials: int, db: str | Path | None = None,
                max_tasks: int | None = None) -> list[TaskReport]:
-    import tvm
-
-    from mlcc.schedules import default_schedule_for, handwritten_kernel_passes
-
-    from .pipeline import fusion_passes
-
     import importlib.util
 
+    import tvm
+
+    from mlcc.schedules import default_schedule_for
     from mlcc.targets.toolchains import ToolchainError
+
+    from .pipeline import kernel_passes
 
     preset, q = get_target(target), get_quantization(quant)
     if importlib.util.find_spec("xgboost") is None:
@@ -38,8 +37,7 @@ def tune_model(model: str | Path, target: str, quant: str, trials: int, db: str 
     if not preset.can_run_here():
         raise ValueError(f"tuning measures kernels on the device: target '{preset.name}' cannot run on this machine")
     with built.target:
-        # the same kernels compile will schedule: hand-written ones are taken out of tuning
-        mod = tvm.transform.Sequential(fusion_passes(built.target) + handwritten_kernel_passes(built.target))(built.mod)
+        mod = tvm.transform.Sequential(kernel_passes(built.target))(built.mod)
     return tune(mod, built.target, default_schedule_for(built.target), trials, db or default_tuning_db(), max_tasks)
 
 

@@ -31,11 +31,10 @@ def _rebuild(kind: str, func, target):
 
     original = pk._get_prefill_kernel_config
     p = func.params
-    if kind == "ragged":
-        h_q, d_qk = int(p[0].shape[1]), int(p[0].shape[2])
+    h_q, d_qk = int(p[0].shape[1]), int(p[0].shape[2])  # q: [tokens, heads, dim] in both kernels
+    if kind == "ragged":  # k, v: [tokens, kv heads, dim]
         h_kv, d_v = int(p[2].shape[1]), int(p[3].shape[2])
-    else:
-        h_q, d_qk = int(p[0].shape[1]), int(p[0].shape[2])
+    else:  # pages: [pages, 2, kv heads, page size, dim]
         h_kv, d_v = int(p[2].shape[2]), int(p[2].shape[4])
     dtype = str(p[0].dtype)
 

@@ -42,7 +42,7 @@ def test_tune_then_compile_with_the_database(hf_models, tmp_path):
         from tvm import relax
 
         from mlcc.compiler.build import export_module
-        from mlcc.compiler.pipeline import fusion_passes
+        from mlcc.compiler.pipeline import kernel_passes
         from mlcc.compiler.quantize import get_quantization
         from mlcc.compiler.weights import load_source
         from mlcc.schedules import default_schedule_passes
@@ -50,7 +50,7 @@ def test_tune_then_compile_with_the_database(hf_models, tmp_path):
 
         built = export_module(load_source(hf_models("llama")), get_target("llvm"), get_quantization("q4f32_1"))
         with built.target:
-            fused = tvm.transform.Sequential(fusion_passes(built.target))(built.mod)
+            fused = tvm.transform.Sequential(kernel_passes(built.target))(built.mod)
             tuned = tvm.transform.Sequential([relax.transform.MetaScheduleApplyDatabase(str(db))]
                                              + default_schedule_passes(built.target))(fused)
             plain = tvm.transform.Sequential(default_schedule_passes(built.target))(fused)
