@@ -102,6 +102,8 @@ def cmd_build(a) -> None:
     out = Path(a.out)
     times = {}
     for model, quant in RUNS:
+        if a.only and f"{model}/{quant}" not in a.only.split(","):
+            continue
         arch, cfg = MODELS[model]
         times[f"{model}/{quant}"] = compile_shape_only(arch, cfg, "cuda", quant, out / f"{model}-{quant}")
         print(f"{model} {quant}: compiled for cuda in {times[f'{model}/{quant}']:.1f}s")
@@ -343,6 +345,7 @@ def main() -> None:
     sub = p.add_subparsers(dest="cmd", required=True)
     b = sub.add_parser("build")
     b.add_argument("--out", required=True)
+    b.add_argument("--only", default=None, help="comma-separated model/quant pairs")
     m = sub.add_parser("mlcc")
     m.add_argument("--libs", required=True)
     m.add_argument("--out", required=True)

@@ -5,7 +5,8 @@
 
 Each kernel is the fused dequantize+matmul of one Llama-3-8B projection at batch 1, built exactly as the model
 pipeline builds it, then scheduled by the rule named in the variant ("mlcc": the hand-written q4 kernel of
-mlcc.schedules.cuda_q4_gemv, which the model pipeline now uses). Every kernel's output is checked against numpy
+mlcc.schedules.cuda_q4_gemv, which the model pipeline uses; "mlccpdl": the same with programmatic dependent launch,
+as the model pipeline builds it on sm_90). Every kernel's output is checked against numpy
 on random inputs before it is timed.
 """
 
@@ -66,28 +67,30 @@ def cmd_build(a) -> None:
     import tvm
     from tvm.s_tir import dlight as dl
 
-    from mlcc.schedules.cuda_q4_gemv import GemvShape, make_q4_gemv, q4_decode_gemv_pass
+    from mlcc.schedules.cuda_pdl import tir_pipeline_for
+    from mlcc.schedules.cuda_q4_gemv import GemvShape, make_q4_gemv
     from mlcc.targets.toolchains import toolchain_for
 
-    variants = {"gemv": [], "mlcc": [q4_decode_gemv_pass]}
+    variants = {"gemv": []}
     target = _target()
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     for quant in ("q4f16_1", "q0f16"):
         ks = kernels(quant)
         for vname, passes in variants.items():
-            if vname == "mlcc" and quant != "q4f16_1":
-                continue
             mod = tvm.IRModule({name: f.with_attr("global_symbol", name) for name, f, _ in ks})
             with target, toolchain_for("cuda"):
                 mod = tvm.transform.Sequential(passes + [dl.ApplyDefaultSchedule(dl.gpu.GEMV(), dl.gpu.Fallback())])(mod)
                 tvm.compile(mod, target).export_library(str(out / f"{quant}-{vname}.so"))
-        if quant == "q4f16_1":  # launch-shape sweep of the hand-written kernel (warps wanted per launch)
-            for wanted in (2048, 8192, 16384):
-                mod = tvm.IRModule({name: make_q4_gemv(GemvShape(*SHAPES[name], "none"), wanted)
+        if quant == "q4f16_1":
+            # the hand-written kernel launched plainly, and with programmatic dependent launch (first weights load
+            # before the wait; back-to-back launches of one kernel then overlap one's tail with the next's start)
+            for vname, pdl in (("mlcc", False), ("mlccpdl", True)):
+                mod = tvm.IRModule({name: make_q4_gemv(GemvShape(*SHAPES[name], "none"), pdl=pdl)
                                     .with_attr("global_symbol", name) for name, _, _ in ks})
                 with target, toolchain_for("cuda"):
-                    tvm.compile(mod, target).export_library(str(out / f"{quant}-mlccw{wanted}.so"))
+                    tvm.compile(mod, target, tir_pipeline=tir_pipeline_for(target) if pdl else "default") \
+                        .export_library(str(out / f"{quant}-{vname}.so"))
         print("built", quant)
     meta = {}
     for quant in ("q4f16_1", "q0f16"):

@@ -215,11 +215,13 @@ def compile_library(built: BuiltModule, out_path: Path, tuning_db: str | Path | 
         # TVM 0.27 bug: TIR CSE breaks the GPU tree-attention kernel under scaled RoPE ("cse_v21 has been used
         # before definition"). nvcc/NVRTC run their own CSE, so the kernels lose little without it.
         config["tirx.disable_cse_tir"] = True
+    from mlcc.schedules.cuda_pdl import tir_pipeline_for
     from mlcc.targets.toolchains import toolchain_for
 
     mod = built.mod  # (for a wasm host, relax.build itself marks the module as a system library for tvmjs)
     with toolchain_for(built.target.kind.name), tvm.transform.PassContext(config=config):
-        ex = tvm.compile(mod, built.target, relax_pipeline=build_pipeline(built.target, tuning_db))
+        ex = tvm.compile(mod, built.target, relax_pipeline=build_pipeline(built.target, tuning_db),
+                         tir_pipeline=tir_pipeline_for(built.target))
         if built.target.kind.name == "webgpu":
             from mlcc.web.wasm_link import export_wasm
 

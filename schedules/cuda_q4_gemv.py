@@ -22,11 +22,13 @@ import logging
 
 import tvm
 
+from . import cuda_pdl
+
 log = logging.getLogger(__name__)
 
 HELPER_NAME = "mlcc_q4x8_hfma2"
 
-# Device helpers, added to the CUDA source of any module that calls them (tvm_callback_cuda_postproc).
+# Device helpers, added to the CUDA source of any module that calls them (schedules/cuda_source.py).
 CUDA_HELPERS = r"""
 #include <cuda_fp16.h>
 __device__ __forceinline__ half2 mlcc_u2h(unsigned v) { union { unsigned u; half2 h; } c; c.u = v; return c.h; }
@@ -51,19 +53,24 @@ __device__ __forceinline__ unsigned mlcc_q4x8_hfma2(unsigned w, unsigned x01, un
               mlcc_u2h(__byte_perm(x23, x67, 0x7632)), a);
   return mlcc_h2u(a);
 }
+// fused prologues: two fp16 activations computed in fp32 from their producers' inputs, packed as the GEMV reads them
+__device__ __forceinline__ unsigned mlcc_swiglu2(unsigned gate, unsigned up) {
+  const float2 g = __half22float2(mlcc_u2h(gate)), u = __half22float2(mlcc_u2h(up));
+  return mlcc_h2u(__floats2half2_rn(g.x / (1.0f + __expf(-g.x)) * u.x, g.y / (1.0f + __expf(-g.y)) * u.y));
+}
+__device__ __forceinline__ unsigned mlcc_rmsnorm2(unsigned x, unsigned w, float r) {
+  const float2 a = __half22float2(mlcc_u2h(x)), b = __half22float2(mlcc_u2h(w));
+  return mlcc_h2u(__floats2half2_rn(r * a.x * b.x, r * a.y * b.y));
+}
+__device__ __forceinline__ float mlcc_h2_sumsq(unsigned x) {
+  const float2 a = __half22float2(mlcc_u2h(x));
+  return a.x * a.x + a.y * a.y;
+}
 __device__ __forceinline__ float mlcc_h2_sum(unsigned acc) {
   const half2 a = mlcc_u2h(acc);
   return __low2float(a) + __high2float(a);
 }
 """
-
-
-def add_cuda_helpers(code: str) -> str:
-    """Insert the helpers before the first kernel of a CUDA translation unit that uses them."""
-    if HELPER_NAME not in code or "mlcc_u2h(unsigned" in code:
-        return code
-    at = code.find('extern "C" __global__')
-    return code[:at] + CUDA_HELPERS + "\n" + code[at:] if at >= 0 else CUDA_HELPERS + code
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,6 +80,8 @@ class GemvShape:
     epilogue: str          # "none" | "add" | "cast"
     residual_shape: tuple[int, ...] = ()
     out_dtype: str = "float16"
+    prologue: str = "none"  # "none" | "swiglu": x = silu(gate) * up of a (1, 1, 2k) input | "rmsnorm": x = rms_norm(h) * w
+    eps: float = 0.0        # rmsnorm's epsilon
 
 
 # Enough warps in flight to cover DRAM latency on a big GPU (132 SMs x 16 warps on an H100/H200, ~32 KB of loads
@@ -98,8 +107,9 @@ def launch_config(n: int, k: int, warps_wanted: int = _WARPS_WANTED) -> tuple[in
     return lanes, rows, max(1, 4 // ksplit), ksplit
 
 
-def make_q4_gemv(shape: GemvShape, warps_wanted: int = _WARPS_WANTED):
-    """The hand-scheduled kernel for one projection, with the parameter order of TVM's fused function."""
+def make_q4_gemv(shape: GemvShape, warps_wanted: int = _WARPS_WANTED, pdl: bool = False):
+    """The hand-scheduled kernel for one projection, with the parameter order of TVM's fused function; `pdl`: place
+    the programmatic-dependent-launch wait after the first weight loads (sm_90+, see cuda_pdl)."""
     from tvm.script import tirx as T
 
     n, k, epi = shape.n, shape.k, shape.epilogue
@@ -112,6 +122,8 @@ def make_q4_gemv(shape: GemvShape, warps_wanted: int = _WARPS_WANTED):
     blocks = -(-n // rows_per_block)
     r_shape = shape.residual_shape or (1, 1, n)
     out_dtype = shape.out_dtype
+    pro = shape.prologue
+    x_len = 2 * k if pro == "swiglu" else k
 
     def row_of(bx, ty, tx, r):
         return bx * rows_per_block + (ty // ksplit * slots + tx // lanes) * rows + r
@@ -120,8 +132,54 @@ def make_q4_gemv(shape: GemvShape, warps_wanted: int = _WARPS_WANTED):
         return (it * ksplit + ty % ksplit) * lanes + tx % lanes
 
     @T.macro
-    def body(x, w, s, res, out):
-        xw = T.decl_buffer((k // 2,), "uint32", data=x.data)
+    def load_weights(ww, wl, bx, ty, tx, it):
+        for r in T.unroll(rows):
+            if row_of(bx, ty, tx, r) < n:
+                for v in T.vectorized(4):
+                    wl[r, v] = ww[row_of(bx, ty, tx, r) * (k // 8) + group_of(it, ty, tx) * 4 + v]
+            else:
+                for v in T.vectorized(4):
+                    wl[r, v] = T.uint32(0x77777777)
+
+    @T.macro
+    def load_x(xw, nw, xl, ul, rs, it, ty, tx):
+        for q in T.unroll(4):
+            for v in T.vectorized(4):
+                xl[q * 4 + v] = xw[group_of(it, ty, tx) * 16 + q * 4 + v]
+        if pro == "swiglu":
+            for q in T.unroll(4):
+                for v in T.vectorized(4):
+                    ul[q * 4 + v] = xw[k // 2 + group_of(it, ty, tx) * 16 + q * 4 + v]
+            for i in T.unroll(16):
+                xl[i] = T.call_pure_extern("uint32", "mlcc_swiglu2", xl[i], ul[i])
+        elif pro == "rmsnorm":
+            for q in T.unroll(4):
+                for v in T.vectorized(4):
+                    ul[q * 4 + v] = nw[group_of(it, ty, tx) * 16 + q * 4 + v]
+            for i in T.unroll(16):
+                xl[i] = T.call_pure_extern("uint32", "mlcc_rmsnorm2", xl[i], ul[i], rs[0])
+
+    @T.macro
+    def rms_scale(xw, rs, ssq, ty, tx):
+        """rs[0] = 1 / sqrt(mean(h^2) + eps) over the whole input, every thread of the block helping."""
+        rs[0] = T.float32(0)
+        for i in T.unroll(-(-(k // 2) // (warps * 32))):
+            if (i * warps + ty) * 32 + tx < k // 2:
+                rs[0] = rs[0] + T.call_pure_extern("float32", "mlcc_h2_sumsq", xw[(i * warps + ty) * 32 + tx])
+        for o in T.unroll(5):
+            rs[0] = rs[0] + T.call_pure_extern("float32", "__shfl_xor_sync", T.uint32(0xFFFFFFFF), rs[0], 1 << o, 32)
+        if tx == 0:
+            ssq[ty] = rs[0]
+        T.evaluate(T.tvm_storage_sync("shared"))
+        rs[0] = T.float32(0)
+        for j in T.unroll(warps):
+            rs[0] = rs[0] + ssq[j]
+        rs[0] = T.rsqrt(rs[0] / T.float32(k) + T.float32(shape.eps))
+
+    @T.macro
+    def body(x, nw_buf, w, s, res, out):
+        xw = T.decl_buffer((x_len // 2,), "uint32", data=x.data)
+        nw = T.decl_buffer((k // 2,), "uint32", data=nw_buf.data)  # unread unless prologue == "rmsnorm"
         ww = T.decl_buffer((n * k // 8,), "uint32", data=w.data)
         sf = T.decl_buffer((n * groups,), "float16", data=s.data)
         rf = T.decl_buffer((n,), "float16", data=res.data)  # unread unless epilogue == "add"
@@ -136,20 +194,25 @@ def make_q4_gemv(shape: GemvShape, warps_wanted: int = _WARPS_WANTED):
                         acc = T.sblock_alloc_buffer((rows,), "uint32", scope="local")
                         accf = T.sblock_alloc_buffer((rows,), "float32", scope="local")
                         red = T.sblock_alloc_buffer((warps, slots, rows), "float32", scope="shared")
+                        ul = T.sblock_alloc_buffer((16,), "uint32", scope="local")
+                        rs = T.sblock_alloc_buffer((1,), "float32", scope="local")
+                        ssq = T.sblock_alloc_buffer((warps,), "float32", scope="shared")
                         for r in T.unroll(rows):
                             accf[r] = T.float32(0)
+                        # the first weights do not depend on the previous kernel: with PDL they load while it
+                        # finishes (cuda_pdl), the activations only after the wait
+                        if group_of(0, ty, tx) < groups:
+                            load_weights(ww, wl, bx, ty, tx, 0)
+                        if pdl:
+                            T.evaluate(T.call_extern("void", cuda_pdl.WAIT))
+                            T.evaluate(T.call_extern("void", cuda_pdl.LAUNCH_DEPENDENTS))
+                        if pro == "rmsnorm":
+                            rms_scale(xw, rs, ssq, ty, tx)
                         for it in T.unroll(iters):
                             if group_of(it, ty, tx) < groups:
-                                for q in T.unroll(4):
-                                    for v in T.vectorized(4):
-                                        xl[q * 4 + v] = xw[group_of(it, ty, tx) * 16 + q * 4 + v]
-                                for r in T.unroll(rows):
-                                    if row_of(bx, ty, tx, r) < n:
-                                        for v in T.vectorized(4):
-                                            wl[r, v] = ww[row_of(bx, ty, tx, r) * (k // 8) + group_of(it, ty, tx) * 4 + v]
-                                    else:
-                                        for v in T.vectorized(4):
-                                            wl[r, v] = T.uint32(0x77777777)
+                                load_x(xw, nw, xl, ul, rs, it, ty, tx)
+                                if it > 0:
+                                    load_weights(ww, wl, bx, ty, tx, it)
                                 for r in T.unroll(rows):
                                     acc[r] = T.uint32(0)
                                 for c in T.unroll(4):
@@ -183,19 +246,34 @@ def make_q4_gemv(shape: GemvShape, warps_wanted: int = _WARPS_WANTED):
                                 else:
                                     out[0, 0, row_of(bx, ty, tx, r)] = T.Cast(out_dtype, T.Cast("float16", accf[r]))
 
-    if epi == "add":
+    x_shape = (1, 1, x_len)
+    # parameter order = TVM's fused function: activations [, norm weight], W, scales [, residual/bias], out
+    if epi == "add" and pro == "rmsnorm":
         @T.prim_func(private=True, s_tir=True)
-        def func(x: T.Buffer((1, 1, k), "float16"), w: T.Buffer((n, k // 8), "uint32"),
+        def func(x: T.Buffer(x_shape, "float16"), nw: T.Buffer((k,), "float16"), w: T.Buffer((n, k // 8), "uint32"),
                  s: T.Buffer((n, groups), "float16"), res: T.Buffer(r_shape, "float16"),
                  out: T.Buffer((1, 1, n), "float16")):
             T.func_attr({"tirx.is_scheduled": True, "tirx.noalias": True})
-            body(x, w, s, res, out)
-    else:
+            body(x, nw, w, s, res, out)
+    elif epi == "add":
         @T.prim_func(private=True, s_tir=True)
-        def func(x: T.Buffer((1, 1, k), "float16"), w: T.Buffer((n, k // 8), "uint32"),
+        def func(x: T.Buffer(x_shape, "float16"), w: T.Buffer((n, k // 8), "uint32"),
+                 s: T.Buffer((n, groups), "float16"), res: T.Buffer(r_shape, "float16"),
+                 out: T.Buffer((1, 1, n), "float16")):
+            T.func_attr({"tirx.is_scheduled": True, "tirx.noalias": True})
+            body(x, x, w, s, res, out)
+    elif pro == "rmsnorm":
+        @T.prim_func(private=True, s_tir=True)
+        def func(x: T.Buffer(x_shape, "float16"), nw: T.Buffer((k,), "float16"), w: T.Buffer((n, k // 8), "uint32"),
                  s: T.Buffer((n, groups), "float16"), out: T.Buffer((1, 1, n), out_dtype)):
             T.func_attr({"tirx.is_scheduled": True, "tirx.noalias": True})
-            body(x, w, s, out, out)
+            body(x, nw, w, s, out, out)
+    else:
+        @T.prim_func(private=True, s_tir=True)
+        def func(x: T.Buffer(x_shape, "float16"), w: T.Buffer((n, k // 8), "uint32"),
+                 s: T.Buffer((n, groups), "float16"), out: T.Buffer((1, 1, n), out_dtype)):
+            T.func_attr({"tirx.is_scheduled": True, "tirx.noalias": True})
+            body(x, x, w, s, out, out)
     return func
 
 
@@ -260,13 +338,15 @@ def match_q4_gemv(func) -> GemvShape | None:
 def q4_decode_gemv_pass(mod: tvm.ir.IRModule, _ctx) -> tvm.ir.IRModule:
     """Swap every batch-1 q4f16_1 projection for the hand-written kernel (before dlight sees it)."""
     replaced = 0
+    target = tvm.target.Target.current(allow_none=True)
+    pdl = target is not None and cuda_pdl.supported(target)
     for gv, func in list(mod.functions.items()):
         if not isinstance(func, tvm.tirx.PrimFunc) or func.attrs is not None and "tirx.is_scheduled" in func.attrs:
             continue
         shape = match_q4_gemv(func)
         if shape is None:
             continue
-        new = make_q4_gemv(shape)
+        new = make_q4_gemv(shape, pdl=pdl)
         mod[gv] = new.with_attrs({k: v for k, v in func.attrs.items()} if func.attrs is not None else {}) \
             .with_attr("tirx.is_scheduled", True)
         replaced += 1

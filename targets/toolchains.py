@@ -50,12 +50,12 @@ def no_toolchain() -> Iterator[None]:
 
 @contextlib.contextmanager
 def cuda_source_helpers() -> Iterator[None]:
-    """Our hand-written CUDA kernels call small device helpers (mlcc.schedules.cuda_q4_gemv); TVM hands every
+    """Our hand-written CUDA kernels call small device helpers (mlcc.schedules.cuda_source); TVM hands every
     generated CUDA translation unit to `tvm_callback_cuda_postproc`, where the helpers are added, so the library
     carries complete source."""
     import tvm_ffi
 
-    from mlcc.schedules.cuda_q4_gemv import add_cuda_helpers
+    from mlcc.schedules.cuda_source import add_cuda_helpers
 
     name = "tvm_callback_cuda_postproc"
     previous = tvm_ffi.get_global_func(name, allow_missing=True)

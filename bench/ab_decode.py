@@ -1,0 +1,120 @@
+"""A/B of batch-1 decode between builds of one shape, in one process, interleaved to cancel drift (the step time
+moves ±4% between device calls, more than one kernel change is worth).
+
+    python bench/ab_decode.py build --out .dev/ab --model llama3-8b-q4f16_1   # here: one library per variant
+    python3 bench/ab_decode.py run --libs .dev/ab --out $OUT                  # device
+
+Variants: "base" = the default build; "no-pdl" = without programmatic dependent launch (MLCC_CUDA_PDL=0);
+"no-fold" = without folding RMSNorm/SwiGLU into the GEMVs. Each is checked (argmax; logits against the CPU build
+where bench/decode.py has a reference for the shape) before it is timed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import statistics
+import time
+from pathlib import Path
+from unittest import mock
+
+from decode import MODELS, check_against_reference, check_argmax
+
+VARIANTS = ("base", "no-pdl", "no-fold")
+
+
+@contextlib.contextmanager
+def _variant(name: str):
+    import mlcc.schedules as S
+
+    if name == "no-pdl":
+        with mock.patch.dict(os.environ, {"MLCC_CUDA_PDL": "0"}):
+            yield
+    elif name == "no-fold":
+        from mlcc.schedules.cuda_gemv_fusion import fold_gemv_producers_pass
+
+        original = S.handwritten_kernel_passes
+        with mock.patch.object(S, "handwritten_kernel_passes",
+                               lambda t: [p for p in original(t) if p is not fold_gemv_producers_pass]):
+            with mock.patch("mlcc.compiler.pipeline.handwritten_kernel_passes", S.handwritten_kernel_passes):
+                yield
+    else:
+        yield
+
+
+def cmd_build(a) -> None:
+    from mlcc.compiler.build import compile_shape_only
+
+    for model in a.model.split(","):
+        name, quant = model.rsplit("-", 1)
+        arch, cfg = MODELS[name]
+        for v in VARIANTS:
+            with _variant(v):
+                s = compile_shape_only(arch, cfg, "cuda", quant, Path(a.out) / v / model)
+            print(f"{v} {model}: {s:.1f}s", flush=True)
+
+
+def cmd_run(a) -> None:
+    import numpy as np
+
+    from mlcc.runtime.model import LoadedModel
+
+    libs = Path(a.libs)
+    ref_file = libs / "reference.npz"
+    ref = np.load(ref_file) if ref_file.exists() else None
+    rows = []
+    for model in sorted(p.name for p in (libs / VARIANTS[0]).iterdir()):
+        name, quant = model.rsplit("-", 1)
+        loaded = {}
+        for v in VARIANTS:
+            m = LoadedModel(libs / v / model, weights="random")
+            check = {"argmax_ok": check_argmax(m)}
+            if ref is not None and f"{name}/{quant}/logits" in ref:
+                check.update(check_against_reference(m, ref, f"{name}/{quant}"))
+            print(model, v, "check:", check, flush=True)
+            if not check["argmax_ok"] or not check.get("ok", True):
+                rows.append({"model": model, "variant": v, "check": check, "error": "check failed: not timed"})
+                continue
+            m.create_kv_cache(1, 4096, 2048)
+            m.add_sequence(0)
+            m.prefill([0], [[7] * 128])
+            loaded[v] = [m, 7, []]
+        for _ in range(a.rounds):
+            for v, state in loaded.items():
+                m, tok, times = state
+                argmax = m.vm["argmax_logits"]
+                for _ in range(4):
+                    tok = int(argmax(m.decode([0], [tok])).numpy()[0])
+                t = time.perf_counter()
+                for _ in range(a.steps):
+                    tok = int(argmax(m.decode([0], [tok])).numpy()[0])
+                times.append(a.steps / (time.perf_counter() - t))
+                state[1] = tok
+        for v, (m, _, times) in loaded.items():
+            rows.append({"model": model, "variant": v, "tok_s_median": statistics.median(times),
+                         "tok_s_rounds": [round(x, 1) for x in times]})
+            print(f"{model:24} {v:8} median {rows[-1]['tok_s_median']:8.1f} tok/s  rounds {rows[-1]['tok_s_rounds']}",
+                  flush=True)
+        del loaded
+        import gc
+
+        gc.collect()
+    Path(a.out).mkdir(parents=True, exist_ok=True)
+    (Path(a.out) / "ab_decode.json").write_text(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    p = argparse.ArgumentParser()
+    sub = p.add_subparsers(dest="cmd", required=True)
+    b = sub.add_parser("build")
+    b.add_argument("--out", required=True)
+    b.add_argument("--model", default="llama3-8b-q4f16_1,qwen2.5-0.5b-q4f16_1,smollm2-135m-q4f16_1")
+    r = sub.add_parser("run")
+    r.add_argument("--libs", required=True)
+    r.add_argument("--out", required=True)
+    r.add_argument("--rounds", type=int, default=6)
+    r.add_argument("--steps", type=int, default=128)
+    a = p.parse_args()
+    {"build": cmd_build, "run": cmd_run}[a.cmd](a)

@@ -1,0 +1,22 @@
+"""Device helpers that mlcc's hand-written CUDA kernels call, added to the generated source of any module that calls
+them (TVM hands every CUDA translation unit to `tvm_callback_cuda_postproc`; targets/toolchains.py hooks it), so a
+library carries complete source."""
+
+from __future__ import annotations
+
+
+def _helper_groups() -> list[tuple[str, str]]:
+    """(a name the kernels call, the source that defines it and its siblings)."""
+    from . import cuda_pdl, cuda_q4_gemv
+
+    return [(cuda_q4_gemv.HELPER_NAME, cuda_q4_gemv.CUDA_HELPERS), (cuda_pdl.WAIT, cuda_pdl.CUDA_HELPERS)]
+
+
+def add_cuda_helpers(code: str) -> str:
+    """Insert each helper group the code calls (once) before the first kernel of the translation unit."""
+    wanted = "".join(src for name, src in _helper_groups()
+                     if f"{name}(" in code and f"void {name}(" not in code and f" {name}(unsigned" not in code)
+    if not wanted:
+        return code
+    at = code.find('extern "C" __global__')
+    return code[:at] + wanted + "\n" + code[at:] if at >= 0 else wanted + code
