@@ -4,8 +4,7 @@ moves ±4% between device calls, more than one kernel change is worth).
     python bench/ab_decode.py build --out .dev/ab --model llama3-8b-q4f16_1   # here: one library per variant
     python3 bench/ab_decode.py run --libs .dev/ab --out $OUT                  # device
 
-Variants: "base" = the default build; "no-pdl" = without programmatic dependent launch (MLCC_CUDA_PDL=0);
-"no-fold" = without folding RMSNorm/SwiGLU into the GEMVs. Each is checked (argmax; logits against the CPU build
+Variants: "base" = the default build; "no-pdl" = without programmatic dependent launch (MLCC_CUDA_PDL=0). Each is checked (argmax; logits against the CPU build
 where bench/decode.py has a reference for the shape) before it is timed.
 """
 
@@ -22,24 +21,14 @@ from unittest import mock
 
 from decode import MODELS, check_against_reference, check_argmax
 
-VARIANTS = ("base", "no-pdl", "no-fold")
+VARIANTS = ("base", "no-pdl")
 
 
 @contextlib.contextmanager
 def _variant(name: str):
-    import mlcc.schedules as S
-
     if name == "no-pdl":
         with mock.patch.dict(os.environ, {"MLCC_CUDA_PDL": "0"}):
             yield
-    elif name == "no-fold":
-        from mlcc.schedules.cuda_gemv_fusion import fold_gemv_producers_pass
-
-        original = S.handwritten_kernel_passes
-        with mock.patch.object(S, "handwritten_kernel_passes",
-                               lambda t: [p for p in original(t) if p is not fold_gemv_producers_pass]):
-            with mock.patch("mlcc.compiler.pipeline.handwritten_kernel_passes", S.handwritten_kernel_passes):
-                yield
     else:
         yield
 

@@ -2,10 +2,11 @@
 
     # device (nvidia-h200), carrying .gpu (../shared/gpu/pack.sh): full TVM, so tuning builds there too
     source .gpu/setup.sh && python3 bench/gemm_tune_cuda.py --trials 48 --out $OUT
+    # with meta-schedule's xgboost cost model: xgboost-cpu travels in a second call made while the machine is warm
+    # (../shared/gpu/pack.sh --extra; it does not fit next to TVM in one call), see bench/tune_xgb_h200.sh
 
 fp16 accumulate (the model matmuls' dtype; fp32-accumulate candidates mostly fail to build in TVM 0.27, see
-ms_build_failures.py). The cost model is meta-schedule's "random" (xgboost does not fit in the same device call
-as TVM); outputs are checked against torch before anything is timed.
+ms_build_failures.py). Outputs are checked against torch before anything is timed.
 """
 
 from __future__ import annotations
@@ -18,10 +19,10 @@ from pathlib import Path
 
 import numpy as np
 
-M, N, K = 2048, 4096, 4096
+DEFAULT_SHAPE = "2048x4096x4096"
 
 
-def gemm_mod():
+def gemm_mod(M: int, N: int, K: int):
     import tvm
     from tvm import te
 
@@ -41,7 +42,10 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--trials", type=int, default=48)
     p.add_argument("--out", default="/tmp/out")
+    p.add_argument("--cost-model", default="random", choices=["random", "xgb"])
+    p.add_argument("--shape", default=DEFAULT_SHAPE, help="MxNxK")
     a = p.parse_args()
+    M, N, K = (int(v) for v in a.shape.split("x"))
     import torch
     import tvm
     import tvm.s_tir.tensor_intrin  # noqa: F401
@@ -76,22 +80,23 @@ def main() -> None:
         rows[name] = {"seconds": time_tvm(lib, dev, args), "max_rel_err_vs_torch": err}
 
     with target:
-        dl = dlight.ApplyDefaultSchedule(dlight.gpu.Matmul(), dlight.gpu.Fallback())(gemm_mod())
+        dl = dlight.ApplyDefaultSchedule(dlight.gpu.Matmul(), dlight.gpu.Fallback())(gemm_mod(M, N, K))
     check_and_time("dlight_default", tvm.tirx.build(dl, target=target))
     with tempfile.TemporaryDirectory() as wd:
         t = time.time()
-        db = ms.tune_tir(gemm_mod(), target, wd, max_trials_global=a.trials, num_trials_per_iter=16,
-                         cost_model="random")
+        db = ms.tune_tir(gemm_mod(M, N, K), target, wd, max_trials_global=a.trials, num_trials_per_iter=16,
+                         cost_model=a.cost_model)
         tune_s = time.time() - t
-        sch = ms.tir_integration.compile_tir(db, gemm_mod(), target)
+        sch = ms.tir_integration.compile_tir(db, gemm_mod(M, N, K), target)
         check_and_time("metaschedule_tuned", tvm.tirx.build(sch.mod, target=target))
-        rows["metaschedule_tuned"].update({"trials": a.trials, "tune_seconds": tune_s, "cost_model": "random"})
+        rows["metaschedule_tuned"].update({"trials": a.trials, "tune_seconds": tune_s,
+                                           "cost_model": a.cost_model})
     for r in rows.values():
         r["tflops"] = flops / r["seconds"] / 1e12
         r["vs_cublas"] = cublas_s / r["seconds"]
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "gemm_tune_cuda.json").write_text(json.dumps({"shape": [M, N, K], "dtype": "float16", **rows}, indent=1))
+    (out / f"gemm_tune_cuda_{M}x{N}x{K}_{a.cost_model}.json").write_text(json.dumps({"shape": [M, N, K], "dtype": "float16", **rows}, indent=1))
     print(f"fp16 GEMM {M}x{N}x{K} on {dev.device_name}")
     print(f"{'kernel':20s} {'TFLOP/s':>8s} {'vs cuBLAS':>9s} {'rel err':>8s}")
     for name, r in rows.items():

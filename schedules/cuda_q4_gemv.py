@@ -53,19 +53,6 @@ __device__ __forceinline__ unsigned mlcc_q4x8_hfma2(unsigned w, unsigned x01, un
               mlcc_u2h(__byte_perm(x23, x67, 0x7632)), a);
   return mlcc_h2u(a);
 }
-// fused prologues: two fp16 activations computed in fp32 from their producers' inputs, packed as the GEMV reads them
-__device__ __forceinline__ unsigned mlcc_swiglu2(unsigned gate, unsigned up) {
-  const float2 g = __half22float2(mlcc_u2h(gate)), u = __half22float2(mlcc_u2h(up));
-  return mlcc_h2u(__floats2half2_rn(g.x / (1.0f + __expf(-g.x)) * u.x, g.y / (1.0f + __expf(-g.y)) * u.y));
-}
-__device__ __forceinline__ unsigned mlcc_rmsnorm2(unsigned x, unsigned w, float r) {
-  const float2 a = __half22float2(mlcc_u2h(x)), b = __half22float2(mlcc_u2h(w));
-  return mlcc_h2u(__floats2half2_rn(r * a.x * b.x, r * a.y * b.y));
-}
-__device__ __forceinline__ float mlcc_h2_sumsq(unsigned x) {
-  const float2 a = __half22float2(mlcc_u2h(x));
-  return a.x * a.x + a.y * a.y;
-}
 __device__ __forceinline__ float mlcc_h2_sum(unsigned acc) {
   const half2 a = mlcc_u2h(acc);
   return __low2float(a) + __high2float(a);
@@ -80,8 +67,6 @@ class GemvShape:
     epilogue: str          # "none" | "add" | "cast"
     residual_shape: tuple[int, ...] = ()
     out_dtype: str = "float16"
-    prologue: str = "none"  # "none" | "swiglu": x = silu(gate) * up of a (1, 1, 2k) input | "rmsnorm": x = rms_norm(h) * w
-    eps: float = 0.0        # rmsnorm's epsilon
 
 
 # Enough warps in flight to cover DRAM latency on a big GPU (132 SMs x 16 warps on an H100/H200, ~32 KB of loads
@@ -122,8 +107,6 @@ def make_q4_gemv(shape: GemvShape, warps_wanted: int = _WARPS_WANTED, pdl: bool 
     blocks = -(-n // rows_per_block)
     r_shape = shape.residual_shape or (1, 1, n)
     out_dtype = shape.out_dtype
-    pro = shape.prologue
-    x_len = 2 * k if pro == "swiglu" else k
 
     def row_of(bx, ty, tx, r):
         return bx * rows_per_block + (ty // ksplit * slots + tx // lanes) * rows + r
@@ -142,44 +125,8 @@ def make_q4_gemv(shape: GemvShape, warps_wanted: int = _WARPS_WANTED, pdl: bool 
                     wl[r, v] = T.uint32(0x77777777)
 
     @T.macro
-    def load_x(xw, nw, xl, ul, rs, it, ty, tx):
-        for q in T.unroll(4):
-            for v in T.vectorized(4):
-                xl[q * 4 + v] = xw[group_of(it, ty, tx) * 16 + q * 4 + v]
-        if pro == "swiglu":
-            for q in T.unroll(4):
-                for v in T.vectorized(4):
-                    ul[q * 4 + v] = xw[k // 2 + group_of(it, ty, tx) * 16 + q * 4 + v]
-            for i in T.unroll(16):
-                xl[i] = T.call_pure_extern("uint32", "mlcc_swiglu2", xl[i], ul[i])
-        elif pro == "rmsnorm":
-            for q in T.unroll(4):
-                for v in T.vectorized(4):
-                    ul[q * 4 + v] = nw[group_of(it, ty, tx) * 16 + q * 4 + v]
-            for i in T.unroll(16):
-                xl[i] = T.call_pure_extern("uint32", "mlcc_rmsnorm2", xl[i], ul[i], rs[0])
-
-    @T.macro
-    def rms_scale(xw, rs, ssq, ty, tx):
-        """rs[0] = 1 / sqrt(mean(h^2) + eps) over the whole input, every thread of the block helping."""
-        rs[0] = T.float32(0)
-        for i in T.unroll(-(-(k // 2) // (warps * 32))):
-            if (i * warps + ty) * 32 + tx < k // 2:
-                rs[0] = rs[0] + T.call_pure_extern("float32", "mlcc_h2_sumsq", xw[(i * warps + ty) * 32 + tx])
-        for o in T.unroll(5):
-            rs[0] = rs[0] + T.call_pure_extern("float32", "__shfl_xor_sync", T.uint32(0xFFFFFFFF), rs[0], 1 << o, 32)
-        if tx == 0:
-            ssq[ty] = rs[0]
-        T.evaluate(T.tvm_storage_sync("shared"))
-        rs[0] = T.float32(0)
-        for j in T.unroll(warps):
-            rs[0] = rs[0] + ssq[j]
-        rs[0] = T.rsqrt(rs[0] / T.float32(k) + T.float32(shape.eps))
-
-    @T.macro
-    def body(x, nw_buf, w, s, res, out):
-        xw = T.decl_buffer((x_len // 2,), "uint32", data=x.data)
-        nw = T.decl_buffer((k // 2,), "uint32", data=nw_buf.data)  # unread unless prologue == "rmsnorm"
+    def body(x, w, s, res, out):
+        xw = T.decl_buffer((k // 2,), "uint32", data=x.data)
         ww = T.decl_buffer((n * k // 8,), "uint32", data=w.data)
         sf = T.decl_buffer((n * groups,), "float16", data=s.data)
         rf = T.decl_buffer((n,), "float16", data=res.data)  # unread unless epilogue == "add"
@@ -194,9 +141,6 @@ def make_q4_gemv(shape: GemvShape, warps_wanted: int = _WARPS_WANTED, pdl: bool 
                         acc = T.sblock_alloc_buffer((rows,), "uint32", scope="local")
                         accf = T.sblock_alloc_buffer((rows,), "float32", scope="local")
                         red = T.sblock_alloc_buffer((warps, slots, rows), "float32", scope="shared")
-                        ul = T.sblock_alloc_buffer((16,), "uint32", scope="local")
-                        rs = T.sblock_alloc_buffer((1,), "float32", scope="local")
-                        ssq = T.sblock_alloc_buffer((warps,), "float32", scope="shared")
                         for r in T.unroll(rows):
                             accf[r] = T.float32(0)
                         # the first weights do not depend on the previous kernel: with PDL they load while it
@@ -206,11 +150,11 @@ def make_q4_gemv(shape: GemvShape, warps_wanted: int = _WARPS_WANTED, pdl: bool 
                         if pdl:
                             T.evaluate(T.call_extern("void", cuda_pdl.WAIT))
                             T.evaluate(T.call_extern("void", cuda_pdl.LAUNCH_DEPENDENTS))
-                        if pro == "rmsnorm":
-                            rms_scale(xw, rs, ssq, ty, tx)
                         for it in T.unroll(iters):
                             if group_of(it, ty, tx) < groups:
-                                load_x(xw, nw, xl, ul, rs, it, ty, tx)
+                                for q in T.unroll(4):
+                                    for v in T.vectorized(4):
+                                        xl[q * 4 + v] = xw[group_of(it, ty, tx) * 16 + q * 4 + v]
                                 if it > 0:
                                     load_weights(ww, wl, bx, ty, tx, it)
                                 for r in T.unroll(rows):
@@ -246,34 +190,19 @@ def make_q4_gemv(shape: GemvShape, warps_wanted: int = _WARPS_WANTED, pdl: bool 
                                 else:
                                     out[0, 0, row_of(bx, ty, tx, r)] = T.Cast(out_dtype, T.Cast("float16", accf[r]))
 
-    x_shape = (1, 1, x_len)
-    # parameter order = TVM's fused function: activations [, norm weight], W, scales [, residual/bias], out
-    if epi == "add" and pro == "rmsnorm":
+    if epi == "add":
         @T.prim_func(private=True, s_tir=True)
-        def func(x: T.Buffer(x_shape, "float16"), nw: T.Buffer((k,), "float16"), w: T.Buffer((n, k // 8), "uint32"),
+        def func(x: T.Buffer((1, 1, k), "float16"), w: T.Buffer((n, k // 8), "uint32"),
                  s: T.Buffer((n, groups), "float16"), res: T.Buffer(r_shape, "float16"),
                  out: T.Buffer((1, 1, n), "float16")):
             T.func_attr({"tirx.is_scheduled": True, "tirx.noalias": True})
-            body(x, nw, w, s, res, out)
-    elif epi == "add":
-        @T.prim_func(private=True, s_tir=True)
-        def func(x: T.Buffer(x_shape, "float16"), w: T.Buffer((n, k // 8), "uint32"),
-                 s: T.Buffer((n, groups), "float16"), res: T.Buffer(r_shape, "float16"),
-                 out: T.Buffer((1, 1, n), "float16")):
-            T.func_attr({"tirx.is_scheduled": True, "tirx.noalias": True})
-            body(x, x, w, s, res, out)
-    elif pro == "rmsnorm":
-        @T.prim_func(private=True, s_tir=True)
-        def func(x: T.Buffer(x_shape, "float16"), nw: T.Buffer((k,), "float16"), w: T.Buffer((n, k // 8), "uint32"),
-                 s: T.Buffer((n, groups), "float16"), out: T.Buffer((1, 1, n), out_dtype)):
-            T.func_attr({"tirx.is_scheduled": True, "tirx.noalias": True})
-            body(x, nw, w, s, out, out)
+            body(x, w, s, res, out)
     else:
         @T.prim_func(private=True, s_tir=True)
-        def func(x: T.Buffer(x_shape, "float16"), w: T.Buffer((n, k // 8), "uint32"),
+        def func(x: T.Buffer((1, 1, k), "float16"), w: T.Buffer((n, k // 8), "uint32"),
                  s: T.Buffer((n, groups), "float16"), out: T.Buffer((1, 1, n), out_dtype)):
             T.func_attr({"tirx.is_scheduled": True, "tirx.noalias": True})
-            body(x, x, w, s, out, out)
+            body(x, w, s, out, out)
     return func
 
 
