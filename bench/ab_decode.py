@@ -4,7 +4,8 @@ moves ±4% between device calls, more than one kernel change is worth).
     python bench/ab_decode.py build --out .dev/ab --model llama3-8b-q4f16_1   # here: one library per variant
     python3 bench/ab_decode.py run --libs .dev/ab --out $OUT                  # device
 
-Variants: "base" = the default build; "no-pdl" = without programmatic dependent launch (MLCC_CUDA_PDL=0). Each is checked (argmax; logits against the CPU build
+Variants: "base" = the default build; "no-pdl" = without programmatic dependent launch (MLCC_CUDA_PDL=0);
+"no-graph" = decode without CUDA graphs (every kernel launched by the VM). Each is checked (argmax; logits against the CPU build
 where bench/decode.py has a reference for the shape) before it is timed.
 """
 
@@ -21,7 +22,7 @@ from unittest import mock
 
 from decode import MODELS, check_against_reference, check_argmax
 
-VARIANTS = ("base", "no-pdl")
+VARIANTS = ("base", "no-pdl", "no-graph")
 
 
 @contextlib.contextmanager
@@ -33,15 +34,20 @@ def _variant(name: str):
         yield
 
 
+def _order(variant: str) -> int:
+    return VARIANTS.index(variant) if variant in VARIANTS else len(VARIANTS)
+
+
 def cmd_build(a) -> None:
     from mlcc.compiler.build import compile_shape_only
 
     for model in a.model.split(","):
         name, quant = model.rsplit("-", 1)
         arch, cfg = MODELS[name]
-        for v in VARIANTS:
+        for v in a.variants.split(","):
             with _variant(v):
-                s = compile_shape_only(arch, cfg, "cuda", quant, Path(a.out) / v / model)
+                s = compile_shape_only(arch, cfg, "cuda", quant, Path(a.out) / v / model,
+                                       cuda_graphs=False if v == "no-graph" else None)
             print(f"{v} {model}: {s:.1f}s", flush=True)
 
 
@@ -54,10 +60,10 @@ def cmd_run(a) -> None:
     ref_file = libs / "reference.npz"
     ref = np.load(ref_file) if ref_file.exists() else None
     rows = []
-    for model in sorted(p.name for p in (libs / VARIANTS[0]).iterdir()):
+    for model in sorted(p.name for p in (libs / "base").iterdir()):
         name, quant = model.rsplit("-", 1)
         loaded = {}
-        for v in VARIANTS:
+        for v in sorted((p.name for p in libs.iterdir() if (p / model).is_dir()), key=_order):
             m = LoadedModel(libs / v / model, weights="random")
             check = {"argmax_ok": check_argmax(m)}
             if ref is not None and f"{name}/{quant}/logits" in ref:
@@ -100,6 +106,7 @@ if __name__ == "__main__":
     b = sub.add_parser("build")
     b.add_argument("--out", required=True)
     b.add_argument("--model", default="llama3-8b-q4f16_1,qwen2.5-0.5b-q4f16_1,smollm2-135m-q4f16_1")
+    b.add_argument("--variants", default=",".join(VARIANTS))
     r = sub.add_parser("run")
     r.add_argument("--libs", required=True)
     r.add_argument("--out", required=True)

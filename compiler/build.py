@@ -203,14 +203,32 @@ def _attach_argmax(mod, vocab: int, int32_index: bool = False, threads: int = 25
     return bb.get()
 
 
-def compile_library(built: BuiltModule, out_path: Path, tuning_db: str | Path | None = None):
+# CUDA graphs around decode cost a graph launch (3–4 µs of idle GPU) at both ends of every KV-cache attention call;
+# without them the VM launches each kernel itself, ~54 µs of host time per layer on the H200's host. Where a layer's
+# weights keep the GPU busier than that, the host stays ahead and decode is faster without graphs (interleaved A/B,
+# bench/results session 4: Llama-3-8B shape q4f16_1, 117 MiB per layer, +3.9%; q0f16 +2%); small layers are
+# host-bound and need them (Qwen2.5-0.5B shape -20%, SmolLM2 -27% without).
+NO_CUDA_GRAPHS_FROM_LAYER_BYTES = 96 << 20
+
+
+def decode_uses_cuda_graphs(built: BuiltModule) -> bool:
+    if built.target.kind.name != "cuda":
+        return False
+    layer0 = [p for p in built.params if ".layers.0." in p["name"]]
+    layer_bytes = sum(int(np.prod(p["shape"])) * np.dtype(p["dtype"]).itemsize for p in layer0)
+    return layer_bytes < NO_CUDA_GRAPHS_FROM_LAYER_BYTES
+
+
+def compile_library(built: BuiltModule, out_path: Path, tuning_db: str | Path | None = None,
+                    cuda_graphs: bool | None = None):
     import tvm
 
     from .pipeline import build_pipeline
 
     # CUDA graphs: static-shape stretches of decode (between paged-attention calls) are captured once and
-    # replayed, which removes most per-kernel launch and VM dispatch cost at batch 1.
-    config = {"relax.backend.use_cuda_graph": built.target.kind.name == "cuda"}
+    # replayed, which removes most per-kernel launch and VM dispatch cost at batch 1 (unless the layers are big).
+    config = {"relax.backend.use_cuda_graph": decode_uses_cuda_graphs(built) if cuda_graphs is None
+              else cuda_graphs and built.target.kind.name == "cuda"}
     if built.target.kind.name != "llvm" and built.cfg.rope_scaling:
         # TVM 0.27 bug: TIR CSE breaks the GPU tree-attention kernel under scaled RoPE ("cse_v21 has been used
         # before definition"). nvcc/NVRTC run their own CSE, so the kernels lose little without it.
@@ -293,7 +311,7 @@ def _config_json(built: BuiltModule, lib_name: str, tok: dict[str, Any], source:
 
 
 def compile_shape_only(model_type: str, hf_config: dict[str, Any], target: str, quant: str,
-                       output: str | Path, tensor_parallel: int = 1) -> float:
+                       output: str | Path, tensor_parallel: int = 1, cuda_graphs: bool | None = None) -> float:
     """Library + config for a config with no checkpoint (benchmarks fill the weights with random values)."""
     out = Path(output)
     out.mkdir(parents=True, exist_ok=True)
@@ -301,7 +319,7 @@ def compile_shape_only(model_type: str, hf_config: dict[str, Any], target: str, 
     t0 = time.time()
     built = export_module(source, get_target(target), get_quantization(quant), tensor_parallel=tensor_parallel)
     lib_name = "model" + built.preset.lib_ext
-    compile_library(built, out / lib_name)
+    compile_library(built, out / lib_name, cuda_graphs=cuda_graphs)
     seconds = time.time() - t0
     cfg = _config_json(built, lib_name, {}, {"kind": "config", "path": str(out)})
     cfg["weights"] = "none"

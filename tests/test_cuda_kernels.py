@@ -73,6 +73,26 @@ def test_pdl_launch_only_for_sm90_and_newer(hf_models, tmp_path):
         assert (b"griddepcontrol.wait" in data) is want
 
 
+def test_cuda_graphs_for_small_layers_only(hf_models):
+    import types
+
+    from mlcc.compiler.build import NO_CUDA_GRAPHS_FROM_LAYER_BYTES, decode_uses_cuda_graphs
+
+    built, _ = _fused(hf_models)
+    assert decode_uses_cuda_graphs(built)                     # a tiny layer: host-bound without graphs
+    cuda, cpu = built.target, get_target("llvm").tvm_target()
+
+    def fake(layer_bytes: int, target):
+        params = [{"name": "model.embed_tokens.q_weight", "shape": [1 << 20, 512], "dtype": "uint32"},
+                  {"name": "model.layers.0.mlp.down_proj.q_weight", "shape": [layer_bytes // 4], "dtype": "uint32"},
+                  {"name": "model.layers.1.mlp.down_proj.q_weight", "shape": [layer_bytes // 4], "dtype": "uint32"}]
+        return types.SimpleNamespace(params=params, target=target)
+
+    assert decode_uses_cuda_graphs(fake(NO_CUDA_GRAPHS_FROM_LAYER_BYTES - 4, cuda))
+    assert not decode_uses_cuda_graphs(fake(117 << 20, cuda))  # Llama-3-8B q4f16_1: measured faster without
+    assert not decode_uses_cuda_graphs(fake(1 << 20, cpu))
+
+
 def test_split_kv_decode_attention_replaces_tvms_kernel(hf_models):
     built, _ = _fused(hf_models)
     funcs = _prim_funcs(built.mod)
