@@ -5,7 +5,8 @@ moves ±4% between device calls, more than one kernel change is worth).
     python3 bench/ab_decode.py run --libs .dev/ab --out $OUT                  # device
 
 Variants: "base" = the default build; "no-pdl" = without programmatic dependent launch (MLCC_CUDA_PDL=0);
-"no-graph" = decode without CUDA graphs (every kernel launched by the VM). Each is checked (argmax; logits against the CPU build
+"graphs" / "no-graph" = decode with / without CUDA graphs whatever the default rule picks (compile_library's
+decode_uses_cuda_graphs; session 4 compared "base", then graphs for all shapes, with "no-graph"). Each is checked (argmax; logits against the CPU build
 where bench/decode.py has a reference for the shape) before it is timed.
 """
 
@@ -22,7 +23,8 @@ from unittest import mock
 
 from decode import MODELS, check_against_reference, check_argmax
 
-VARIANTS = ("base", "no-pdl", "no-graph")
+VARIANTS = ("base", "no-pdl", "graphs", "no-graph")
+GRAPHS = {"graphs": True, "no-graph": False}
 
 
 @contextlib.contextmanager
@@ -47,7 +49,7 @@ def cmd_build(a) -> None:
         for v in a.variants.split(","):
             with _variant(v):
                 s = compile_shape_only(arch, cfg, "cuda", quant, Path(a.out) / v / model,
-                                       cuda_graphs=False if v == "no-graph" else None)
+                                       cuda_graphs=GRAPHS.get(v))
             print(f"{v} {model}: {s:.1f}s", flush=True)
 
 
@@ -106,7 +108,7 @@ if __name__ == "__main__":
     b = sub.add_parser("build")
     b.add_argument("--out", required=True)
     b.add_argument("--model", default="llama3-8b-q4f16_1,qwen2.5-0.5b-q4f16_1,smollm2-135m-q4f16_1")
-    b.add_argument("--variants", default=",".join(VARIANTS))
+    b.add_argument("--variants", default="base,no-pdl,graphs,no-graph")
     r = sub.add_parser("run")
     r.add_argument("--libs", required=True)
     r.add_argument("--out", required=True)

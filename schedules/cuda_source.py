@@ -12,10 +12,14 @@ def _helper_groups() -> list[tuple[str, str]]:
     return [(cuda_q4_gemv.HELPER_NAME, cuda_q4_gemv.CUDA_HELPERS), (cuda_pdl.WAIT, cuda_pdl.CUDA_HELPERS)]
 
 
+def _marker(name: str) -> str:
+    return f"// mlcc device helpers: {name}"
+
+
 def add_cuda_helpers(code: str) -> str:
     """Insert each helper group the code calls (once) before the first kernel of the translation unit."""
-    wanted = "".join(src for name, src in _helper_groups()
-                     if f"{name}(" in code and f"void {name}(" not in code and f" {name}(unsigned" not in code)
+    wanted = "".join(f"{_marker(name)}\n{src}" for name, src in _helper_groups()
+                     if f"{name}(" in code and _marker(name) not in code)
     if not wanted:
         return code
     at = code.find('extern "C" __global__')
