@@ -51,15 +51,15 @@ def pdl_kernels_pass(mod: tvm.ir.IRModule, _ctx) -> tvm.ir.IRModule:
     after (a kernel that places its own wait places the release too), and ask the runtime for a PDL launch."""
     out = {}
     for gv, func in mod.functions.items():
-        tags = func.attrs.get("tirx.kernel_launch_params") if func.attrs is not None else None
-        if not isinstance(func, tvm.tirx.PrimFunc) or tags is None or PDL_TAG in [str(t) for t in tags]:
+        launch = func.attrs.get("tirx.kernel_launch_params") if func.attrs is not None else None
+        tags = [str(t) for t in launch] if launch is not None else None
+        if not isinstance(func, tvm.tirx.PrimFunc) or tags is None or PDL_TAG in tags:
             out[gv] = func
             continue
         if not _calls(func, WAIT):
             func = func.with_body(tvm.tirx.SeqStmt([
                 tvm.tirx.Evaluate(tvm.tirx.call_extern("void", WAIT)),
                 tvm.tirx.Evaluate(tvm.tirx.call_extern("void", LAUNCH_DEPENDENTS)), func.body]))
-        tags = [str(t) for t in tags]
         # the runtime requires the dynamic-shared-memory tag to stay last
         at = len(tags) - 1 if tags and tags[-1] == "tirx.use_dyn_shared_memory" else len(tags)
         out[gv] = func.with_attr("tirx.kernel_launch_params", tags[:at] + [PDL_TAG] + tags[at:])
