@@ -20,6 +20,20 @@ CONFIG_FILE = "mlcc-config.json"
 TENSOR_CACHE_FILE = "tensor-cache.json"
 FORMAT_VERSION = 1
 
+# CUDA libraries hold `decode_graph` (compiler/graph_decode.py), batch-1 decode as one CUDA graph per step. It calls
+# the paged attention through GRAPH_ATTENTION, which the runtime registers, and its graphs are keyed by the layout of
+# the KV cache's per-step metadata: TVM 0.27's merged aux buffer aligns each int32 array to 16 bytes, so the arrays
+# after the page table move whenever the sequence's page count crosses a multiple of 4.
+GRAPH_DECODE_FUNCTION = "decode_graph"
+GRAPH_ATTENTION = "mlcc.graph_attention_with_fused_qkv"
+_PAGES_PER_LAYOUT = 4
+
+
+def graph_decode_layout(seq_len_after_step: int, page_size: int) -> int:
+    """The key of the decode graph valid for a step that ends with `seq_len_after_step` tokens in the cache."""
+    pages = -(-seq_len_after_step // page_size)
+    return -(-pages // _PAGES_PER_LAYOUT)
+
 
 class ArtifactError(RuntimeError):
     """An artifacts folder is incomplete, corrupted, or does not match this runtime."""

@@ -4,10 +4,11 @@ moves ±4% between device calls, more than one kernel change is worth).
     python bench/ab_decode.py build --out .dev/ab --model llama3-8b-q4f16_1   # here: one library per variant
     python3 bench/ab_decode.py run --libs .dev/ab --out $OUT                  # device
 
-Variants: "base" = the default build; "no-pdl" = without programmatic dependent launch (MLCC_CUDA_PDL=0);
-"graphs" / "no-graph" = decode with / without CUDA graphs whatever the default rule picks (compile_library's
-decode_uses_cuda_graphs; session 4 compared "base", then graphs for all shapes, with "no-graph"). Each is checked (argmax; logits against the CPU build
-where bench/decode.py has a reference for the shape) before it is timed.
+Variants: "base" = the default build (batch-1 decode through decode_graph, one CUDA graph per step); "no-graph" =
+the same library with plain decode (MLCC_DECODE_GRAPH=0 at load: every kernel launched by the VM); "no-pdl" = a
+build without programmatic dependent launch (MLCC_CUDA_PDL=0). Each is checked (argmax; decode_graph against
+decode; logits against the CPU build where bench/decode.py has a reference for the shape) before it is timed.
+(Session 4's "graphs"/"no-graph" builds compared TVM's partial graphs, between attention calls, with none.)
 """
 
 from __future__ import annotations
@@ -21,18 +22,16 @@ import time
 from pathlib import Path
 from unittest import mock
 
-from decode import MODELS, check_against_reference, check_argmax
+from decode import MODELS, check_against_reference, check_argmax, check_graph_decode
 
-VARIANTS = ("base", "no-pdl", "graphs", "no-graph")
-GRAPHS = {"graphs": True, "no-graph": False}
+VARIANTS = ("base", "no-graph", "no-pdl")
+BUILT = ("base", "no-pdl")               # the others load base's library
+ENV = {"no-pdl": {"MLCC_CUDA_PDL": "0"}, "no-graph": {"MLCC_DECODE_GRAPH": "0"}}
 
 
 @contextlib.contextmanager
 def _variant(name: str):
-    if name == "no-pdl":
-        with mock.patch.dict(os.environ, {"MLCC_CUDA_PDL": "0"}):
-            yield
-    else:
+    with mock.patch.dict(os.environ, ENV.get(name, {})):
         yield
 
 
@@ -47,9 +46,10 @@ def cmd_build(a) -> None:
         name, quant = model.rsplit("-", 1)
         arch, cfg = MODELS[name]
         for v in a.variants.split(","):
+            if v not in BUILT:
+                continue
             with _variant(v):
-                s = compile_shape_only(arch, cfg, "cuda", quant, Path(a.out) / v / model,
-                                       cuda_graphs=GRAPHS.get(v))
+                s = compile_shape_only(arch, cfg, "cuda", quant, Path(a.out) / v / model)
             print(f"{v} {model}: {s:.1f}s", flush=True)
 
 
@@ -65,13 +65,15 @@ def cmd_run(a) -> None:
     for model in sorted(p.name for p in (libs / "base").iterdir()):
         name, quant = model.rsplit("-", 1)
         loaded = {}
-        for v in sorted((p.name for p in libs.iterdir() if (p / model).is_dir()), key=_order):
-            m = LoadedModel(libs / v / model, weights="random")
-            check = {"argmax_ok": check_argmax(m)}
+        built = [p.name for p in libs.iterdir() if (p / model).is_dir()]
+        for v in sorted(set(built) | set(a.variants.split(",")), key=_order):
+            with _variant(v):
+                m = LoadedModel(libs / (v if v in BUILT else "base") / model, weights="random")
+            check = {"argmax_ok": check_argmax(m), "graph": check_graph_decode(m)}
             if ref is not None and f"{name}/{quant}/logits" in ref:
                 check.update(check_against_reference(m, ref, f"{name}/{quant}"))
             print(model, v, "check:", check, flush=True)
-            if not check["argmax_ok"] or not check.get("ok", True):
+            if not check["argmax_ok"] or not check["graph"].get("ok", True) or not check.get("ok", True):
                 rows.append({"model": model, "variant": v, "check": check, "error": "check failed: not timed"})
                 continue
             m.create_kv_cache(1, 4096, 2048)
@@ -108,10 +110,11 @@ if __name__ == "__main__":
     b = sub.add_parser("build")
     b.add_argument("--out", required=True)
     b.add_argument("--model", default="llama3-8b-q4f16_1,qwen2.5-0.5b-q4f16_1,smollm2-135m-q4f16_1")
-    b.add_argument("--variants", default="base,no-pdl,graphs,no-graph")
+    b.add_argument("--variants", default="base")
     r = sub.add_parser("run")
     r.add_argument("--libs", required=True)
     r.add_argument("--out", required=True)
+    r.add_argument("--variants", default="base,no-graph", help="runtime variants loaded besides the built ones")
     r.add_argument("--rounds", type=int, default=6)
     r.add_argument("--steps", type=int, default=128)
     a = p.parse_args()

@@ -87,6 +87,26 @@ def check_argmax(m) -> bool:
     return bool((got == x.argmax(-1)).all())
 
 
+def check_graph_decode(m, steps: int = 200) -> dict:
+    """decode_graph against plain decode: two sequences of one cache fed the same tokens (prompt 7, then `steps`
+    steps: several metadata layouts, so several captured graphs), logits compared exactly."""
+    if m._decode_graph is None:
+        return {"graph": False}
+    keep = m._decode_graph
+    m.create_kv_cache(2, 2 * (steps + 64), 512)
+    toks = np.random.default_rng(2).integers(0, m.vocab, steps + 7).tolist()
+    rows = {}
+    for seq, graph in ((1, None), (2, keep)):
+        m._decode_graph = graph
+        m.add_sequence(seq)
+        rows[seq] = [m.prefill([seq], [toks[:7]]).numpy()] + [m.decode([seq], [t]).numpy() for t in toks[7:]]
+    m._decode_graph = keep
+    same = sum(bool(np.array_equal(a, b)) for a, b in zip(rows[1], rows[2]))
+    m.remove_sequence(1)
+    m.remove_sequence(2)
+    return {"graph": True, "graph_equal_steps": f"{same}/{len(rows[1])}", "ok": same == len(rows[1])}
+
+
 def check_against_reference(m, ref, key: str) -> dict:
     """Max |logit difference| relative to the largest reference logit, and greedy agreement, per step."""
     logits, _ = teacher_forced_logits(m, CHECK_FORCED)
@@ -167,6 +187,12 @@ def cmd_mlcc(a) -> None:
         if not check_argmax(m):
             rows.append({"model": model, "quant": quant, "engine": "mlcc", "error": "argmax_logits differs from numpy"})
             print(rows[-1], flush=True)
+            continue
+        graph_check = check_graph_decode(m)
+        print(model, quant, "decode_graph vs decode:", graph_check, flush=True)
+        if not graph_check.get("ok", True):
+            rows.append({"model": model, "quant": quant, "engine": "mlcc", "check": graph_check,
+                         "error": "decode_graph differs from decode: not timed"})
             continue
         check = None
         if ref is not None and f"{model}/{quant}/logits" in ref:

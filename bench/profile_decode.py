@@ -83,7 +83,15 @@ def main() -> None:
         t2 = time.perf_counter()
         m._kv_begin(m.kv, m._shape([0]), m._shape([1]))
         t3 = time.perf_counter()
-        out = m._f["decode"](emb, m.kv, m.params)
+        if m._decode_graph is not None:  # as LoadedModel.decode does it
+            from mlcc import artifact
+
+            m._kv_sync(m.kv)
+            layout = artifact.graph_decode_layout(m._graph_seq_len[0] + 1, m.page_size)
+            out = m._decode_graph(emb, m._shape([m._kv_cache_id, layout]), m.kv, m.params)
+            m._graph_seq_len[0] += 1
+        else:
+            out = m._f["decode"](emb, m.kv, m.params)
         t4 = time.perf_counter()
         m._kv_end(m.kv)
         ids_out = argmax(m._logits(out, 1))

@@ -203,20 +203,10 @@ def _attach_argmax(mod, vocab: int, int32_index: bool = False, threads: int = 25
     return bb.get()
 
 
-# CUDA graphs around decode cost a graph launch (3–4 µs of idle GPU) at both ends of every KV-cache attention call;
-# without them the VM launches each kernel itself, ~54 µs of host time per layer on the H200's host. Where a layer's
-# weights keep the GPU busier than that, the host stays ahead and decode is faster without graphs (interleaved A/B,
-# bench/results session 4: Llama-3-8B shape q4f16_1, 117 MiB per layer, +3.9%; q0f16 +2%); small layers are
-# host-bound and need them (Qwen2.5-0.5B shape -20%, SmolLM2 -27% without).
-NO_CUDA_GRAPHS_FROM_LAYER_BYTES = 96 << 20
-
-
-def decode_uses_cuda_graphs(built: BuiltModule) -> bool:
-    if built.target.kind.name != "cuda":
-        return False
-    layer0 = [p for p in built.params if ".layers.0." in p["name"]]
-    layer_bytes = sum(int(np.prod(p["shape"])) * np.dtype(p["dtype"]).itemsize for p in layer0)
-    return layer_bytes < NO_CUDA_GRAPHS_FROM_LAYER_BYTES
+def builds_graph_decode(built: BuiltModule) -> bool:
+    """CUDA, one GPU: batch-1 decode gets a whole-step CUDA graph (compiler/graph_decode.py). Disco workers (tensor
+    parallel) keep plain decode: the graph's attention alias is registered by runtime.model, not in their processes."""
+    return built.target.kind.name == "cuda" and built.cfg.tensor_parallel_shards == 1
 
 
 def compile_library(built: BuiltModule, out_path: Path, tuning_db: str | Path | None = None,
@@ -225,10 +215,7 @@ def compile_library(built: BuiltModule, out_path: Path, tuning_db: str | Path | 
 
     from .pipeline import build_pipeline
 
-    # CUDA graphs: static-shape stretches of decode (between paged-attention calls) are captured once and
-    # replayed, which removes most per-kernel launch and VM dispatch cost at batch 1 (unless the layers are big).
-    config = {"relax.backend.use_cuda_graph": decode_uses_cuda_graphs(built) if cuda_graphs is None
-              else cuda_graphs and built.target.kind.name == "cuda"}
+    config = {}
     if built.target.kind.name != "llvm" and built.cfg.rope_scaling:
         # TVM 0.27 bug: TIR CSE breaks the GPU tree-attention kernel under scaled RoPE ("cse_v21 has been used
         # before definition"). nvcc/NVRTC run their own CSE, so the kernels lose little without it.
@@ -237,6 +224,10 @@ def compile_library(built: BuiltModule, out_path: Path, tuning_db: str | Path | 
     from mlcc.targets.toolchains import toolchain_for
 
     mod = built.mod  # (for a wasm host, relax.build itself marks the module as a system library for tvmjs)
+    if builds_graph_decode(built) if cuda_graphs is None else cuda_graphs and builds_graph_decode(built):
+        from .graph_decode import add_graph_decode
+
+        mod = add_graph_decode(mod)
     with toolchain_for(built.target.kind.name), tvm.transform.PassContext(config=config):
         ex = tvm.compile(mod, built.target, relax_pipeline=build_pipeline(built.target, tuning_db),
                          tir_pipeline=tir_pipeline_for(built.target))

@@ -7,6 +7,8 @@ from tvm import relax
 
 from mlcc.schedules import default_schedule_passes, handwritten_kernel_passes
 
+from .graph_decode import rewrite_cuda_graph_pass
+
 
 def fusion_passes(target: tvm.target.Target) -> list[tvm.transform.Pass]:
     """Up to the fused, still unscheduled kernels."""
@@ -47,8 +49,8 @@ def build_pipeline(target: tvm.target.Target, tuning_db: str | None = None) -> t
                relax.transform.RemovePurityChecking(),
                relax.transform.CallTIRRewrite(),
                relax.transform.StaticPlanBlockMemory()]
-            # captures static-shape decode into CUDA graphs when relax.backend.use_cuda_graph is set
-            + ([relax.transform.RewriteCUDAGraph()] if target.kind.name == "cuda" else [])
+            # decode_graph (where compile_library added it) becomes one CUDA graph per step
+            + ([rewrite_cuda_graph_pass()] if target.kind.name == "cuda" else [])
             + [relax.transform.LowerAllocTensor(),
                relax.transform.KillAfterLastUse(),
                relax.transform.LowerRuntimeBuiltin(),

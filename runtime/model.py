@@ -49,6 +49,20 @@ def _load_backend_runtimes(device: str) -> None:
                                                            extra_lib_paths=[d], mode="RTLD_LOCAL")
 
 
+def _register_graph_attention() -> None:
+    """The paged-attention call of decode_graph: TVM's builtin under a name RewriteCUDAGraph captures, plus the
+    graph key it ignores. Python runs here only on a layout's first step and its capture; replays skip the host."""
+    import tvm
+    import tvm_ffi
+
+    builtin = tvm.get_global_func("vm.builtin.attention_kv_cache_attention_with_fused_qkv")
+
+    def attention(kv_cache, layer_id, sm_scale, qkv, _cache_id, _layout, out) -> None:
+        builtin(kv_cache, layer_id, sm_scale, qkv, out)
+
+    tvm_ffi.register_global_func(artifact.GRAPH_ATTENTION, attention, override=True)
+
+
 def _random_param(spec: dict[str, Any], rng: np.random.Generator) -> np.ndarray:
     """Random values for speed runs: one random block tiled over the tensor (an 8B model in seconds)."""
     shape, dtype = spec["shape"], spec["dtype"]
@@ -84,24 +98,42 @@ class PagedModel:
     (disco functions run on every worker). Subclasses say how ids, positions and logits move:
     _embed_shaped(ids, shape), _positions(int32 array), _logits(outputs, rows)."""
 
+    # batch-1 decode as one CUDA graph (subclasses set it where the library has decode_graph); the lengths of the
+    # sequences it may serve: one block of pages each (never forked), the case its graphs are keyed for
+    _decode_graph = None
+    _graph_seq_len: dict[int, int]
+    _kv_cache_id = 0   # numbers each KV cache: a graph replays the addresses of the cache it was captured with
+
     def create_kv_cache(self, max_batch: int, max_total_tokens: int, prefill_chunk: int, page_size: int = 16):
         S = self._shape
         self.kv = self._f["create_paged_kv_cache"](S([max_batch]), S([max_total_tokens]), S([prefill_chunk]),
                                                    S([page_size]), S([0]))
         self.page_size, self.prefill_chunk, self.max_batch = page_size, prefill_chunk, max_batch
+        self._graph_seq_len = {}
+        self._kv_cache_id += 1
         return self.kv
 
     def add_sequence(self, seq_id: int) -> None:
         self._kv_add(self.kv, seq_id)
+        self._graph_seq_len[seq_id] = 0
 
     def remove_sequence(self, seq_id: int) -> None:
         self._kv_remove(self.kv, seq_id)
+        self._graph_seq_len.pop(seq_id, None)
 
     def fork_sequence(self, parent: int, child: int) -> None:
         self._kv_fork(self.kv, parent, child, -1)
+        self._graph_seq_len.pop(parent, None)   # both now span more than one block of pages
 
     def popn(self, seq_id: int, n: int) -> None:
         self._kv_popn(self.kv, seq_id, n)
+        if seq_id in self._graph_seq_len:
+            self._graph_seq_len[seq_id] -= n
+
+    def _grow(self, seq_ids: Sequence[int], lens: Sequence[int]) -> None:
+        for s, n in zip(seq_ids, lens):
+            if s in self._graph_seq_len:
+                self._graph_seq_len[s] += n
 
     def _check_ids(self, ids: Sequence[int]) -> np.ndarray:
         arr = np.asarray(ids, dtype=np.int32)
@@ -122,6 +154,7 @@ class PagedModel:
             pos = self._positions(np.cumsum(lens).astype(np.int32) - 1)
             out = self._f["batch_prefill"](emb, pos, self.kv, self.params)
         self._kv_end(self.kv)
+        self._grow(seq_ids, lens)
         return self._logits(out, len(seq_ids))
 
     def decode(self, seq_ids: Sequence[int], tokens: Sequence[int]):
@@ -129,8 +162,15 @@ class PagedModel:
         n = len(seq_ids)
         emb = self._embed_shaped(tokens, [n, 1, self.hidden])
         self._kv_begin(self.kv, self._shape(list(seq_ids)), self._shape([1] * n))
-        out = self._f["decode" if n == 1 else "batch_decode"](emb, self.kv, self.params)
+        if n == 1 and self._decode_graph is not None and seq_ids[0] in self._graph_seq_len:
+            # the graph's kernels read the cache's metadata from the device: put this step's there first
+            self._kv_sync(self.kv)
+            layout = artifact.graph_decode_layout(self._graph_seq_len[seq_ids[0]] + 1, self.page_size)
+            out = self._decode_graph(emb, self._shape([self._kv_cache_id, layout]), self.kv, self.params)
+        else:
+            out = self._f["decode" if n == 1 else "batch_decode"](emb, self.kv, self.params)
         self._kv_end(self.kv)
+        self._grow(seq_ids, [1] * n)
         return self._logits(out, n)
 
 
@@ -163,6 +203,8 @@ class LoadedModel(PagedModel):
         if not lib_path.exists():
             raise artifact.ArtifactError(f"{lib_path}: library is missing; recompile with `mlcc compile`")
         self.lib = tvm.runtime.load_module(str(lib_path))
+        if self.device_kind == "cuda":
+            _register_graph_attention()  # before the VM resolves the library's external calls
         self.vm = VirtualMachine(self.lib, self.dev)
         try:
             lib_stamp = json.loads(str(self.vm["_metadata"]()))
@@ -186,6 +228,10 @@ class LoadedModel(PagedModel):
         self._kv_free_pages = g("vm.builtin.attention_kv_cache_get_num_available_pages")
         self._kv_total_len = g("vm.builtin.attention_kv_cache_get_total_sequence_length")
         self._reshape = g("vm.builtin.reshape")
+        self._kv_sync = g("vm.builtin.attention_kv_cache_get_query_positions")
+        if self.vm.module.implements_function(artifact.GRAPH_DECODE_FUNCTION) and \
+                os.environ.get("MLCC_DECODE_GRAPH", "1") != "0":
+            self._decode_graph = self.vm[artifact.GRAPH_DECODE_FUNCTION]
         self.kv = None
         self._ids_buffers: dict = {}
         self.hidden = int(self.config["hidden_size"])
@@ -233,6 +279,7 @@ class LoadedModel(PagedModel):
         self._kv_begin(self.kv, self._shape([seq_id]), self._shape([len(tokens)]))
         logits, _ = self._f["prefill_all_logits"](emb, self.kv, self.params)
         self._kv_end(self.kv)
+        self._grow([seq_id], [len(tokens)])
         return logits
 
     def info(self) -> dict[str, Any]:

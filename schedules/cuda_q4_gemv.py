@@ -92,18 +92,22 @@ def launch_config(n: int, k: int, warps_wanted: int = _WARPS_WANTED) -> tuple[in
     return lanes, rows, max(1, 4 // ksplit), ksplit
 
 
-def make_q4_gemv(shape: GemvShape, warps_wanted: int = _WARPS_WANTED, pdl: bool = False):
+def make_q4_gemv(shape: GemvShape, warps_wanted: int = _WARPS_WANTED, pdl: bool = False,
+                 config: tuple[int, int, int, int] | None = None, preload: int = 1):
     """The hand-scheduled kernel for one projection, with the parameter order of TVM's fused function; `pdl`: place
-    the programmatic-dependent-launch wait after the first weight loads (sm_90+, see cuda_pdl)."""
+    the programmatic-dependent-launch wait after the first weight loads (sm_90+, see cuda_pdl). `config` overrides
+    launch_config; `preload`: how many of a thread's iterations load their weights before anything else (before the
+    wait, with PDL), each in its own registers."""
     from tvm.script import tirx as T
 
     n, k, epi = shape.n, shape.k, shape.epilogue
-    lanes, rows, row_warps, ksplit = launch_config(n, k, warps_wanted)
+    lanes, rows, row_warps, ksplit = config or launch_config(n, k, warps_wanted)
     warps = row_warps * ksplit
     groups = k // 32
     slots = 32 // lanes
     rows_per_block = row_warps * slots * rows
     iters = -(-groups // (lanes * ksplit))
+    pre = max(1, min(preload, iters))
     blocks = -(-n // rows_per_block)
     r_shape = shape.residual_shape or (1, 1, n)
     out_dtype = shape.out_dtype
@@ -114,15 +118,19 @@ def make_q4_gemv(shape: GemvShape, warps_wanted: int = _WARPS_WANTED, pdl: bool 
     def group_of(it, ty, tx):
         return (it * ksplit + ty % ksplit) * lanes + tx % lanes
 
+    def slot(it):
+        # the preloaded iterations keep their own registers; later ones reuse the first slot
+        return T.if_then_else(it < pre, it, 0)
+
     @T.macro
     def load_weights(ww, wl, bx, ty, tx, it):
         for r in T.unroll(rows):
             if row_of(bx, ty, tx, r) < n:
                 for v in T.vectorized(4):
-                    wl[r, v] = ww[row_of(bx, ty, tx, r) * (k // 8) + group_of(it, ty, tx) * 4 + v]
+                    wl[slot(it), r, v] = ww[row_of(bx, ty, tx, r) * (k // 8) + group_of(it, ty, tx) * 4 + v]
             else:
                 for v in T.vectorized(4):
-                    wl[r, v] = T.uint32(0x77777777)
+                    wl[slot(it), r, v] = T.uint32(0x77777777)
 
     @T.macro
     def body(x, w, s, res, out):
@@ -137,7 +145,7 @@ def make_q4_gemv(shape: GemvShape, warps_wanted: int = _WARPS_WANTED, pdl: bool 
                         T.reads()
                         T.writes()
                         xl = T.sblock_alloc_buffer((16,), "uint32", scope="local")
-                        wl = T.sblock_alloc_buffer((rows, 4), "uint32", scope="local")
+                        wl = T.sblock_alloc_buffer((pre, rows, 4), "uint32", scope="local")
                         acc = T.sblock_alloc_buffer((rows,), "uint32", scope="local")
                         accf = T.sblock_alloc_buffer((rows,), "float32", scope="local")
                         red = T.sblock_alloc_buffer((warps, slots, rows), "float32", scope="shared")
@@ -145,8 +153,9 @@ def make_q4_gemv(shape: GemvShape, warps_wanted: int = _WARPS_WANTED, pdl: bool 
                             accf[r] = T.float32(0)
                         # the first weights do not depend on the previous kernel: with PDL they load while it
                         # finishes (cuda_pdl), the activations only after the wait
-                        if group_of(0, ty, tx) < groups:
-                            load_weights(ww, wl, bx, ty, tx, 0)
+                        for p in T.unroll(pre):
+                            if group_of(p, ty, tx) < groups:
+                                load_weights(ww, wl, bx, ty, tx, p)
                         if pdl:
                             T.evaluate(T.call_extern("void", cuda_pdl.WAIT))
                             T.evaluate(T.call_extern("void", cuda_pdl.LAUNCH_DEPENDENTS))
@@ -155,13 +164,13 @@ def make_q4_gemv(shape: GemvShape, warps_wanted: int = _WARPS_WANTED, pdl: bool 
                                 for q in T.unroll(4):
                                     for v in T.vectorized(4):
                                         xl[q * 4 + v] = xw[group_of(it, ty, tx) * 16 + q * 4 + v]
-                                if it > 0:
+                                if it >= pre:
                                     load_weights(ww, wl, bx, ty, tx, it)
                                 for r in T.unroll(rows):
                                     acc[r] = T.uint32(0)
                                 for c in T.unroll(4):
                                     for r in T.unroll(rows):
-                                        acc[r] = T.call_pure_extern("uint32", HELPER_NAME, wl[r, c], xl[c * 4],
+                                        acc[r] = T.call_pure_extern("uint32", HELPER_NAME, wl[slot(it), r, c], xl[c * 4],
                                                                     xl[c * 4 + 1], xl[c * 4 + 2], xl[c * 4 + 3],
                                                                     acc[r])
                                 for r in T.unroll(rows):

@@ -75,24 +75,41 @@ def test_pdl_launch_only_for_sm90_and_newer(hf_models, tmp_path):
         assert data.count(b"mlcc_pdl_wait();") == (len(gemvs) if want else 0)
 
 
-def test_cuda_graphs_for_small_layers_only(hf_models):
-    import types
+def _lowered_for_graphs(built):
+    from tvm import relax
 
-    from mlcc.compiler.build import NO_CUDA_GRAPHS_FROM_LAYER_BYTES, decode_uses_cuda_graphs
+    from mlcc.compiler.graph_decode import add_graph_decode, rewrite_cuda_graph_pass
+    from mlcc.compiler.pipeline import kernel_passes
+    from mlcc.schedules import default_schedule_passes
+
+    passes = (kernel_passes(built.target) + default_schedule_passes(built.target)
+              + [relax.transform.ToNonDataflow(), relax.transform.RemovePurityChecking(),
+                 relax.transform.CallTIRRewrite(), relax.transform.StaticPlanBlockMemory(), rewrite_cuda_graph_pass()])
+    with built.target:
+        return tvm.transform.Sequential(passes)(add_graph_decode(built.mod))
+
+
+def test_decode_graph_captures_the_whole_step_attention_included(hf_models):
+    from mlcc import artifact
 
     built, _ = _fused(hf_models)
-    assert decode_uses_cuda_graphs(built)                     # a tiny layer: host-bound without graphs
-    cuda, cpu = built.target, get_target("llvm").tvm_target()
+    mod = _lowered_for_graphs(built)
+    graph = mod[artifact.GRAPH_DECODE_FUNCTION].script()
+    # one graph per step: only the input copy, the lm_head (into the returned tensor) and the replay run on the host
+    assert graph.count("vm.builtin.cuda_graph.run_or_capture") == 1
+    assert "graph_input_copy(embeds" in graph and "attention_with_fused_qkv" not in graph
+    captured = [f.script() for gv, f in mod.functions.items() if "cuda_graph_capture" in gv.name_hint]
+    assert len(captured) == 1
+    assert captured[0].count(artifact.GRAPH_ATTENTION) == built.cfg.num_hidden_layers
+    # graphs keyed by the cache and its metadata layout
+    assert "R.shape([kv_cache_id, kv_layout])), 0, R.shape([kv_cache_id, kv_layout]))" in graph
+    assert "run_or_capture" not in mod["decode"].script()  # plain decode launches from the VM (forks, fallback)
 
-    def fake(layer_bytes: int, target):
-        params = [{"name": "model.embed_tokens.q_weight", "shape": [1 << 20, 512], "dtype": "uint32"},
-                  {"name": "model.layers.0.mlp.down_proj.q_weight", "shape": [layer_bytes // 4], "dtype": "uint32"},
-                  {"name": "model.layers.1.mlp.down_proj.q_weight", "shape": [layer_bytes // 4], "dtype": "uint32"}]
-        return types.SimpleNamespace(params=params, target=target)
 
-    assert decode_uses_cuda_graphs(fake(NO_CUDA_GRAPHS_FROM_LAYER_BYTES - 4, cuda))
-    assert not decode_uses_cuda_graphs(fake(117 << 20, cuda))  # Llama-3-8B q4f16_1: measured faster without
-    assert not decode_uses_cuda_graphs(fake(1 << 20, cpu))
+def test_graph_layout_moves_every_four_pages():
+    from mlcc.artifact import graph_decode_layout
+
+    assert [graph_decode_layout(n, 16) for n in (1, 64, 65, 128, 129)] == [1, 1, 2, 2, 3]
 
 
 def test_split_kv_decode_attention_replaces_tvms_kernel(hf_models):
@@ -129,6 +146,41 @@ def test_cuda_library_source_carries_the_helpers_and_compiles(hf_models, tmp_pat
     r = subprocess.run([nvcc, "-arch=sm_90", "-cubin", "-o", str(tmp_path / "k.cubin"), str(tmp_path / "k.cu")],
                        capture_output=True, text=True)
     assert r.returncode == 0, r.stderr[-2000:]
+
+
+@pytest.mark.gpu
+def test_decode_graph_matches_plain_decode_on_the_gpu(hf_models, tmp_path):
+    """Two sequences of one cache fed the same tokens, one through decode_graph and one through decode, across
+    four metadata layouts; then a new sequence on other pages replays the cached graphs."""
+    from mlcc.compiler.build import compile_model
+    from mlcc.runtime.model import LoadedModel
+
+    compile_model(hf_models("llama"), "cuda", "q4f16_1", tmp_path / "m")
+    m = LoadedModel(tmp_path / "m")
+    assert m._decode_graph is not None
+    m.create_kv_cache(4, 2048, 256)
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(0, m.vocab, 240).tolist()
+
+    def run(seq: int, graph: bool) -> list[np.ndarray]:
+        keep, m._decode_graph = m._decode_graph, (m._decode_graph if graph else None)
+        try:
+            m.add_sequence(seq)
+            out = [m.prefill([seq], [tokens[:7]]).numpy()]
+            out += [m.decode([seq], [t]).numpy() for t in tokens[7:]]
+        finally:
+            m._decode_graph = keep
+        return out
+
+    plain, graph = run(1, False), run(2, True)
+    m.remove_sequence(2)
+    again = run(3, True)
+    m.create_kv_cache(1, 1024, 256)  # other buffers: the graphs of the first cache must not be replayed
+    other_cache = run(1, True)
+    for step, (p, g, a, o) in enumerate(zip(plain, graph, again, other_cache)):
+        np.testing.assert_array_equal(g, p, err_msg=f"step {step}")
+        np.testing.assert_array_equal(a, p, err_msg=f"step {step}")
+        np.testing.assert_array_equal(o, p, err_msg=f"step {step}")
 
 
 @pytest.mark.gpu
