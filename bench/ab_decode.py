@@ -6,7 +6,9 @@ moves ±4% between device calls, more than one kernel change is worth).
 
 Variants: "base" = the default build (batch-1 decode through decode_graph, one CUDA graph per step); "no-graph" =
 the same library with plain decode (MLCC_DECODE_GRAPH=0 at load: every kernel launched by the VM); "no-pdl" = a
-build without programmatic dependent launch (MLCC_CUDA_PDL=0). Each is checked (argmax; decode_graph against
+build without programmatic dependent launch (MLCC_CUDA_PDL=0). (Session 5's "gemv-s4" builds, session 4's GEMV rule
+against the swept configurations, came from a commit whose GEMV rule was read from MLCC_Q4_GEMV_CONFIG; the
+sweep's rule was not kept.) Each is checked (argmax; decode_graph against
 decode; logits against the CPU build where bench/decode.py has a reference for the shape) before it is timed.
 (Session 4's "graphs"/"no-graph" builds compared TVM's partial graphs, between attention calls, with none.)
 """

@@ -35,9 +35,14 @@ def supported(target: tvm.target.Target) -> bool:
     """griddepcontrol exists from sm_90 on. MLCC_CUDA_PDL=0 turns PDL off (to measure what it brings)."""
     if os.environ.get("MLCC_CUDA_PDL", "1") == "0":
         return False
+    return sm_version(target) >= 90
+
+
+def sm_version(target: tvm.target.Target) -> int:
+    """90 for sm_90a; 0 for anything that is not a CUDA target with an arch."""
     arch = str(target.attrs.get("arch", "")) if target.kind.name == "cuda" else ""
     digits = "".join(c for c in arch.removeprefix("sm_") if c.isdigit())
-    return bool(digits) and int(digits) >= 90
+    return int(digits) if digits else 0
 
 
 def _calls(func: tvm.tirx.PrimFunc, name: str) -> bool:

@@ -71,6 +71,9 @@ class GemvShape:
 
 # Enough warps in flight to cover DRAM latency on a big GPU (132 SMs x 16 warps on an H100/H200, ~32 KB of loads
 # outstanding per SM); short projections (o_proj, down_proj: 4096 rows) reach it only by splitting K across warps.
+# Session 5's sweep (bench/gemv_sweep.py) found configurations 14% faster per 8B layer in isolation (35.2 vs 40.9 us
+# back to back), but neither they nor a rule of 1536 warps with two iterations preloaded made the 8B model faster
+# (interleaved A/B: -1.4%, -1.3%; bench/results session 5), so this rule stays.
 _WARPS_WANTED = 4096
 
 
