@@ -1,5 +1,6 @@
-"""Host cost of the pieces of a batch-1 decode step, decode_graph vs plain decode (issue 4: why a whole-step graph
-leaves the GPU idle at its start). No profiler attached (CUPTI slows graph launches).
+"""Host cost of the pieces of a batch-1 decode step, decode_graph vs plain decode (issue 4: where a step's time goes
+once the GPU work is one graph). No profiler attached (CUPTI slows graph launches). "ids+embed": the id to the
+device, plus the embedding call for plain decode (decode_graph looks it up inside its own call).
 
     python3 bench/graph_launch_probe.py --libs .dev/ab2/base --out $OUT
 """
@@ -20,11 +21,14 @@ def probe(m, graph: bool, steps: int = 64) -> dict:
     m.add_sequence(0)
     m.prefill([0], [[7] * 128])
     n = 128
-    parts = {k: [] for k in ("embed", "begin_forward", "aux_sync", "decode_call", "gpu_wait", "step")}
+    parts = {k: [] for k in ("ids+embed", "begin_forward", "aux_sync", "decode_call", "gpu_wait", "step")}
     captures = []
     for i in range(steps + 8):
         t0 = time.perf_counter()
-        emb = m._embed_shaped([7], [1, 1, m.hidden])
+        if graph:  # decode_graph looks the embedding up itself
+            emb = m._ids_to_dev(m._check_ids([7]))
+        else:
+            emb = m._embed_shaped([7], [1, 1, m.hidden])
         t1 = time.perf_counter()
         m._kv_begin(m.kv, m._shape([0]), m._shape([1]))
         t2 = time.perf_counter()
@@ -45,7 +49,7 @@ def probe(m, graph: bool, steps: int = 64) -> dict:
         if new_layout:
             captures.append((t4 - t3) * 1e3)
         elif i >= 8:
-            for k, v in (("embed", t1 - t0), ("begin_forward", t2 - t1), ("aux_sync", t3 - t2),
+            for k, v in (("ids+embed", t1 - t0), ("begin_forward", t2 - t1), ("aux_sync", t3 - t2),
                          ("decode_call", t4 - t3), ("gpu_wait", t5 - t4), ("step", t5 - t0)):
                 parts[k].append(v * 1e3)
         del out

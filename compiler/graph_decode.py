@@ -6,8 +6,8 @@ without graphs the host spends ~54 us per layer launching kernels. Here the atte
 
 - the KV cache becomes a static parameter (it is one object for the model's life) and the attention is called
   through `GRAPH_ATTENTION`, an alias of TVM's builtin that RewriteCUDAGraph does not exclude;
-- the step's input embedding is first copied into a planned buffer (an opaque kernel outside the graph), so no
-  kernel of the step reads a function input;
+- the step's input embedding (looked up first: the function takes the token id) is copied into a planned buffer
+  (an opaque kernel outside the graph), so no kernel of the step reads a function input;
 - the kernels the KV cache launches read its per-step metadata (positions, page tables) from one device buffer that
   BeginForward refills, at offsets that move when the sequence's page count crosses a multiple of 4
   (artifact.graph_decode_layout). The caller passes `(kv_cache_id, kv_layout)`, a number it gives each KV cache
@@ -66,17 +66,19 @@ class _Rewrite(relax.PyExprMutator):
 
 
 def add_graph_decode(mod: tvm.IRModule) -> tvm.IRModule:
-    """A copy of `decode` as `decode_graph(embeds, (kv_cache_id, kv_layout), kv_cache, params)`, ready for
-    RewriteCUDAGraph."""
+    """`decode_graph(input_ids[1], (kv_cache_id, kv_layout), kv_cache, params)`: `embed` then a copy of `decode`,
+    ready for RewriteCUDAGraph. Taking the token id (not its embedding) saves the step a VM call from Python."""
     decode = relax.utils.copy_with_new_vars(mod["decode"])
     embeds, kv_cache, params = decode.params
     key_vars = [tvm.tirx.Var(CACHE_VAR, "int64"), tvm.tirx.Var(LAYOUT_VAR, "int64")]
     key = relax.Var("graph_key", relax.ShapeType(key_vars))
+    ids = relax.Var("input_ids", relax.TensorType([1], "int32"))
     sinfo = embeds.ty
     shape = [int(d) for d in sinfo.shape]
     bb = relax.BlockBuilder(mod)
     gv_copy = bb.add_func(_copy_func(shape, sinfo.dtype), "graph_input_copy")
     mod = bb.get()
+    looked_up = relax.DataflowVar("looked_up", relax.TensorType([1, shape[-1]], sinfo.dtype))
     embeds_copy = relax.DataflowVar("embeds_copy", sinfo)
 
     rewrite = _Rewrite(mod, embeds, embeds_copy, key_vars)
@@ -86,11 +88,14 @@ def add_graph_decode(mod: tvm.IRModule) -> tvm.IRModule:
     first = body.blocks[0]
     if not isinstance(first, relax.DataflowBlock):
         raise ValueError("decode does not start with a dataflow block")
-    copy = relax.VarBinding(embeds_copy, relax.call_tir(gv_copy, [embeds], sinfo))
-    blocks = [relax.DataflowBlock([copy] + list(first.bindings))] + list(body.blocks[1:])
-    func = relax.Function([embeds, key, kv_cache, params], relax.SeqExpr(blocks, body.body),
+    lookup = relax.VarBinding(looked_up, relax.BlockBuilder(mod).normalize(
+        relax.Call(mod.get_global_var("embed"), [ids, params])))
+    reshaped = relax.BlockBuilder(mod).normalize(relax.op.reshape(looked_up, shape))
+    copy = relax.VarBinding(embeds_copy, relax.call_tir(gv_copy, [reshaped], sinfo))
+    blocks = [relax.DataflowBlock([lookup, copy] + list(first.bindings))] + list(body.blocks[1:])
+    func = relax.Function([ids, key, kv_cache, params], relax.SeqExpr(blocks, body.body),
                           decode.ret_ty, decode.is_pure, decode.attrs)
-    # inputs: embeds and the key; the KV cache (for the graphs of one key) and the weights are fixed
+    # inputs: the id and the key; the KV cache (for the graphs of one key) and the weights are fixed
     func = func.with_attr("num_input", 2).with_attr("global_symbol", FUNCTION) \
         .with_attr("relax.rewrite_cuda_graph.capture_symbolic_vars", [CACHE_VAR, LAYOUT_VAR])
     mod[FUNCTION] = func
@@ -107,7 +112,9 @@ def rewrite_cuda_graph_pass() -> tvm.transform.Pass:
         if FUNCTION not in [gv.name_hint for gv in mod.functions]:
             return mod
         relax_funcs = [gv for gv, f in mod.functions.items() if isinstance(f, relax.Function)]
-        others = {gv: f for gv, f in mod.functions.items() if gv in relax_funcs and gv.name_hint != FUNCTION}
+        # (decode_graph calls embed, which has nothing to capture: its shapes are symbolic)
+        others = {gv: f for gv, f in mod.functions.items()
+                  if gv in relax_funcs and gv.name_hint not in (FUNCTION, "embed")}
         sub = tvm.IRModule({gv: f for gv, f in mod.functions.items() if gv not in others}, attrs=mod.attrs)
         config = dict(_ctx.config)
         config["relax.backend.use_cuda_graph"] = True

@@ -32,31 +32,33 @@ def kernel_passes(target: tvm.target.Target) -> list[tvm.transform.Pass]:
     return fusion_passes(target) + handwritten_kernel_passes(target)
 
 
+def relax_passes(target: tvm.target.Target, tuning_db: str | None = None) -> list[tvm.transform.Pass]:
+    """Every Relax pass of a build, in order (run under `target`)."""
+    return (
+        kernel_passes(target)
+        # tuned records first (only faster-than-default ones are ever stored); the rules skip what they scheduled
+        + ([relax.transform.MetaScheduleApplyDatabase(str(tuning_db))] if tuning_db else [])
+        + default_schedule_passes(target)
+        + [relax.transform.RewriteDataflowReshape(),
+           relax.transform.ToNonDataflow(),
+           relax.transform.RemovePurityChecking(),
+           relax.transform.CallTIRRewrite(),
+           relax.transform.StaticPlanBlockMemory()]
+        # decode_graph (where compile_library added it) becomes one CUDA graph per step
+        + ([rewrite_cuda_graph_pass()] if target.kind.name == "cuda" else [])
+        + [relax.transform.LowerAllocTensor(),
+           relax.transform.KillAfterLastUse(),
+           relax.transform.LowerRuntimeBuiltin(),
+           relax.transform.ComputePrimValue(),
+           relax.transform.VMShapeLower(),
+           relax.transform.AttachGlobalSymbol()]
+    )
+
+
 def build_pipeline(target: tvm.target.Target, tuning_db: str | None = None) -> tvm.transform.Pass:
     @tvm.transform.module_pass(opt_level=0, name="mlcc_pipeline")
     def _pipeline(mod: tvm.ir.IRModule, _ctx: tvm.transform.PassContext) -> tvm.ir.IRModule:
         with target:
-            return tvm.transform.Sequential(_passes())(mod)
-
-    def _passes() -> list[tvm.transform.Pass]:
-        return (
-            kernel_passes(target)
-            # tuned records first (only faster-than-default ones are ever stored); the rules skip what they scheduled
-            + ([relax.transform.MetaScheduleApplyDatabase(str(tuning_db))] if tuning_db else [])
-            + default_schedule_passes(target)
-            + [relax.transform.RewriteDataflowReshape(),
-               relax.transform.ToNonDataflow(),
-               relax.transform.RemovePurityChecking(),
-               relax.transform.CallTIRRewrite(),
-               relax.transform.StaticPlanBlockMemory()]
-            # decode_graph (where compile_library added it) becomes one CUDA graph per step
-            + ([rewrite_cuda_graph_pass()] if target.kind.name == "cuda" else [])
-            + [relax.transform.LowerAllocTensor(),
-               relax.transform.KillAfterLastUse(),
-               relax.transform.LowerRuntimeBuiltin(),
-               relax.transform.ComputePrimValue(),
-               relax.transform.VMShapeLower(),
-               relax.transform.AttachGlobalSymbol()]
-        )
+            return tvm.transform.Sequential(relax_passes(target, tuning_db))(mod)
 
     return _pipeline
