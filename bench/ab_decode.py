@@ -6,7 +6,8 @@ moves ±4% between device calls, more than one kernel change is worth).
 
 Variants: "base" = the default build (batch-1 decode through decode_graph, one CUDA graph per step); "no-graph" =
 the same library with plain decode (MLCC_DECODE_GRAPH=0 at load: every kernel launched by the VM); "no-pdl" = a
-build without programmatic dependent launch (MLCC_CUDA_PDL=0). (Session 5's "gemv-s4" builds, session 4's GEMV rule
+build without programmatic dependent launch (MLCC_CUDA_PDL=0); "splits16" = a build whose split-KV decode attention
+cuts every context into 16 chunks whatever the number of KV heads (session 4's choice; MLCC_DECODE_SPLITS=16). (Session 5's "gemv-s4" builds, session 4's GEMV rule
 against the swept configurations, came from a commit whose GEMV rule was read from MLCC_Q4_GEMV_CONFIG; the
 sweep's rule was not kept.) Each is checked (argmax; decode_graph against
 decode; logits against the CPU build where bench/decode.py has a reference for the shape) before it is timed.
@@ -26,9 +27,9 @@ from unittest import mock
 
 from decode import MODELS, check_against_reference, check_argmax, check_graph_decode
 
-VARIANTS = ("base", "no-graph", "no-pdl")
-BUILT = ("base", "no-pdl")               # the others load base's library
-ENV = {"no-pdl": {"MLCC_CUDA_PDL": "0"}, "no-graph": {"MLCC_DECODE_GRAPH": "0"}}
+VARIANTS = ("base", "no-graph", "no-pdl", "splits16")
+BUILT = ("base", "no-pdl", "splits16")   # the others load base's library
+ENV = {"no-pdl": {"MLCC_CUDA_PDL": "0"}, "no-graph": {"MLCC_DECODE_GRAPH": "0"}, "splits16": {"MLCC_DECODE_SPLITS": "16"}}
 
 
 @contextlib.contextmanager

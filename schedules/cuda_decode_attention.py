@@ -3,7 +3,7 @@
 TVM's `batch_decode_paged_kv` runs one thread block per (sequence, KV head): at batch 1 that is 8 blocks for a
 Llama-3-8B layer, each walking the whole context in a serial loop — 17 us per layer on an H200 at a few hundred
 tokens, a quarter of the decode step. This kernel has the same signature (the paged KV cache calls it in place of
-TVM's) and splits each sequence's context into SPLITS chunks, one block each, with flash-decoding's two phases in one
+TVM's) and splits each sequence's context into chunks (splits_for), one block each, with flash-decoding's two phases in one
 PrimFunc: (1) per chunk, every query head of the KV head's group keeps an online softmax (max, sum, output) over its
 tokens, several tokens in flight per block, partials to a workspace; (2) one warp per query head merges the chunks.
 The number of chunks is fixed (the host cannot see the lengths, which live on the device); empty chunks add nothing.
@@ -21,7 +21,7 @@ import tvm
 
 log = logging.getLogger(__name__)
 
-SPLITS = 16          # chunks per sequence: 8 KV heads x 16 = 128 blocks at batch 1, about one per SM
+BLOCKS_WANTED = 128  # chunks x KV heads at batch 1: about one block per SM of an H100/H200
 TOKENS_IN_FLIGHT = 4
 VEC = 4              # head-dim elements per lane
 
@@ -32,7 +32,21 @@ def supported(h_kv: int, h_qo: int, d: int) -> bool:
     return d % VEC == 0 and lanes in (4, 8, 16, 32) and lanes * (h_qo // h_kv) * TOKENS_IN_FLIGHT <= 1024
 
 
-def make_split_decode(h_kv: int, h_qo: int, d: int, dtype: str, page_size: int):
+def splits_for(h_kv: int) -> int:
+    """Chunks per sequence: a power of two from 16 to 64 giving ~BLOCKS_WANTED blocks (Llama-3-8B's 8 KV heads:
+    16; Qwen2.5-0.5B's 2 and SmolLM2's 3: 64, where 16 left 100 of 132 SMs idle). MLCC_DECODE_SPLITS overrides
+    it (A/B runs)."""
+    import os
+
+    if os.environ.get("MLCC_DECODE_SPLITS"):
+        return int(os.environ["MLCC_DECODE_SPLITS"])
+    splits = 16
+    while splits < 64 and splits * h_kv < BLOCKS_WANTED:
+        splits *= 2
+    return splits
+
+
+def make_split_decode(h_kv: int, h_qo: int, d: int, dtype: str, page_size: int, splits: int | None = None):
     from tvm.script import tirx as T
 
     assert supported(h_kv, h_qo, d), (h_kv, h_qo, d)
@@ -40,7 +54,7 @@ def make_split_decode(h_kv: int, h_qo: int, d: int, dtype: str, page_size: int):
     vec = VEC
     lanes = d // vec
     tp = TOKENS_IN_FLIGHT
-    splits = SPLITS
+    splits = splits or splits_for(h_kv)
     log2e = math.log2(math.e)
 
     @T.macro

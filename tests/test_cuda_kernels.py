@@ -105,6 +105,14 @@ def test_decode_graph_captures_the_whole_step_attention_included(hf_models):
     assert "run_or_capture" not in mod["decode"].script()  # plain decode launches from the VM (forks, fallback)
 
 
+def test_decode_attention_splits_fill_the_gpu_for_few_kv_heads(monkeypatch):
+    from mlcc.schedules.cuda_decode_attention import splits_for
+
+    assert [splits_for(h) for h in (2, 3, 4, 8, 32)] == [64, 64, 32, 16, 16]
+    monkeypatch.setenv("MLCC_DECODE_SPLITS", "16")
+    assert splits_for(2) == 16
+
+
 def test_graph_layout_moves_every_four_pages():
     from mlcc.artifact import graph_decode_layout
 
