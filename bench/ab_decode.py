@@ -16,7 +16,6 @@ decode; logits against the CPU build where bench/decode.py has a reference for t
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import os
@@ -25,6 +24,7 @@ import time
 from pathlib import Path
 from unittest import mock
 
+from cli import build_and_run
 from decode import MODELS, check_against_reference, check_argmax, check_graph_decode
 
 VARIANTS = ("base", "no-graph", "no-pdl", "splits16")
@@ -107,18 +107,13 @@ def cmd_run(a) -> None:
     (Path(a.out) / "ab_decode.json").write_text(json.dumps(rows, indent=1))
 
 
-if __name__ == "__main__":
-    p = argparse.ArgumentParser()
-    sub = p.add_subparsers(dest="cmd", required=True)
-    b = sub.add_parser("build")
-    b.add_argument("--out", required=True)
+def _arguments(b, r) -> None:
     b.add_argument("--model", default="llama3-8b-q4f16_1,qwen2.5-0.5b-q4f16_1,smollm2-135m-q4f16_1")
     b.add_argument("--variants", default="base")
-    r = sub.add_parser("run")
-    r.add_argument("--libs", required=True)
-    r.add_argument("--out", required=True)
     r.add_argument("--variants", default="base,no-graph", help="runtime variants loaded besides the built ones")
     r.add_argument("--rounds", type=int, default=6)
     r.add_argument("--steps", type=int, default=128)
-    a = p.parse_args()
-    {"build": cmd_build, "run": cmd_run}[a.cmd](a)
+
+
+if __name__ == "__main__":
+    build_and_run(cmd_build, cmd_run, configure=_arguments)

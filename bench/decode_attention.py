@@ -6,12 +6,13 @@
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 from pathlib import Path
 
 import numpy as np
+
+from cli import build_and_run
 
 SHAPES = {"llama3-8b": (8, 32, 128), "qwen2.5-0.5b": (2, 14, 64), "smollm2-135m": (3, 9, 64)}
 PAGE = 16
@@ -99,12 +100,4 @@ def cmd_run(a) -> None:
 
 
 if __name__ == "__main__":
-    p = argparse.ArgumentParser()
-    sub = p.add_subparsers(dest="cmd", required=True)
-    b = sub.add_parser("build")
-    b.add_argument("--out", required=True)
-    r = sub.add_parser("run")
-    r.add_argument("--libs", required=True)
-    r.add_argument("--out", required=True)
-    a = p.parse_args()
-    {"build": cmd_build, "run": cmd_run}[a.cmd](a)
+    build_and_run(cmd_build, cmd_run)

@@ -12,12 +12,13 @@ on random inputs before it is timed.
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
 
 import numpy as np
+
+from cli import build_and_run
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336),
           "lm_head": (128256, 4096)}
@@ -164,13 +165,5 @@ def cmd_run(a) -> None:
 
 
 if __name__ == "__main__":
-    p = argparse.ArgumentParser()
-    sub = p.add_subparsers(dest="cmd", required=True)
-    b = sub.add_parser("build")
-    b.add_argument("--out", required=True)
-    r = sub.add_parser("run")
-    r.add_argument("--libs", required=True)
-    r.add_argument("--out", required=True)
-    a = p.parse_args()
-    {"build": cmd_build, "run": cmd_run}[a.cmd](a)
+    build_and_run(cmd_build, cmd_run)
     sys.exit(0)

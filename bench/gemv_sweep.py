@@ -8,13 +8,13 @@ PDL wait. Every kernel is checked against numpy before it is timed; the current 
 
 from __future__ import annotations
 
-import argparse
 import itertools
 import json
 from pathlib import Path
 
 import numpy as np
 
+from cli import build_and_run
 from gemv_kernels import SHAPES, _inputs, _reference
 
 SWEPT = ("qkv", "o", "gate_up", "down")
@@ -100,12 +100,4 @@ def cmd_run(a) -> None:
 
 
 if __name__ == "__main__":
-    p = argparse.ArgumentParser()
-    sub = p.add_subparsers(dest="cmd", required=True)
-    b = sub.add_parser("build")
-    b.add_argument("--out", required=True)
-    r = sub.add_parser("run")
-    r.add_argument("--libs", required=True)
-    r.add_argument("--out", required=True)
-    a = p.parse_args()
-    {"build": cmd_build, "run": cmd_run}[a.cmd](a)
+    build_and_run(cmd_build, cmd_run)

@@ -6,12 +6,13 @@
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
 
 import numpy as np
+
+from cli import build_and_run
 
 KW = dict(messages=[{"role": "user", "content": "Hello there"}], max_tokens=24, temperature=0.8, top_p=0.9, seed=11)
 
@@ -64,12 +65,4 @@ def cmd_run(a) -> None:
 
 
 if __name__ == "__main__":
-    p = argparse.ArgumentParser()
-    sub = p.add_subparsers(dest="cmd", required=True)
-    b = sub.add_parser("build")
-    b.add_argument("--out", required=True)
-    r = sub.add_parser("run")
-    r.add_argument("--dir", required=True)
-    r.add_argument("--out", required=True)
-    a = p.parse_args()
-    {"build": cmd_build, "run": cmd_run}[a.cmd](a)
+    build_and_run(cmd_build, cmd_run, run_input="--dir")
