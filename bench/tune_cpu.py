@@ -1,6 +1,6 @@
 """Issue 7 on this CPU: SmolLM2-135M q4f32_1 decode tok/s with the default schedules vs with a tuning database.
 
-    python bench/tune_cpu.py --trials 16 --max-tasks 5     # writes bench/results/tune_cpu.json
+    python bench/tune_cpu.py --trials 16 --max-tasks 5     # writes bench/results/tune_cpu.json (or --out)
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--trials", type=int, default=16)
     p.add_argument("--max-tasks", type=int, default=5)
+    p.add_argument("--out", default=str(Path(__file__).parent / "results" / "tune_cpu.json"))
     a = p.parse_args()
     from mlcc.compiler.build import compile_model
     from mlcc.compiler.tune import format_report, tune_model
@@ -51,8 +52,7 @@ def main() -> None:
                                                                    for r in reports], "tune_seconds": tune_s,
                "decode_tok_s_default": decode_tok_s(d / "default"), "decode_tok_s_tuned": decode_tok_s(d / "tuned")}
     print(json.dumps({k: v for k, v in res.items() if k != "kernels"}, indent=1))
-    out = Path(__file__).parent / "results" / "tune_cpu.json"
-    out.write_text(json.dumps(res, indent=1))
+    Path(a.out).write_text(json.dumps(res, indent=1))
 
 
 if __name__ == "__main__":
