@@ -84,13 +84,9 @@ def main() -> None:
         t2 = time.perf_counter()
         m._kv_begin(m.kv, m._shape([0]), m._shape([1]))
         t3 = time.perf_counter()
-        if m._decode_graph is not None:  # as LoadedModel._graph_step does it (the embedding inside the call)
-            from mlcc import artifact
-
-            m._kv_sync(m.kv)
-            layout = artifact.graph_decode_layout(m._graph_seq_len[0] + 1, m.page_size)
-            out = m._decode_graph(ids, m._shape([m._kv_cache_id, layout]), m.kv, m.params)
-            m._graph_seq_len[0] += 1
+        if m._decode_graph is not None:  # as LoadedModel.decode does it (the embedding inside the call)
+            out = m._graph_call(0, ids)
+            m._grow([0], [1])
         else:
             out = m._f["decode"](emb, m.kv, m.params)
         t4 = time.perf_counter()

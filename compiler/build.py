@@ -209,8 +209,7 @@ def builds_graph_decode(built: BuiltModule) -> bool:
     return built.target.kind.name == "cuda" and built.cfg.tensor_parallel_shards == 1
 
 
-def compile_library(built: BuiltModule, out_path: Path, tuning_db: str | Path | None = None,
-                    cuda_graphs: bool | None = None):
+def compile_library(built: BuiltModule, out_path: Path, tuning_db: str | Path | None = None):
     import tvm
 
     from .pipeline import build_pipeline
@@ -224,7 +223,7 @@ def compile_library(built: BuiltModule, out_path: Path, tuning_db: str | Path | 
     from mlcc.targets.toolchains import toolchain_for
 
     mod = built.mod  # (for a wasm host, relax.build itself marks the module as a system library for tvmjs)
-    if builds_graph_decode(built) if cuda_graphs is None else cuda_graphs and builds_graph_decode(built):
+    if builds_graph_decode(built):
         from .graph_decode import add_graph_decode
 
         mod = add_graph_decode(mod)
@@ -302,7 +301,7 @@ def _config_json(built: BuiltModule, lib_name: str, tok: dict[str, Any], source:
 
 
 def compile_shape_only(model_type: str, hf_config: dict[str, Any], target: str, quant: str,
-                       output: str | Path, tensor_parallel: int = 1, cuda_graphs: bool | None = None) -> float:
+                       output: str | Path, tensor_parallel: int = 1) -> float:
     """Library + config for a config with no checkpoint (benchmarks fill the weights with random values)."""
     out = Path(output)
     out.mkdir(parents=True, exist_ok=True)
@@ -310,7 +309,7 @@ def compile_shape_only(model_type: str, hf_config: dict[str, Any], target: str, 
     t0 = time.time()
     built = export_module(source, get_target(target), get_quantization(quant), tensor_parallel=tensor_parallel)
     lib_name = "model" + built.preset.lib_ext
-    compile_library(built, out / lib_name, cuda_graphs=cuda_graphs)
+    compile_library(built, out / lib_name)
     seconds = time.time() - t0
     cfg = _config_json(built, lib_name, {}, {"kind": "config", "path": str(out)})
     cfg["weights"] = "none"

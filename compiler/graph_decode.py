@@ -111,10 +111,9 @@ def rewrite_cuda_graph_pass() -> tvm.transform.Pass:
     def _pass(mod: tvm.IRModule, _ctx: tvm.transform.PassContext) -> tvm.IRModule:
         if FUNCTION not in [gv.name_hint for gv in mod.functions]:
             return mod
-        relax_funcs = [gv for gv, f in mod.functions.items() if isinstance(f, relax.Function)]
         # (decode_graph calls embed, which has nothing to capture: its shapes are symbolic)
         others = {gv: f for gv, f in mod.functions.items()
-                  if gv in relax_funcs and gv.name_hint not in (FUNCTION, "embed")}
+                  if isinstance(f, relax.Function) and gv.name_hint not in (FUNCTION, "embed")}
         sub = tvm.IRModule({gv: f for gv, f in mod.functions.items() if gv not in others}, attrs=mod.attrs)
         config = dict(_ctx.config)
         config["relax.backend.use_cuda_graph"] = True

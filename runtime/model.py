@@ -160,13 +160,13 @@ class PagedModel:
     def decode(self, seq_ids: Sequence[int], tokens: Sequence[int]):
         """One new token for each sequence; logits [len(seq_ids), vocab]."""
         n = len(seq_ids)
+        self._kv_begin(self.kv, self._shape(list(seq_ids)), self._shape([1] * n))
         if n == 1 and self._decode_graph is not None and seq_ids[0] in self._graph_seq_len:
             out = self._graph_step(seq_ids[0], tokens[0])
         else:
             emb = self._embed_shaped(tokens, [n, 1, self.hidden])
-            self._kv_begin(self.kv, self._shape(list(seq_ids)), self._shape([1] * n))
             out = self._f["decode" if n == 1 else "batch_decode"](emb, self.kv, self.params)
-            self._kv_end(self.kv)
+        self._kv_end(self.kv)
         self._grow(seq_ids, [1] * n)
         return self._logits(out, n)
 
@@ -260,13 +260,13 @@ class LoadedModel(PagedModel):
 
     def _graph_step(self, seq_id: int, token: int):
         """One decode_graph call: the id goes in, the embedding lookup and the step's graph run in the library."""
-        ids = self._ids_to_dev(self._check_ids([token]))
-        self._kv_begin(self.kv, self._shape([seq_id]), self._shape([1]))
+        return self._graph_call(seq_id, self._ids_to_dev(self._check_ids([token])))
+
+    def _graph_call(self, seq_id: int, ids):
+        """decode_graph for a step already begun (begin_forward) on `seq_id`, the id already on the device."""
         self._kv_sync(self.kv)  # the graph's kernels read the cache's metadata from the device: put this step's there
         layout = artifact.graph_decode_layout(self._graph_seq_len[seq_id] + 1, self.page_size)
-        out = self._decode_graph(ids, self._shape([self._kv_cache_id, layout]), self.kv, self.params)
-        self._kv_end(self.kv)
-        return out
+        return self._decode_graph(ids, self._shape([self._kv_cache_id, layout]), self.kv, self.params)
 
     def embed(self, ids: Sequence[int]):
         return self._f["embed"](self._ids_to_dev(self._check_ids(ids)), self.params)
