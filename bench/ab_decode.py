@@ -7,10 +7,11 @@ moves ±4% between device calls, more than one kernel change is worth).
 Variants: "base" = the default build (batch-1 decode through decode_graph, one CUDA graph per step); "no-graph" =
 the same library with plain decode (MLCC_DECODE_GRAPH=0 at load: every kernel launched by the VM); "no-pdl" = a
 build without programmatic dependent launch (MLCC_CUDA_PDL=0); "splits16" = a build whose split-KV decode attention
-cuts every context into 16 chunks whatever the number of KV heads (session 4's choice; MLCC_DECODE_SPLITS=16). (Session 5's "gemv-s4" builds, session 4's GEMV rule
-against the swept configurations, came from a commit whose GEMV rule was read from MLCC_Q4_GEMV_CONFIG; the
-sweep's rule was not kept.) Each is checked (argmax; decode_graph against
-decode; logits against the CPU build where bench/decode.py has a reference for the shape) before it is timed.
+cuts every context into 16 chunks whatever the number of KV heads (session 4's choice; MLCC_DECODE_SPLITS=16).
+Session 5's "gemv-s4" and "no-fold" variants (session 4's GEMV rule against the swept configurations; the
+RMSNorm/SwiGLU fold for small inputs) were built from working-tree code that was measured, rejected and never
+committed; the results README says what it was. Each is checked (argmax; decode_graph against decode; logits
+against the CPU build where bench/decode.py has a reference for the shape) before it is timed.
 (Session 4's "graphs"/"no-graph" builds compared TVM's partial graphs, between attention calls, with none.)
 """
 
