@@ -7,7 +7,13 @@ moves ±4% between device calls, more than one kernel change is worth).
 Variants: "base" = the default build (batch-1 decode through decode_graph, one CUDA graph per step); "no-graph" =
 the same library with plain decode (MLCC_DECODE_GRAPH=0 at load: every kernel launched by the VM); "no-pdl" = a
 build without programmatic dependent launch (MLCC_CUDA_PDL=0); "splits16" = a build whose split-KV decode attention
-cuts every context into 16 chunks whatever the number of KV heads (session 4's choice; MLCC_DECODE_SPLITS=16).
+cuts every context into 16 chunks whatever the number of KV heads (session 4's choice; MLCC_DECODE_SPLITS=16);
+"attn-s5": session 5's decode attention (4 tokens per step, ~128 blocks); "attn-128": today's tokens per step with
+~128 blocks; "pf-all": every q4 GEMV block prefetches its share of the next projection's first 24 MB into L2 as it
+starts (schedules/cuda_l2_prefetch.py, off by default; session 6's "no-prefetch"/"pf12"/"pf40"/"pf-end" variants
+were MLCC_L2_PREFETCH_MB=0/12/40 and MLCC_L2_PREFETCH_AT=end when the default was 24 MB, issued by the last 64 blocks).
+`--fixed-context`: every round starts a new sequence from the same 128-token prompt, so rounds differ only in time
+(clocks, temperature), not in context length.
 Session 5's "gemv-s4" and "no-fold" variants (session 4's GEMV rule against the swept configurations; the
 RMSNorm/SwiGLU fold for small inputs) were built from working-tree code that was measured, rejected and never
 committed; the results README says what it was. Each is checked (argmax; decode_graph against decode; logits
@@ -28,9 +34,11 @@ from unittest import mock
 from cli import build_and_run
 from decode import MODELS, check_against_reference, check_argmax, check_graph_decode
 
-VARIANTS = ("base", "no-graph", "no-pdl", "splits16")
-BUILT = ("base", "no-pdl", "splits16")   # the others load base's library
-ENV = {"no-pdl": {"MLCC_CUDA_PDL": "0"}, "no-graph": {"MLCC_DECODE_GRAPH": "0"}, "splits16": {"MLCC_DECODE_SPLITS": "16"}}
+VARIANTS = ("base", "no-graph", "no-pdl", "splits16", "attn-s5", "attn-128", "pf-all")
+BUILT = ("base", "no-pdl", "splits16", "attn-s5", "attn-128", "pf-all")   # the others load base's library
+ENV = {"no-pdl": {"MLCC_CUDA_PDL": "0"}, "no-graph": {"MLCC_DECODE_GRAPH": "0"}, "splits16": {"MLCC_DECODE_SPLITS": "16"},
+       "attn-s5": {"MLCC_DECODE_TOKENS": "4", "MLCC_DECODE_BLOCKS": "128"}, "attn-128": {"MLCC_DECODE_BLOCKS": "128"},
+       "pf-all": {"MLCC_L2_PREFETCH_MB": "24", "MLCC_L2_PREFETCH_TAIL": "1000000"}}
 
 
 @contextlib.contextmanager
@@ -87,6 +95,10 @@ def cmd_run(a) -> None:
         for _ in range(a.rounds):
             for v, state in loaded.items():
                 m, tok, times = state
+                if a.fixed_context:
+                    m.remove_sequence(0)
+                    m.add_sequence(0)
+                    m.prefill([0], [[7] * 128])
                 argmax = m.vm["argmax_logits"]
                 for _ in range(4):
                     tok = int(argmax(m.decode([0], [tok])).numpy()[0])
@@ -114,6 +126,7 @@ def _arguments(b, r) -> None:
     r.add_argument("--variants", default="base,no-graph", help="runtime variants loaded besides the built ones")
     r.add_argument("--rounds", type=int, default=6)
     r.add_argument("--steps", type=int, default=128)
+    r.add_argument("--fixed-context", action="store_true")
 
 
 if __name__ == "__main__":

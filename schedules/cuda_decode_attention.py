@@ -21,27 +21,42 @@ import tvm
 
 log = logging.getLogger(__name__)
 
-BLOCKS_WANTED = 128  # chunks x KV heads at batch 1: about one block per SM of an H100/H200
-TOKENS_IN_FLIGHT = 4
+# Each block walks its chunk TOKENS_IN_FLIGHT tokens at a time, and every step is a chain of dependent loads (page
+# table, K, then V), so a chunk's latency grows with its length: at batch 1 the kernel is latency-bound (session 6:
+# 8B tok/s fell 500 -> 390 from 200 to 1200 tokens of context). More blocks and more tokens per step shorten the chain.
+BLOCKS_WANTED = 128  # chunks x KV heads at batch 1: about one block per SM of an H100/H200 (256 measured slower)
+MAX_TOKENS_IN_FLIGHT = 16
 VEC = 4              # head-dim elements per lane
 
 
+def _env_int(name: str, default: int) -> int:
+    import os
+
+    return int(os.environ.get(name) or default)
+
+
+def tokens_in_flight(h_kv: int, h_qo: int, d: int) -> int:
+    """Tokens a block scores per step: as many as fit in 1024 threads (lanes x query heads per KV head each),
+    a power of two up to MAX_TOKENS_IN_FLIGHT (MLCC_DECODE_TOKENS overrides it for A/B runs)."""
+    tp, limit = 1, _env_int("MLCC_DECODE_TOKENS", MAX_TOKENS_IN_FLIGHT)
+    while tp * 2 <= limit and (d // VEC) * (h_qo // h_kv) * tp * 2 <= 1024:
+        tp *= 2
+    return tp
+
+
 def supported(h_kv: int, h_qo: int, d: int) -> bool:
-    """Head dim split over a power-of-two number of lanes within a warp, and the block within 1024 threads."""
+    """Head dim split over a power-of-two number of lanes within a warp, and at least 4 tokens in flight."""
     lanes = d // VEC
-    return d % VEC == 0 and lanes in (4, 8, 16, 32) and lanes * (h_qo // h_kv) * TOKENS_IN_FLIGHT <= 1024
+    return d % VEC == 0 and lanes in (4, 8, 16, 32) and tokens_in_flight(h_kv, h_qo, d) >= 4
 
 
 def splits_for(h_kv: int) -> int:
-    """Chunks per sequence: a power of two from 16 to 64 giving ~BLOCKS_WANTED blocks (Llama-3-8B's 8 KV heads:
-    16; Qwen2.5-0.5B's 2 and SmolLM2's 3: 64, where 16 left 100 of 132 SMs idle). MLCC_DECODE_SPLITS overrides
-    it (A/B runs)."""
-    import os
-
-    if os.environ.get("MLCC_DECODE_SPLITS"):
-        return int(os.environ["MLCC_DECODE_SPLITS"])
-    splits = 16
-    while splits < 64 and splits * h_kv < BLOCKS_WANTED:
+    """Chunks per sequence: a power of two from 16 to 64 giving ~BLOCKS_WANTED blocks (Llama-3-8B's 8 KV heads: 16;
+    Qwen2.5-0.5B's 2 and SmolLM2's 3: 64). MLCC_DECODE_SPLITS / MLCC_DECODE_BLOCKS override it (A/B runs)."""
+    if _env_int("MLCC_DECODE_SPLITS", 0):
+        return _env_int("MLCC_DECODE_SPLITS", 0)
+    splits, wanted = 16, _env_int("MLCC_DECODE_BLOCKS", BLOCKS_WANTED)
+    while splits < 64 and splits * h_kv < wanted:
         splits *= 2
     return splits
 
@@ -53,7 +68,7 @@ def make_split_decode(h_kv: int, h_qo: int, d: int, dtype: str, page_size: int, 
     group = h_qo // h_kv
     vec = VEC
     lanes = d // vec
-    tp = TOKENS_IN_FLIGHT
+    tp = tokens_in_flight(h_kv, h_qo, d)
     splits = splits or splits_for(h_kv)
     log2e = math.log2(math.e)
 
