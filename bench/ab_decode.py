@@ -8,10 +8,9 @@ Variants: "base" = the default build (batch-1 decode through decode_graph, one C
 the same library with plain decode (MLCC_DECODE_GRAPH=0 at load: every kernel launched by the VM); "no-pdl" = a
 build without programmatic dependent launch (MLCC_CUDA_PDL=0); "splits16" = a build whose split-KV decode attention
 cuts every context into 16 chunks whatever the number of KV heads (session 4's choice; MLCC_DECODE_SPLITS=16);
-"attn-s5": session 5's decode attention (4 tokens per step, ~128 blocks); "attn-128": today's tokens per step with
-~128 blocks; "pf-all": every q4 GEMV block prefetches its share of the next projection's first 24 MB into L2 as it
-starts (schedules/cuda_l2_prefetch.py, off by default; session 6's "no-prefetch"/"pf12"/"pf40"/"pf-end" variants
-were MLCC_L2_PREFETCH_MB=0/12/40 and MLCC_L2_PREFETCH_AT=end when the default was 24 MB, issued by the last 64 blocks).
+"attn-s5": session 5's decode attention (4 tokens per step). Session 6's cross-kernel L2 prefetch variants
+("no-prefetch", "pf12", "pf40", "pf-end", "pf-all") and "attn-128" (now the default) were built from commit 45fdaf2,
+where schedules/cuda_l2_prefetch.py still existed; bench/results README says what each was.
 `--fixed-context`: every round starts a new sequence from the same 128-token prompt, so rounds differ only in time
 (clocks, temperature), not in context length.
 Session 5's "gemv-s4" and "no-fold" variants (session 4's GEMV rule against the swept configurations; the
@@ -34,11 +33,10 @@ from unittest import mock
 from cli import build_and_run
 from decode import MODELS, check_against_reference, check_argmax, check_graph_decode
 
-VARIANTS = ("base", "no-graph", "no-pdl", "splits16", "attn-s5", "attn-128", "pf-all")
-BUILT = ("base", "no-pdl", "splits16", "attn-s5", "attn-128", "pf-all")   # the others load base's library
+VARIANTS = ("base", "no-graph", "no-pdl", "splits16", "attn-s5")
+BUILT = ("base", "no-pdl", "splits16", "attn-s5")   # the others load base's library
 ENV = {"no-pdl": {"MLCC_CUDA_PDL": "0"}, "no-graph": {"MLCC_DECODE_GRAPH": "0"}, "splits16": {"MLCC_DECODE_SPLITS": "16"},
-       "attn-s5": {"MLCC_DECODE_TOKENS": "4", "MLCC_DECODE_BLOCKS": "128"}, "attn-128": {"MLCC_DECODE_BLOCKS": "128"},
-       "pf-all": {"MLCC_L2_PREFETCH_MB": "24", "MLCC_L2_PREFETCH_TAIL": "1000000"}}
+       "attn-s5": {"MLCC_DECODE_TOKENS": "4"}}
 
 
 @contextlib.contextmanager

@@ -9,11 +9,10 @@ def handwritten_kernel_passes(target: tvm.target.Target) -> list[tvm.transform.P
     """Kernels we write ourselves where the generic rules fall short; they run before tuning records and dlight."""
     if target.kind.name == "cuda":
         from .cuda_decode_attention import split_decode_attention_pass
-        from .cuda_l2_prefetch import l2_prefetch_pass
         from .cuda_prefill_attention import wide_prefill_attention_pass
         from .cuda_q4_gemv import q4_decode_gemv_pass
 
-        return [q4_decode_gemv_pass, l2_prefetch_pass, split_decode_attention_pass, wide_prefill_attention_pass]
+        return [q4_decode_gemv_pass, split_decode_attention_pass, wide_prefill_attention_pass]
     return []
 
 

@@ -18,7 +18,6 @@ fuses into it here: none, `+ residual/bias`, `cast to float32` (lm_head). Anythi
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 
 import tvm
@@ -28,7 +27,6 @@ from . import cuda_pdl
 log = logging.getLogger(__name__)
 
 HELPER_NAME = "mlcc_q4x8_hfma2"
-SHAPE_ATTR = "mlcc.q4_gemv"   # on each replaced function: its GemvShape (shape_to_attr), for cuda_l2_prefetch
 
 # Device helpers, added to the CUDA source of any module that calls them (schedules/cuda_source.py).
 CUDA_HELPERS = r"""
@@ -55,11 +53,6 @@ __device__ __forceinline__ unsigned mlcc_q4x8_hfma2(unsigned w, unsigned x01, un
               mlcc_u2h(__byte_perm(x23, x67, 0x7632)), a);
   return mlcc_h2u(a);
 }
-// L2 prefetch of `bytes` (a multiple of 16) at base + offset (16-byte aligned), no completion to wait for (sm_90+)
-__device__ __forceinline__ void mlcc_prefetch_l2(const void* base, long long offset, unsigned bytes) {
-  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;"
-               :: "l"(__cvta_generic_to_global(static_cast<const char*>(base) + offset)), "r"(bytes) : "memory");
-}
 __device__ __forceinline__ float mlcc_h2_sum(unsigned acc) {
   const half2 a = mlcc_u2h(acc);
   return __low2float(a) + __high2float(a);
@@ -74,18 +67,6 @@ class GemvShape:
     epilogue: str          # "none" | "add" | "cast"
     residual_shape: tuple[int, ...] = ()
     out_dtype: str = "float16"
-
-
-@dataclasses.dataclass(frozen=True)
-class Prefetch:
-    """The next projection's weights, pulled into L2 by this kernel's last blocks as they finish (cuda_l2_prefetch)."""
-    w_shape: tuple[int, int]     # the next kernel's packed weights (uint32) and scales (float16)
-    s_shape: tuple[int, int]
-    w_bytes: int                 # how much of each to prefetch, from the start (multiples of 16)
-    s_bytes: int
-    tail_blocks: int = 64        # how many of the last blocks share the requests
-    chunk: int = 4096            # bytes per request
-    at: str = "end"              # "end": once the block's rows are written; "start": before its first loads
 
 
 # Enough warps in flight to cover DRAM latency on a big GPU (132 SMs x 16 warps on an H100/H200, ~32 KB of loads
@@ -115,7 +96,7 @@ def launch_config(n: int, k: int, warps_wanted: int = _WARPS_WANTED) -> tuple[in
 
 
 def make_q4_gemv(shape: GemvShape, warps_wanted: int = _WARPS_WANTED, pdl: bool = False,
-                 config: tuple[int, int, int, int] | None = None, preload: int = 1, prefetch: Prefetch | None = None):
+                 config: tuple[int, int, int, int] | None = None, preload: int = 1):
     """The hand-scheduled kernel for one projection, with the parameter order of TVM's fused function; `pdl`: place
     the programmatic-dependent-launch wait after the first weight loads (sm_90+, see cuda_pdl). `config` overrides
     launch_config; `preload`: how many of a thread's iterations load their weights before anything else (before the
@@ -133,10 +114,6 @@ def make_q4_gemv(shape: GemvShape, warps_wanted: int = _WARPS_WANTED, pdl: bool 
     blocks = -(-n // rows_per_block)
     r_shape = shape.residual_shape or (1, 1, n)
     out_dtype = shape.out_dtype
-    pf = prefetch or Prefetch((1, 4), (1, 8), 0, 0)
-    pf_tail = max(1, min(blocks, pf.tail_blocks))
-    pf_w_chunks, pf_s_chunks = -(-pf.w_bytes // pf.chunk), -(-pf.s_bytes // pf.chunk)
-    pf_iters = -(-(pf_w_chunks + pf_s_chunks) // (pf_tail * warps * 32))
 
     def row_of(bx, ty, tx, r):
         return bx * rows_per_block + (ty // ksplit * slots + tx // lanes) * rows + r
@@ -159,23 +136,7 @@ def make_q4_gemv(shape: GemvShape, warps_wanted: int = _WARPS_WANTED, pdl: bool 
                     wl[slot(it), r, v] = T.uint32(0x77777777)
 
     @T.macro
-    def issue_prefetch(pw, ps, bx, ty, tx):
-        # the last blocks: DRAM idles through the small kernels before the next projection, which then finds its
-        # first bytes in L2
-        if bx >= blocks - pf_tail:
-            for c in T.serial(pf_iters):
-                idx = (c * pf_tail + bx - (blocks - pf_tail)) * (warps * 32) + ty * 32 + tx
-                if idx < pf_w_chunks:
-                    T.evaluate(T.call_extern("void", "mlcc_prefetch_l2", pw.data, T.Cast("int64", idx) * pf.chunk,
-                                             T.Cast("uint32", T.min(pf.chunk, pf.w_bytes - idx * pf.chunk))))
-                else:
-                    if idx < pf_w_chunks + pf_s_chunks:
-                        T.evaluate(T.call_extern(
-                            "void", "mlcc_prefetch_l2", ps.data, T.Cast("int64", idx - pf_w_chunks) * pf.chunk,
-                            T.Cast("uint32", T.min(pf.chunk, pf.s_bytes - (idx - pf_w_chunks) * pf.chunk))))
-
-    @T.macro
-    def body(x, w, s, res, out, pw, ps):
+    def body(x, w, s, res, out):
         xw = T.decl_buffer((k // 2,), "uint32", data=x.data)
         ww = T.decl_buffer((n * k // 8,), "uint32", data=w.data)
         sf = T.decl_buffer((n * groups,), "float16", data=s.data)
@@ -193,8 +154,6 @@ def make_q4_gemv(shape: GemvShape, warps_wanted: int = _WARPS_WANTED, pdl: bool 
                         red = T.sblock_alloc_buffer((warps, slots, rows), "float32", scope="shared")
                         for r in T.unroll(rows):
                             accf[r] = T.float32(0)
-                        if prefetch is not None and pf.at == "start":
-                            issue_prefetch(pw, ps, bx, ty, tx)
                         # the first weights do not depend on the previous kernel: with PDL they load while it
                         # finishes (cuda_pdl), the activations only after the wait
                         for p in T.unroll(pre):
@@ -242,48 +201,21 @@ def make_q4_gemv(shape: GemvShape, warps_wanted: int = _WARPS_WANTED, pdl: bool 
                                     out[0, 0, row_of(bx, ty, tx, r)] = T.Cast("float16", accf[r]) + rf[row_of(bx, ty, tx, r)]
                                 else:
                                     out[0, 0, row_of(bx, ty, tx, r)] = T.Cast(out_dtype, T.Cast("float16", accf[r]))
-                        if prefetch is not None and pf.at == "end":
-                            issue_prefetch(pw, ps, bx, ty, tx)
 
-    pw_shape, ps_shape = pf.w_shape, pf.s_shape
-    if epi == "add" and prefetch is not None:
-        @T.prim_func(private=True, s_tir=True)
-        def func(x: T.Buffer((1, 1, k), "float16"), w: T.Buffer((n, k // 8), "uint32"),
-                 s: T.Buffer((n, groups), "float16"), res: T.Buffer(r_shape, "float16"),
-                 pw: T.Buffer(pw_shape, "uint32"), ps: T.Buffer(ps_shape, "float16"),
-                 out: T.Buffer((1, 1, n), "float16")):
-            T.func_attr({"tirx.is_scheduled": True, "tirx.noalias": True})
-            body(x, w, s, res, out, pw, ps)
-    elif epi == "add":
+    if epi == "add":
         @T.prim_func(private=True, s_tir=True)
         def func(x: T.Buffer((1, 1, k), "float16"), w: T.Buffer((n, k // 8), "uint32"),
                  s: T.Buffer((n, groups), "float16"), res: T.Buffer(r_shape, "float16"),
                  out: T.Buffer((1, 1, n), "float16")):
             T.func_attr({"tirx.is_scheduled": True, "tirx.noalias": True})
-            body(x, w, s, res, out, out, out)
-    elif prefetch is not None:
-        @T.prim_func(private=True, s_tir=True)
-        def func(x: T.Buffer((1, 1, k), "float16"), w: T.Buffer((n, k // 8), "uint32"),
-                 s: T.Buffer((n, groups), "float16"), pw: T.Buffer(pw_shape, "uint32"),
-                 ps: T.Buffer(ps_shape, "float16"), out: T.Buffer((1, 1, n), out_dtype)):
-            T.func_attr({"tirx.is_scheduled": True, "tirx.noalias": True})
-            body(x, w, s, out, out, pw, ps)
+            body(x, w, s, res, out)
     else:
         @T.prim_func(private=True, s_tir=True)
         def func(x: T.Buffer((1, 1, k), "float16"), w: T.Buffer((n, k // 8), "uint32"),
                  s: T.Buffer((n, groups), "float16"), out: T.Buffer((1, 1, n), out_dtype)):
             T.func_attr({"tirx.is_scheduled": True, "tirx.noalias": True})
-            body(x, w, s, out, out, out, out)
+            body(x, w, s, out, out)
     return func
-
-
-def shape_to_attr(shape: GemvShape) -> str:
-    return json.dumps(dataclasses.asdict(shape))
-
-
-def shape_from_attr(text: str) -> GemvShape:
-    d = json.loads(str(text))
-    return GemvShape(d["n"], d["k"], d["epilogue"], tuple(d["residual_shape"]), d["out_dtype"])
 
 
 def _static_ints(shape) -> tuple[int, ...] | None:
@@ -357,7 +289,7 @@ def q4_decode_gemv_pass(mod: tvm.ir.IRModule, _ctx) -> tvm.ir.IRModule:
             continue
         new = make_q4_gemv(shape, pdl=pdl)
         mod[gv] = new.with_attrs({k: v for k, v in func.attrs.items()} if func.attrs is not None else {}) \
-            .with_attr("tirx.is_scheduled", True).with_attr(SHAPE_ATTR, shape_to_attr(shape))
+            .with_attr("tirx.is_scheduled", True)
         replaced += 1
     log.debug("q4 decode GEMV kernels: %d", replaced)
     return mod

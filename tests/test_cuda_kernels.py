@@ -158,29 +158,6 @@ def test_cuda_library_source_carries_the_helpers_and_compiles(hf_models, tmp_pat
     assert r.returncode == 0, r.stderr[-2000:]
 
 
-def test_each_q4_gemv_prefetches_the_next_ones_weights(hf_models, monkeypatch):
-    from mlcc.schedules.cuda_l2_prefetch import l2_prefetch_pass
-
-    _, fused = _fused(hf_models)
-    target = get_target("cuda").tvm_target()
-    monkeypatch.setenv("MLCC_L2_PREFETCH_MB", "24")  # (off by default: slower on the H200, bench/results)
-    with target:
-        mod = q4_decode_gemv_pass(fused)
-        chained = l2_prefetch_pass(mod)
-    calls = [line for line in chained["decode"].script().splitlines() if "dequantize_matmul" in line]
-    assert len(calls) == 2 * 4 + 1  # qkv, o, gate_up, down per layer, then the LM head
-    weights = [line.split("(")[2].split(", ")[1] for line in calls]
-    for line, nxt in zip(calls, weights[1:]):
-        assert "_l2pf" in line and f", {nxt}, {nxt.replace('q_weight', 'q_scale')})" in line
-    assert "_l2pf" not in calls[-1]
-    monkeypatch.setenv("MLCC_L2_PREFETCH_MB", "0")
-    with target:
-        assert "_l2pf" not in l2_prefetch_pass(q4_decode_gemv_pass(fused))["decode"].script()
-    monkeypatch.setenv("MLCC_L2_PREFETCH_MB", "24")
-    with get_target("cuda-sm80").tvm_target():  # no bulk prefetch before sm_90
-        assert "_l2pf" not in l2_prefetch_pass(q4_decode_gemv_pass(fused))["decode"].script()
-
-
 @pytest.mark.gpu
 def test_decode_graph_matches_plain_decode_on_the_gpu(hf_models, tmp_path):
     """Two sequences of one cache fed the same tokens, one through decode_graph and one through decode, across
@@ -217,11 +194,10 @@ def test_decode_graph_matches_plain_decode_on_the_gpu(hf_models, tmp_path):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("variant", ["plain", "pdl", "pdl+prefetch"])
+@pytest.mark.parametrize("pdl", [False, True])
 @pytest.mark.parametrize("n,k,epilogue", [(4096, 4096, "add"), (1000, 896, "none"), (320, 64, "cast"),
                                           (4096, 14336, "add")])
-def test_q4_kernel_matches_numpy_on_the_gpu(n, k, epilogue, variant):
-    from mlcc.schedules.cuda_l2_prefetch import _plan
+def test_q4_kernel_matches_numpy_on_the_gpu(n, k, epilogue, pdl):
     from mlcc.targets.toolchains import toolchain_for
 
     if not tvm.cuda(0).exist:
@@ -234,16 +210,12 @@ def test_q4_kernel_matches_numpy_on_the_gpu(n, k, epilogue, variant):
     out_dtype = "float32" if epilogue == "cast" else "float16"
     shape = GemvShape(n, k, epilogue, (1, 1, n) if epilogue == "add" else (), out_dtype)
     target = get_target("cuda").tvm_target()
-    pdl = variant != "plain"
-    # the next projection: twice as many rows, half of it prefetched (past the end of neither buffer)
-    nxt = group_quantize(rng.standard_normal((2 * n, k)).astype(np.float32), q) if "prefetch" in variant else []
-    plan = _plan(nxt[0].shape, nxt[1].shape, (nxt[0].nbytes + nxt[1].nbytes) // 2) if nxt else None
     with target, toolchain_for("cuda"):
-        kernel = make_q4_gemv(shape, pdl=pdl, prefetch=plan).with_attr("global_symbol", "main")
+        kernel = make_q4_gemv(shape, pdl=pdl).with_attr("global_symbol", "main")
         lib = tvm.compile(tvm.IRModule({"main": kernel}), target,
                           tir_pipeline=cuda_pdl.tir_pipeline_for(target) if pdl else "default")
     dev = tvm.cuda(0)
-    args = [x, packed, scale] + ([res] if epilogue == "add" else []) + list(nxt) + [np.zeros((1, 1, n), out_dtype)]
+    args = [x, packed, scale] + ([res] if epilogue == "add" else []) + [np.zeros((1, 1, n), out_dtype)]
     args = [tvm.runtime.tensor(a, dev) for a in args]
     lib["main"](*args)
     want = group_dequantize(packed, scale, q) @ x.reshape(-1).astype(np.float32)
