@@ -133,3 +133,22 @@ def test_checkpoint_formats_load_identically(fmt, hf_models, tmp_path):
         if fmt == "bf16":  # bf16 keeps 8 mantissa bits
             want = torch.from_numpy(want).to(torch.bfloat16).float().numpy()
         np.testing.assert_array_equal(got[k], want, err_msg=k)
+
+
+def test_tensor_intrinsics_import_with_the_fast_stack_walk():
+    """In a fresh interpreter (the import happens once per process): every MMA intrinsic TVM's own import registers
+    is there, and inspect.stack is the standard library's again afterwards."""
+    code = (
+        "import inspect, tvm\n"
+        "stack = inspect.stack\n"
+        "from mlcc.compiler.tensor_intrinsics import preload\n"
+        "preload()\n"
+        "from tvm.s_tir import TensorIntrin\n"
+        "from tvm.s_tir.tensor_intrin import cuda\n"
+        "names = [v for k, v in vars(cuda).items() if k.endswith('_INTRIN') and isinstance(v, str)]\n"
+        "assert len(names) > 40, len(names)\n"
+        "for n in names: TensorIntrin.get(n)\n"
+        "assert inspect.stack is stack\n"
+        "print('ok', len(names))\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and r.stdout.startswith("ok"), r.stderr[-2000:]
