@@ -4,7 +4,8 @@ moves ±4% between device calls, more than one kernel change is worth).
     python bench/ab_decode.py build --out .dev/ab --model llama3-8b-q4f16_1   # here: one library per variant
     python3 bench/ab_decode.py run --libs .dev/ab --out $OUT                  # device
 
-Variants: "base" = the default build (batch-1 decode through decode_graph, one CUDA graph per step); "no-graph" =
+Variants: a folder of --libs per variant (any name: a library built elsewhere can be copied in to compare; runtime
+variants without a folder load base's library). "base" = the default build (batch-1 decode through decode_graph, one CUDA graph per step); "no-graph" =
 the same library with plain decode (MLCC_DECODE_GRAPH=0 at load: every kernel launched by the VM); "no-pdl" = a
 build without programmatic dependent launch (MLCC_CUDA_PDL=0); "splits16" = a build whose split-KV decode attention
 cuts every context into 16 chunks whatever the number of KV heads (session 4's choice; MLCC_DECODE_SPLITS=16);
@@ -78,7 +79,7 @@ def cmd_run(a) -> None:
         built = [p.name for p in libs.iterdir() if (p / model).is_dir()]
         for v in sorted(set(built) | set(a.variants.split(",")), key=_order):
             with _variant(v):
-                m = LoadedModel(libs / (v if v in BUILT else "base") / model, weights="random")
+                m = LoadedModel(libs / (v if (libs / v / model).is_dir() else "base") / model, weights="random")
             check = {"argmax_ok": check_argmax(m), "graph": check_graph_decode(m)}
             if ref is not None and f"{name}/{quant}/logits" in ref:
                 check.update(check_against_reference(m, ref, f"{name}/{quant}"))
