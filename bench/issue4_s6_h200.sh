@@ -5,7 +5,8 @@
 #   bash bench/prepare_device.sh && python bench/decode.py reference --out .dev/ref
 #   (cd bench && python ab_decode.py build --out ../.dev/ab10 --variants base \
 #       --model llama3-8b-q4f16_1,qwen2.5-0.5b-q4f16_1,smollm2-135m-q4f16_1) && cp .dev/ref/reference.npz .dev/ab10/
-#   and a "prev" folder with the same shapes from .dev/bench6 (the build before the one-launch attention)
+#   and a "prev" folder with the same shapes from .dev/bench6 (the two-launch attention, against the one-launch
+#   build of commit 7d9d5ec)
 # (session 6's earlier calls built "attn-s5", "attn-128" and the L2-prefetch variants, from commit 45fdaf2 and the
 # working tree before it: bench/results/README.md)
 # Device: run(command="bash bench/issue4_s6_h200.sh", carry=[".gpu-rt", ".dev/ab10"]); EXTRA=--fixed-context: every

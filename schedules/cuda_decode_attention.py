@@ -5,8 +5,7 @@ Llama-3-8B layer, each walking the whole context in a serial loop — 17 us per 
 tokens, a quarter of the decode step. This kernel has the same signature (the paged KV cache calls it in place of
 TVM's) and splits each sequence's context into chunks (splits_for), one block each, with flash-decoding's two phases in one
 PrimFunc: (1) per chunk, every query head of the KV head's group keeps an online softmax (max, sum, output) over its
-tokens, several tokens in flight per block, partials to a workspace; (2) the last block of each (sequence, KV head)
-to finish (a counter per pair, mlcc_attn_arrive) merges its chunks, so a layer's attention is one launch.
+tokens, several tokens in flight per block, partials to a workspace; (2) one warp per query head merges the chunks.
 The number of chunks is fixed (the host cannot see the lengths, which live on the device); empty chunks add nothing.
 
 Scores are in log2 units (scaled by sm_scale·log2 e) and lse is max + log2(sum), as TVM's kernels write it. RoPE
@@ -21,23 +20,6 @@ import math
 import tvm
 
 log = logging.getLogger(__name__)
-
-ARRIVE = "mlcc_attn_arrive"
-COUNTERS = 1 << 18   # (sequence, KV head) pairs a launch may have: batch x KV heads (1 MiB of device memory)
-# One counter per (sequence, KV head), zero at module load and reset by the block that finds it full, so consecutive
-# launches (in one stream, as the KV cache issues them) reuse it. `fence`: make this block's partials visible to the
-# block that merges them.
-CUDA_HELPERS = r"""
-__device__ unsigned int mlcc_attn_counters[%d];
-__device__ __forceinline__ int mlcc_attn_arrive(int idx, int blocks) {
-  __threadfence();
-  const unsigned int prev = atomicAdd(&mlcc_attn_counters[idx], 1u);
-  if (prev + 1 != (unsigned int)blocks) return 0;
-  mlcc_attn_counters[idx] = 0u;
-  __threadfence();
-  return 1;
-}
-""" % COUNTERS
 
 # Each block walks its chunk TOKENS_IN_FLIGHT tokens at a time, and every step is a chain of dependent loads (page
 # table, K, then V), so a chunk's latency grows with its length: at batch 1 the kernel is latency-bound (session 6:
@@ -100,19 +82,6 @@ def make_split_decode(h_kv: int, h_qo: int, d: int, dtype: str, page_size: int, 
             o[v] = o[v] * T.exp2(st[0] - st[2]) + o_other(v) * st[3]
         st[0] = st[2]
 
-    @T.macro
-    def merge_state_l2(st, o, m_other, d_other, o_other):
-        """merge_state for partials other blocks wrote during this launch: read through L2 (ld.global.cg)."""
-        st[2] = T.max(st[0], m_other)
-        st[3] = T.exp2(m_other - st[2])
-        st[1] = st[1] * T.exp2(st[0] - st[2]) + d_other * st[3]
-        for v in T.unroll(vec):
-            o[v] = o[v] * T.exp2(st[0] - st[2]) + o_other(v) * st[3]
-        st[0] = st[2]
-
-    def ldcg(load):
-        return T.call_extern("float32", "__ldcg", T.address_of(load))
-
     @T.prim_func(s_tir=True)
     def batch_decode_paged_kv_split(
         Q_handle: T.handle, pages_handle: T.handle, page_table_indptr_handle: T.handle,
@@ -146,9 +115,8 @@ def make_split_decode(h_kv: int, h_qo: int, d: int, dtype: str, page_size: int, 
         lse = T.match_buffer(lse_handle, (B, h_qo), "float32")
         length_info = T.match_buffer(var_length_info, (B,), "int32", elem_offset=length_info_elem_offset)
 
-        # host-side workspaces: an sblock buffer would be placed inside the one kernel that uses it
-        part_o = T.alloc_buffer((B, h_qo, splits, d), "float32", scope="global")
-        part_md = T.alloc_buffer((B, h_qo, splits, 2), "float32", scope="global")
+        part_o = T.sblock_alloc_buffer((B, h_qo, splits, d), "float32", scope="global")
+        part_md = T.sblock_alloc_buffer((B, h_qo, splits, 2), "float32", scope="global")
 
         for bx in T.thread_binding(B, thread="blockIdx.x"):
             for by in T.thread_binding(h_kv * splits, thread="blockIdx.y"):
@@ -163,8 +131,6 @@ def make_split_decode(h_kv: int, h_qo: int, d: int, dtype: str, page_size: int, 
                                 st = T.sblock_alloc_buffer((4,), "float32", scope="local")  # m, d, score, rescale
                                 n_tok = T.sblock_alloc_buffer((1,), "int32", scope="local")
                                 o_sh = T.sblock_alloc_buffer((tp, group, d), "float32", scope="shared")
-                                last = T.sblock_alloc_buffer((1,), "int32", scope="shared")
-                                is_last = T.sblock_alloc_buffer((1,), "int32", scope="local")
                                 md_sh = T.sblock_alloc_buffer((tp, group, 2), "float32", scope="shared")
                                 page_begin: T.let[T.int32] = page_table_indptr[bx]
                                 page_end: T.let[T.int32] = page_table_indptr[bx + 1]
@@ -213,28 +179,26 @@ def make_split_decode(h_kv: int, h_qo: int, d: int, dtype: str, page_size: int, 
                                         part_o[bx, kv_head * group + ty, by % splits, tx * vec + v] = o[v]
                                     part_md[bx, kv_head * group + ty, by % splits, 0] = st[0]
                                     part_md[bx, kv_head * group + ty, by % splits, 1] = st[1]
-                                    T.evaluate(T.call_extern("void", "__threadfence"))
-                                # the last chunk of this (sequence, KV head) to finish merges all of them: one launch
-                                # per layer instead of two
-                                T.evaluate(T.tvm_storage_sync("shared"))
-                                if tz == 0 and ty == 0 and tx == 0:
-                                    last[0] = T.call_extern("int32", ARRIVE, bx * h_kv + kv_head, splits)
-                                T.evaluate(T.tvm_storage_sync("shared"))
-                                is_last[0] = last[0]  # (TVM's sync planner rejects a shared load in a condition)
-                                if is_last[0] == 1 and tz == 0:
-                                    st[0] = T.float32(-5e4)
-                                    st[1] = T.float32(1)  # TVM's convention: an empty sequence gives 0, not NaN
-                                    for v in T.vectorized(vec):
-                                        o[v] = T.float32(0)
-                                    for s in T.unroll(splits):  # every partial's loads in flight at once
-                                        merge_state_l2(st, o, ldcg(part_md[bx, kv_head * group + ty, s, 0]),
-                                                       ldcg(part_md[bx, kv_head * group + ty, s, 1]),
-                                                       lambda v: ldcg(part_o[bx, kv_head * group + ty, s, tx * vec + v]))
-                                    for v in T.vectorized(vec):
-                                        output[bx, kv_head * group + ty, tx * vec + v] = T.Cast(dtype, o[v] / st[1])
-                                    if tx == 0:
-                                        lse[bx, kv_head * group + ty] = st[0] + T.log2(st[1])
 
+        for bx in T.thread_binding(B, thread="blockIdx.x"):
+            for by in T.thread_binding(h_qo, thread="blockIdx.y"):
+                for tx in T.thread_binding(lanes, thread="threadIdx.x"):
+                    with T.sblock("merge"):
+                        T.reads()
+                        T.writes()
+                        o = T.sblock_alloc_buffer((vec,), "float32", scope="local")
+                        st = T.sblock_alloc_buffer((4,), "float32", scope="local")  # m, d, new m, weight
+                        st[0] = T.float32(-5e4)
+                        st[1] = T.float32(1)  # TVM's convention: an empty sequence gives 0, not NaN
+                        for v in T.vectorized(vec):
+                            o[v] = T.float32(0)
+                        for s in T.serial(splits):
+                            merge_state(st, o, part_md[bx, by, s, 0], part_md[bx, by, s, 1],
+                                        lambda v: part_o[bx, by, s, tx * vec + v])
+                        for v in T.vectorized(vec):
+                            output[bx, by, tx * vec + v] = T.Cast(dtype, o[v] / st[1])
+                        if tx == 0:
+                            lse[bx, by] = st[0] + T.log2(st[1])
 
     return batch_decode_paged_kv_split
 
