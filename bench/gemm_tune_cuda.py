@@ -2,6 +2,9 @@
 
     # device (nvidia-h200), carrying .gpu (../shared/gpu/pack.sh): full TVM, so tuning builds there too
     source .gpu/setup.sh && python3 bench/gemm_tune_cuda.py --trials 48 --out $OUT
+    # mlcc's fused q4f16_1 dequantize-GEMM (the model's prefill kernel: packed weights, group scales), default
+    # schedule only, against cuBLAS fp16 on the dequantized weights
+    python3 bench/gemm_tune_cuda.py --kernel q4f16_1 --trials 0 --shape 2048x14336x4096 --out $OUT
     # with meta-schedule's xgboost cost model: xgboost-cpu travels in a second call made while the machine is warm
     # (../shared/gpu/pack.sh --extra; it does not fit next to TVM in one call), see bench/tune_xgb_h200.sh
 
@@ -33,6 +36,23 @@ def gemm_mod(M: int, N: int, K: int):
     return tvm.IRModule({"main": te.create_prim_func([a, b, c])})
 
 
+def q4_gemm_mod(M: int, N: int, K: int):
+    """x[M,K] @ dequantize(packed[N,K/8], scales[N,K/32]).T, the block structure of mlcc's prefill matmuls."""
+    import tvm
+    from tvm import te
+
+    from mlcc.compiler.quantize import _dequant_value, get_quantization
+
+    q = get_quantization("q4f16_1")
+    x = te.placeholder((M, K), "float16", name="x")
+    qw = te.placeholder((N, K // 8), "uint32", name="qw")
+    qs = te.placeholder((N, K // 32), "float16", name="qs")
+    w = te.compute((N, K), lambda i, j: _dequant_value(qw, qs, i, j, q), name="dequantize")
+    k = te.reduce_axis((0, K), "k")
+    c = te.compute((M, N), lambda i, j: te.sum(x[i, k] * w[j, k], axis=k), name="matmul")
+    return tvm.IRModule({"main": te.create_prim_func([x, qw, qs, c])})
+
+
 def time_tvm(lib, dev, args) -> float:
     f = lib.time_evaluator("main", dev, number=20, repeat=3)
     return min(f(*args).results)
@@ -44,12 +64,16 @@ def main() -> None:
     p.add_argument("--out", default="/tmp/out")
     p.add_argument("--cost-model", default="random", choices=["random", "xgb"])
     p.add_argument("--shape", default=DEFAULT_SHAPE, help="MxNxK")
+    p.add_argument("--kernel", default="fp16", choices=["fp16", "q4f16_1"])
     a = p.parse_args()
     M, N, K = (int(v) for v in a.shape.split("x"))
     import torch
     import tvm
-    import tvm.s_tir.tensor_intrin  # noqa: F401
     from tvm.s_tir import dlight, meta_schedule as ms
+
+    from mlcc.compiler.tensor_intrinsics import preload
+
+    preload()  # the MMA intrinsics dlight's tensor-core rule uses
 
     target = tvm.target.Target({"kind": "cuda", "arch": "sm_90", "max_num_threads": 1024,
                                 "max_threads_per_block": 1024, "max_shared_memory_per_block": 49152,
@@ -59,6 +83,12 @@ def main() -> None:
     rng = np.random.default_rng(0)
     a_np = (rng.standard_normal((M, K)) * 0.1).astype("float16")
     b_np = (rng.standard_normal((N, K)) * 0.1).astype("float16")
+    if a.kernel == "q4f16_1":
+        from mlcc.compiler.quantize import get_quantization, group_dequantize, group_quantize
+
+        q = get_quantization("q4f16_1")
+        packed, scales = group_quantize(b_np.astype("float32"), q)
+        b_np = group_dequantize(packed, scales, q).astype("float16")  # what cuBLAS multiplies
     ta, tb = torch.tensor(a_np, device="cuda"), torch.tensor(b_np, device="cuda")
     ref = (ta @ tb.T).float().cpu().numpy()
     for _ in range(3):
@@ -71,33 +101,38 @@ def main() -> None:
     ev1.record()
     torch.cuda.synchronize()
     cublas_s = ev0.elapsed_time(ev1) / 50 / 1e3
-    args = [tvm.runtime.tensor(a_np, dev), tvm.runtime.tensor(b_np, dev), tvm.runtime.empty((M, N), "float16", dev)]
+    inputs = [a_np, b_np] if a.kernel == "fp16" else [a_np, packed, scales]
+    args = [tvm.runtime.tensor(x, dev) for x in inputs] + [tvm.runtime.empty((M, N), "float16", dev)]
     rows = {"cublas": {"seconds": cublas_s}}
+    mod_of = gemm_mod if a.kernel == "fp16" else q4_gemm_mod
 
     def check_and_time(name: str, lib) -> None:
         lib(*args)
-        err = float(np.abs(args[2].numpy().astype("float32") - ref).max() / np.abs(ref).max())
+        err = float(np.abs(args[-1].numpy().astype("float32") - ref).max() / np.abs(ref).max())
         rows[name] = {"seconds": time_tvm(lib, dev, args), "max_rel_err_vs_torch": err}
 
     with target:
-        dl = dlight.ApplyDefaultSchedule(dlight.gpu.Matmul(), dlight.gpu.Fallback())(gemm_mod(M, N, K))
+        dl = dlight.ApplyDefaultSchedule(dlight.gpu.Matmul(), dlight.gpu.Fallback())(mod_of(M, N, K))
     check_and_time("dlight_default", tvm.tirx.build(dl, target=target))
-    with tempfile.TemporaryDirectory() as wd:
-        t = time.time()
-        db = ms.tune_tir(gemm_mod(M, N, K), target, wd, max_trials_global=a.trials, num_trials_per_iter=16,
-                         cost_model=a.cost_model)
-        tune_s = time.time() - t
-        sch = ms.tir_integration.compile_tir(db, gemm_mod(M, N, K), target)
-        check_and_time("metaschedule_tuned", tvm.tirx.build(sch.mod, target=target))
-        rows["metaschedule_tuned"].update({"trials": a.trials, "tune_seconds": tune_s,
-                                           "cost_model": a.cost_model})
+    if a.trials > 0:
+        with tempfile.TemporaryDirectory() as wd:
+            t = time.time()
+            db = ms.tune_tir(mod_of(M, N, K), target, wd, max_trials_global=a.trials, num_trials_per_iter=16,
+                             cost_model=a.cost_model)
+            tune_s = time.time() - t
+            sch = ms.tir_integration.compile_tir(db, mod_of(M, N, K), target)
+            check_and_time("metaschedule_tuned", tvm.tirx.build(sch.mod, target=target))
+            rows["metaschedule_tuned"].update({"trials": a.trials, "tune_seconds": tune_s,
+                                               "cost_model": a.cost_model})
     for r in rows.values():
         r["tflops"] = flops / r["seconds"] / 1e12
         r["vs_cublas"] = cublas_s / r["seconds"]
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / f"gemm_tune_cuda_{M}x{N}x{K}_{a.cost_model}.json").write_text(json.dumps({"shape": [M, N, K], "dtype": "float16", **rows}, indent=1))
-    print(f"fp16 GEMM {M}x{N}x{K} on {dev.device_name}")
+    tag = a.cost_model if a.trials > 0 else "default"
+    (out / f"gemm_tune_cuda_{a.kernel}_{M}x{N}x{K}_{tag}.json").write_text(
+        json.dumps({"shape": [M, N, K], "kernel": a.kernel, **rows}, indent=1))
+    print(f"{a.kernel} GEMM {M}x{N}x{K} on {dev.device_name}")
     print(f"{'kernel':20s} {'TFLOP/s':>8s} {'vs cuBLAS':>9s} {'rel err':>8s}")
     for name, r in rows.items():
         print(f"{name:20s} {r['tflops']:8.1f} {r['vs_cublas']:9.2f} {r.get('max_rel_err_vs_torch', 0):8.1e}")
