@@ -222,7 +222,7 @@ def compile_library(built: BuiltModule, out_path: Path, tuning_db: str | Path | 
     from mlcc.schedules.cuda_pdl import tir_pipeline_for
     from mlcc.targets.toolchains import toolchain_for
 
-    if "gpu" in built.target.keys:  # dlight's tensor-core rule needs them; TVM's own import takes ~40 s
+    if built.target.kind.name == "cuda":  # dlight's tensor-core rule imports them; TVM's own import takes ~40 s
         from .tensor_intrinsics import preload
 
         preload()

@@ -72,7 +72,7 @@ def tune(mod: tvm.ir.IRModule, target: tvm.target.Target, default_schedule: Call
     """Tune each task, compare with `default_schedule`, and merge the winners into the database at db_dir."""
     from tvm.s_tir import meta_schedule as ms
 
-    if "gpu" in target.keys:
+    if target.kind.name == "cuda":
         from mlcc.compiler.tensor_intrinsics import preload
 
         preload()  # the CUDA rules and the default schedule use the MMA intrinsics
