@@ -5,10 +5,11 @@ moves ±4% between device calls, more than one kernel change is worth).
     python3 bench/ab_decode.py run --libs .dev/ab --out $OUT                  # device
 
 Variants: a folder of --libs per variant (any name: a library built elsewhere can be copied in to compare; runtime
-variants without a folder load base's library). "base" = the default build (batch-1 decode through decode_graph, one CUDA graph per step); "no-graph" =
-the same library with plain decode (MLCC_DECODE_GRAPH=0 at load: every kernel launched by the VM); "no-pdl" = a
-build without programmatic dependent launch (MLCC_CUDA_PDL=0); "splits16" = a build whose split-KV decode attention
-cuts every context into 16 chunks whatever the number of KV heads (session 4's choice; MLCC_DECODE_SPLITS=16);
+variants without a folder load base's library). "base" = the default build (batch-1 decode through decode_graph,
+one CUDA graph per step); "no-graph" = the same library with plain decode (MLCC_DECODE_GRAPH=0 at load: every
+kernel launched by the VM); "no-pdl" = a build without programmatic dependent launch (MLCC_CUDA_PDL=0);
+"splits16" = a build whose split-KV decode attention cuts every context into 16 chunks whatever the number of KV
+heads (session 4's choice; MLCC_DECODE_SPLITS=16);
 "attn-s5": session 5's decode attention (4 tokens per step). Session 6's cross-kernel L2 prefetch variants
 ("no-prefetch", "pf12", "pf40", "pf-end", "pf-all") and "attn-128" (now the default) were built from commit 45fdaf2,
 where schedules/cuda_l2_prefetch.py still existed; bench/results README says what each was.

@@ -21,9 +21,9 @@ import tvm
 
 log = logging.getLogger(__name__)
 
-# Each block walks its chunk TOKENS_IN_FLIGHT tokens at a time, and every step is a chain of dependent loads (page
+# Each block walks its chunk tokens_in_flight() tokens at a time, and every step is a chain of dependent loads (page
 # table, K, then V), so a chunk's latency grows with its length: at batch 1 the kernel is latency-bound (session 6:
-# 8B tok/s fell 500 -> 390 from 200 to 1200 tokens of context). More blocks and more tokens per step shorten the chain.
+# 8B tok/s fell 500 -> 390 from 200 to 1200 tokens of context with 4 tokens a step). More tokens per step shorten it.
 BLOCKS_WANTED = 128  # chunks x KV heads at batch 1: about one block per SM of an H100/H200 (256 measured slower)
 MAX_TOKENS_IN_FLIGHT = 16
 VEC = 4              # head-dim elements per lane
