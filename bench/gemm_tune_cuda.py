@@ -71,7 +71,7 @@ def main() -> None:
     import tvm
     from tvm.s_tir import dlight, meta_schedule as ms
 
-    from mlcc.compiler.tensor_intrinsics import preload
+    from mlcc.schedules.tensor_intrinsics import preload
 
     preload()  # the MMA intrinsics dlight's tensor-core rule uses
 

@@ -57,7 +57,9 @@ def main() -> None:
     p.add_argument("--trials", type=int, default=16)
     p.add_argument("--out", default=None)
     a = p.parse_args()
-    import tvm.s_tir.tensor_intrin  # noqa: F401 - registers the MMA intrinsics the CUDA rules use
+    from mlcc.schedules.tensor_intrinsics import preload
+
+    preload()  # registers the MMA intrinsics the CUDA rules use
     from tvm.s_tir import meta_schedule as ms
 
     from mlcc.targets import get_target

@@ -222,10 +222,6 @@ def compile_library(built: BuiltModule, out_path: Path, tuning_db: str | Path | 
     from mlcc.schedules.cuda_pdl import tir_pipeline_for
     from mlcc.targets.toolchains import toolchain_for
 
-    if built.target.kind.name == "cuda":  # dlight's tensor-core rule imports them; TVM's own import takes ~40 s
-        from .tensor_intrinsics import preload
-
-        preload()
     mod = built.mod  # (for a wasm host, relax.build itself marks the module as a system library for tvmjs)
     if builds_graph_decode(built):
         from .graph_decode import add_graph_decode

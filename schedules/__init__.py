@@ -22,6 +22,10 @@ def default_schedule_passes(target: tvm.target.Target) -> list[tvm.transform.Pas
     if target.kind.name == "metal":
         return [_without_metal_simdgroup(dl.ApplyDefaultSchedule(
             dl.gpu.Matmul(), dl.gpu.GEMV(), dl.gpu.Reduction(), dl.gpu.GeneralReduction(), dl.gpu.Fallback()))]
+    if target.kind.name == "cuda":
+        from .tensor_intrinsics import preload
+
+        preload()  # dlight's tensor-core Matmul rule imports them on first use, which takes TVM ~40 s
     if "gpu" in target.keys:
         return [dl.ApplyDefaultSchedule(
             dl.gpu.Matmul(), dl.gpu.GEMV(), dl.gpu.Reduction(), dl.gpu.GeneralReduction(), dl.gpu.Fallback())]

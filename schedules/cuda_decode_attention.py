@@ -52,16 +52,17 @@ def supported(h_kv: int, h_qo: int, d: int) -> bool:
 
 def splits_for(h_kv: int) -> int:
     """Chunks per sequence: a power of two from 16 to 64 giving ~BLOCKS_WANTED blocks (Llama-3-8B's 8 KV heads: 16;
-    Qwen2.5-0.5B's 2 and SmolLM2's 3: 64). MLCC_DECODE_SPLITS / MLCC_DECODE_BLOCKS override it (A/B runs)."""
-    if _env_int("MLCC_DECODE_SPLITS", 0):
-        return _env_int("MLCC_DECODE_SPLITS", 0)
-    splits, wanted = 16, _env_int("MLCC_DECODE_BLOCKS", BLOCKS_WANTED)
-    while splits < 64 and splits * h_kv < wanted:
+    Qwen2.5-0.5B's 2 and SmolLM2's 3: 64). MLCC_DECODE_SPLITS overrides it (A/B runs)."""
+    splits = _env_int("MLCC_DECODE_SPLITS", 0)
+    if splits:
+        return splits
+    splits = 16
+    while splits < 64 and splits * h_kv < BLOCKS_WANTED:
         splits *= 2
     return splits
 
 
-def make_split_decode(h_kv: int, h_qo: int, d: int, dtype: str, page_size: int, splits: int | None = None):
+def make_split_decode(h_kv: int, h_qo: int, d: int, dtype: str, page_size: int):
     from tvm.script import tirx as T
 
     assert supported(h_kv, h_qo, d), (h_kv, h_qo, d)
@@ -69,7 +70,7 @@ def make_split_decode(h_kv: int, h_qo: int, d: int, dtype: str, page_size: int, 
     vec = VEC
     lanes = d // vec
     tp = tokens_in_flight(h_kv, h_qo, d)
-    splits = splits or splits_for(h_kv)
+    splits = splits_for(h_kv)
     log2e = math.log2(math.e)
 
     @T.macro

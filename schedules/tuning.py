@@ -72,10 +72,6 @@ def tune(mod: tvm.ir.IRModule, target: tvm.target.Target, default_schedule: Call
     """Tune each task, compare with `default_schedule`, and merge the winners into the database at db_dir."""
     from tvm.s_tir import meta_schedule as ms
 
-    if target.kind.name == "cuda":
-        from mlcc.compiler.tensor_intrinsics import preload
-
-        preload()  # the CUDA rules and the default schedule use the MMA intrinsics
     db_dir = Path(db_dir)
     db_dir.mkdir(parents=True, exist_ok=True)
     db = ms.database.JSONDatabase(work_dir=str(db_dir))

@@ -141,7 +141,7 @@ def test_tensor_intrinsics_import_with_the_fast_stack_walk():
     code = (
         "import inspect, tvm\n"
         "stack = inspect.stack\n"
-        "from mlcc.compiler.tensor_intrinsics import preload\n"
+        "from mlcc.schedules.tensor_intrinsics import preload\n"
         "preload()\n"
         "from tvm.s_tir import TensorIntrin\n"
         "from tvm.s_tir.tensor_intrin import cuda\n"
