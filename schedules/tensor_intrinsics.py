@@ -3,8 +3,9 @@ does it for CUDA, which covers compile and tuning).
 
 dlight's GPU Matmul rule imports that package on first use, which parses ~270 TVMScript functions. Each parse calls
 `inspect.stack()`, and for every frame of the import machinery ("<frozen importlib...>", not a file on disk) the
-standard library's `inspect.getmodule` scans all of `sys.modules` (~2000 entries once TVM is loaded): measured
-38.5 s of a 66.6 s first CUDA compile of the Llama-3-8B shape on the 2-core dev machine (bench/results, session 6).
+standard library's `inspect.getmodule` scans all of `sys.modules` (~2000 entries once TVM is loaded): 38.9 s, most
+of the 66.6 s first CUDA compile of the Llama-3-8B shape on the 2-core dev machine, against 3.3 s this way
+(bench/tensor_intrin_import.py).
 The parser only uses the stack's frames and the caller's source line, so during that one import `inspect.stack`
 is replaced by a walk over the frames that reads lines through linecache and never calls getmodule.
 """
