@@ -5,7 +5,7 @@
 
 Each kernel is the fused dequantize+matmul of one Llama-3-8B projection at batch 1, built exactly as the model
 pipeline builds it, then scheduled by the rule named in the variant ("mlcc": the hand-written q4 kernel of
-mlcc.schedules.cuda_q4_gemv, which the model pipeline uses; "mlccpdl": the same with programmatic dependent launch,
+mlcc.schedules.cuda_gemv, which the model pipeline uses; "mlccpdl": the same with programmatic dependent launch,
 as the model pipeline builds it on sm_90). Every kernel's output is checked against numpy
 on random inputs before it is timed.
 """
@@ -69,7 +69,7 @@ def cmd_build(a) -> None:
     from tvm.s_tir import dlight as dl
 
     from mlcc.schedules.cuda_pdl import tir_pipeline_for
-    from mlcc.schedules.cuda_q4_gemv import GemvShape, make_q4_gemv
+    from mlcc.schedules.cuda_gemv import GemvShape, make_gemv
     from mlcc.targets.toolchains import toolchain_for
 
     variants = {"gemv": []}
@@ -87,7 +87,7 @@ def cmd_build(a) -> None:
             # the hand-written kernel launched plainly, and with programmatic dependent launch (first weights load
             # before the wait; back-to-back launches of one kernel then overlap one's tail with the next's start)
             for vname, pdl in (("mlcc", False), ("mlccpdl", True)):
-                mod = tvm.IRModule({name: make_q4_gemv(GemvShape(*SHAPES[name], "none"), pdl=pdl)
+                mod = tvm.IRModule({name: make_gemv(GemvShape(*SHAPES[name], "none"), pdl=pdl)
                                     .with_attr("global_symbol", name) for name, _, _ in ks})
                 with target, toolchain_for("cuda"):
                     tvm.compile(mod, target, tir_pipeline=tir_pipeline_for(target) if pdl else "default") \

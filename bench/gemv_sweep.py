@@ -1,64 +1,100 @@
-"""Launch-configuration sweep of the hand-written q4f16_1 decode GEMV (schedules/cuda_q4_gemv.py) on the 8B shapes:
-threads per row (lanes), rows per thread, row warps per block, warps splitting K, iterations preloaded before the
-PDL wait. Every kernel is checked against numpy before it is timed; the current launch_config is marked.
+"""Launch-configuration sweep of the hand-written decode GEMVs (schedules/cuda_gemv.py) on the 8B shapes: threads per
+row (lanes), rows per thread, row warps per block, warps splitting K, iterations preloaded before the PDL wait, for
+q4f16_1 or float16 weights; float16 also times dlight's GEMV (what q0f16 builds used before, config "dlight").
+Every kernel is checked against numpy before it is timed; the current launch_config is marked.
 
-    python bench/gemv_sweep.py build --out .dev/sweep      # here
+    python bench/gemv_sweep.py build --out .dev/sweep [--weights float16]     # here
     python3 bench/gemv_sweep.py run --libs .dev/sweep --out $OUT
+
+Timing: the kernel is called in turn on enough copies of the weights (>= 320 MB) that none is still in the H200's
+50 MB L2 when its turn comes back, as in a model step; session 5's sweep timed one copy over and over, which let the
+q4 projections (8-60 MB) run partly out of L2 and is why its winners did not carry into the model. The calls are
+queued from Python (~3 us each), so kernels shorter than that (q4 o_proj) are launch-bound here.
 """
 
 from __future__ import annotations
 
 import itertools
 import json
+import time
 from pathlib import Path
 
 import numpy as np
 
 from cli import build_and_run
-from gemv_kernels import SHAPES, _inputs, _reference
+from gemv_kernels import SHAPES, _inputs, _reference, kernels
 
 SWEPT = ("qkv", "o", "gate_up", "down")
+L2_DEFEAT_BYTES = 320 << 20
 
 
-def configs(n: int, k: int):
-    groups = k // 32
+def configs(n: int, units: int):
     for lanes, rows, row_warps, ksplit, pre in itertools.product((32,), (1, 2, 4, 8), (1, 2, 4), (1, 2, 4, 8),
                                                                  (1, 2, 4)):
-        iters = -(-groups // (lanes * ksplit))
+        iters = -(-units // (lanes * ksplit))
         warps = row_warps * ksplit
-        if warps > 16 or lanes * ksplit > groups or (pre > 1 and pre > iters) or pre * rows > 16:
+        if warps > 16 or lanes * ksplit > units or (pre > 1 and pre > iters) or pre * rows > 16:
             continue
         yield lanes, rows, row_warps, ksplit, pre
 
 
+def _quant(weights: str) -> str:
+    return "q4f16_1" if weights == "q4f16_1" else "q0f16"
+
+
 def cmd_build(a) -> None:
     import tvm
+    from tvm.s_tir import dlight as dl
 
+    from mlcc.schedules.cuda_gemv import GemvShape, launch_config, make_gemv
     from mlcc.schedules.cuda_pdl import tir_pipeline_for
-    from mlcc.schedules.cuda_q4_gemv import GemvShape, launch_config, make_q4_gemv
     from mlcc.targets import get_target
     from mlcc.targets.toolchains import toolchain_for
 
     target = get_target("cuda").tvm_target()
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    meta = {}
+    quant = _quant(a.weights)
+    default_funcs = {name: f for name, f, _ in kernels(quant)}
+    meta = {"weights": a.weights}
     for name in SWEPT:
         n, k = SHAPES[name]
+        shape = GemvShape(n, k, "none", weights=a.weights)
         funcs, entries = {}, []
-        for cfg in configs(n, k):
+        for cfg in configs(n, k // shape.unit):
             fname = f"{name}__" + "_".join(map(str, cfg))
-            funcs[fname] = make_q4_gemv(GemvShape(n, k, "none"), pdl=True, config=cfg[:4], preload=cfg[4]) \
-                .with_attr("global_symbol", fname)
-            entries.append({"func": fname, "config": cfg, "current": cfg[:4] == launch_config(n, k) and cfg[4] == 1})
+            funcs[fname] = make_gemv(shape, pdl=True, config=cfg[:4], preload=cfg[4]).with_attr("global_symbol", fname)
+            entries.append({"func": fname, "config": cfg,
+                            "current": cfg[:4] == launch_config(n, k // shape.unit) and cfg[4] == 1})
+        if a.weights == "float16":
+            # dlight's GEMV as q0f16 builds scheduled it before the hand kernel (PDL wait at its start, cuda_pdl)
+            with target:
+                dmod = dl.ApplyDefaultSchedule(dl.gpu.GEMV(), dl.gpu.Fallback())(
+                    tvm.IRModule({"d": default_funcs[name]}))
+            funcs[f"{name}__dlight"] = dmod["d"].with_attr("global_symbol", f"{name}__dlight")
+            entries.append({"func": f"{name}__dlight", "config": "dlight", "current": False})
         with target, toolchain_for("cuda"):
             tvm.compile(tvm.IRModule(funcs), target, tir_pipeline=tir_pipeline_for(target)) \
                 .export_library(str(out / f"{name}.so"))
-        meta[name] = {"bytes": n * k // 2 + n * k // 32 * 2 + k * 2 + n * 2,
-                      "args": [[[1, 1, k], "float16"], [[n, k // 8], "uint32"], [[n, k // 32], "float16"],
-                               [[1, 1, n], "float16"]], "kernels": entries}
+        wbytes = n * k // 2 + n * k // 32 * 2 if a.weights == "q4f16_1" else n * k * 2
+        args = ([[[1, 1, k], "float16"], [[n, k // 8], "uint32"], [[n, k // 32], "float16"]]
+                if a.weights == "q4f16_1" else [[[1, 1, k], "float16"], [[n, k], "float16"]])
+        meta[name] = {"bytes": wbytes + k * 2 + n * 2, "weight_bytes": wbytes, "args": args + [[[1, 1, n], "float16"]],
+                      "kernels": entries}
         print("built", name, len(entries), flush=True)
     (out / "meta.json").write_text(json.dumps(meta, indent=1))
+
+
+def _time_rotating(f, x, weight_sets, out, dev, calls: int = 600) -> float:
+    """Seconds per call, each call on the next weight copy (so the weights come from DRAM, as in a model step)."""
+    for ws in weight_sets:
+        f(x, *ws, out)
+    dev.sync()
+    t = time.perf_counter()
+    for i in range(calls):
+        f(x, *weight_sets[i % len(weight_sets)], out)
+    dev.sync()
+    return (time.perf_counter() - t) / calls
 
 
 def cmd_run(a) -> None:
@@ -70,34 +106,45 @@ def cmd_run(a) -> None:
     _register_cuda_jit("sm_90a")
     dev = tvm.cuda(0)
     meta = json.loads((Path(a.libs) / "meta.json").read_text())
+    quant = _quant(meta.pop("weights"))
     rows = []
     for name, spec in meta.items():
         m = tvm.runtime.load_module(str(Path(a.libs) / f"{name}.so"))
-        host = _inputs(spec["args"], "q4f16_1")
-        want = _reference(host, "q4f16_1")
-        args = [tvm.runtime.tensor(h, dev) for h in host]
+        host = _inputs(spec["args"], quant)
+        want = _reference(host, quant)
+        x = tvm.runtime.tensor(host[0], dev)
+        copies = max(2, -(-L2_DEFEAT_BYTES // spec["weight_bytes"]))
+        weight_sets = [[tvm.runtime.tensor(h, dev) for h in host[1:-1]] for _ in range(copies)]
         best = None
         for e in spec["kernels"]:
-            args[-1] = tvm.runtime.tensor(np.zeros(spec["args"][-1][0], "float16"), dev)
-            m[e["func"]](*args)
-            got = args[-1].numpy().astype(np.float32).reshape(-1)
+            out = tvm.runtime.tensor(np.zeros(spec["args"][-1][0], "float16"), dev)
+            f = m[e["func"]]
+            f(x, *weight_sets[0], out)
+            got = out.numpy().astype(np.float32).reshape(-1)
             rel = float(np.abs(got - want).max() / np.abs(want).max())
-            t = m.time_evaluator(e["func"], dev, number=100, repeat=3, min_repeat_ms=30)(*args).mean
+            t = min(_time_rotating(f, x, weight_sets, out, dev) for _ in range(3))
             r = {"kernel": name, "config": e["config"], "current": e["current"], "us": t * 1e6,
                  "GB_s": spec["bytes"] / t / 1e9, "max_rel_err": rel, "check_ok": rel < 2e-2}
             rows.append(r)
             if r["check_ok"] and (best is None or r["us"] < best["us"]):
                 best = r
         cur = next(r for r in rows if r["kernel"] == name and r["current"])
+        base = next((r for r in rows if r["kernel"] == name and r["config"] == "dlight"), None)
         print(f"{name:8} current {cur['config']} {cur['us']:6.2f} us {cur['GB_s']:6.0f} GB/s | best {best['config']} "
-              f"{best['us']:6.2f} us {best['GB_s']:6.0f} GB/s", flush=True)
+              f"{best['us']:6.2f} us {best['GB_s']:6.0f} GB/s"
+              + (f" | dlight {base['us']:6.2f} us {base['GB_s']:6.0f} GB/s" if base else "")
+              + f" ({copies} weight copies)", flush=True)
         for r in sorted((r for r in rows if r["kernel"] == name), key=lambda r: r["us"])[:5]:
             print(f"    {r['config']} {r['us']:6.2f} us {r['GB_s']:6.0f} GB/s {'ok' if r['check_ok'] else 'WRONG'}")
     bad = [r for r in rows if not r["check_ok"]]
     print(f"{len(rows)} kernels timed, {len(bad)} wrong", flush=True)
     Path(a.out).mkdir(parents=True, exist_ok=True)
-    (Path(a.out) / "gemv_sweep.json").write_text(json.dumps(rows, indent=1))
+    (Path(a.out) / f"gemv_sweep_{quant}.json").write_text(json.dumps(rows, indent=1))
+
+
+def _configure(b, _r) -> None:
+    b.add_argument("--weights", choices=("q4f16_1", "float16"), default="q4f16_1")
 
 
 if __name__ == "__main__":
-    build_and_run(cmd_build, cmd_run)
+    build_and_run(cmd_build, cmd_run, configure=_configure)

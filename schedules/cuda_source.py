@@ -7,9 +7,10 @@ from __future__ import annotations
 
 def _helper_groups() -> list[tuple[str, str]]:
     """(a name the kernels call, the source that defines it and its siblings)."""
-    from . import cuda_pdl, cuda_q4_gemv
+    from . import cuda_gemv, cuda_pdl
 
-    return [(cuda_q4_gemv.HELPER_NAME, cuda_q4_gemv.CUDA_HELPERS), (cuda_pdl.WAIT, cuda_pdl.CUDA_HELPERS)]
+    return [(cuda_gemv.HELPER_NAME, cuda_gemv.CUDA_HELPERS), (cuda_gemv.F16_HELPER_NAME, cuda_gemv.F16_HELPERS),
+            (cuda_pdl.WAIT, cuda_pdl.CUDA_HELPERS)]
 
 
 def _marker(name: str) -> str:

@@ -15,7 +15,8 @@ from mlcc.compiler.quantize import get_quantization, group_dequantize, group_qua
 from mlcc.compiler.weights import load_source
 from mlcc.schedules import cuda_pdl
 from mlcc.schedules.cuda_decode_attention import _decode_kernel_shape, make_split_decode, split_decode_attention_pass
-from mlcc.schedules.cuda_q4_gemv import HELPER_NAME, GemvShape, make_q4_gemv, match_q4_gemv, q4_decode_gemv_pass
+from mlcc.schedules.cuda_gemv import (F16_HELPER_NAME, HELPER_NAME, GemvShape, decode_gemv_pass, make_gemv, match_gemv,
+                                      swiglu_gemv_pass)
 from mlcc.targets import get_target
 
 # tiny llama of conftest: hidden 64, intermediate 128, 4 heads of 16 (2 kv heads), vocab 320
@@ -34,11 +35,11 @@ def _prim_funcs(mod):
 
 def test_every_decode_projection_and_only_those_get_the_q4_kernel(hf_models):
     _, mod = _fused(hf_models)
-    matched = [s for s in map(match_q4_gemv, _prim_funcs(mod).values()) if s is not None]
+    matched = [s for s in map(match_gemv, _prim_funcs(mod).values()) if s is not None]
     assert {(s.n, s.k, s.epilogue) for s in matched} == DECODE_PROJECTIONS  # no prefill / batch functions
     assert {s.out_dtype for s in matched if s.epilogue == "cast"} == {"float32"}
     with get_target("cuda").tvm_target():
-        after = q4_decode_gemv_pass(mod)
+        after = decode_gemv_pass(mod)
     ours = [f for f in _prim_funcs(after).values() if HELPER_NAME in f.script()]
     assert len(ours) == len(matched)
     assert all(f.attrs["tirx.is_scheduled"] for f in ours)
@@ -46,13 +47,37 @@ def test_every_decode_projection_and_only_those_get_the_q4_kernel(hf_models):
 
 def test_qwen2_qkv_bias_is_fused_as_an_add_epilogue(hf_models):
     _, mod = _fused(hf_models, "qwen2")
-    matched = [s for s in map(match_q4_gemv, _prim_funcs(mod).values()) if s is not None]
+    matched = [s for s in map(match_gemv, _prim_funcs(mod).values()) if s is not None]
     assert GemvShape(128, 64, "add", (128,), "float16") in matched
 
 
 def test_float32_models_keep_the_default_schedule(hf_models):
     _, mod = _fused(hf_models, quant="q4f32_1")
-    assert not [f for f in _prim_funcs(mod).values() if match_q4_gemv(f) is not None]
+    assert not [f for f in _prim_funcs(mod).values() if match_gemv(f) is not None]
+
+
+def test_q0f16_decode_projections_get_the_float16_kernel(hf_models):
+    _, mod = _fused(hf_models, quant="q0f16")
+    matched = [s for s in map(match_gemv, _prim_funcs(mod).values()) if s is not None]
+    assert {(s.n, s.k, s.epilogue) for s in matched} == DECODE_PROJECTIONS
+    assert {s.weights for s in matched} == {"float16"}
+    with get_target("cuda").tvm_target():
+        after = decode_gemv_pass(mod)
+    assert len([f for f in _prim_funcs(after).values() if F16_HELPER_NAME in f.script()]) == len(matched)
+
+
+@pytest.mark.parametrize("kind,quant,fused", [("llama", "q4f16_1", True), ("qwen2", "q0f16", True),
+                                              ("gemma", "q4f16_1", False)])  # gemma: GeGLU, not SwiGLU
+def test_gate_up_projection_and_swiglu_become_one_decode_kernel(hf_models, kind, quant, fused):
+    built, mod = _fused(hf_models, kind, quant)
+    with built.target:
+        after = swiglu_gemv_pass(mod)
+    decode = after["decode"].script()
+    assert ("fused_gemv_swiglu_128_64" in decode) is fused
+    if fused:
+        assert "silu" not in decode  # the split/silu/multiply kernel is gone from decode, prefill keeps its own
+        assert "silu" in after["prefill"].script()
+        assert after[after.get_global_var("fused_gemv_swiglu_128_64")].attrs["tirx.is_scheduled"]
 
 
 def test_pdl_launch_only_for_sm90_and_newer(hf_models, tmp_path):
@@ -60,14 +85,14 @@ def test_pdl_launch_only_for_sm90_and_newer(hf_models, tmp_path):
 
     _, fused = _fused(hf_models)
     gemvs = {gv.name_hint: f for gv, f in fused.functions.items()
-             if isinstance(f, tvm.tirx.PrimFunc) and match_q4_gemv(f) is not None}
+             if isinstance(f, tvm.tirx.PrimFunc) and match_gemv(f) is not None}
     for preset, want in (("cuda", True), ("cuda-sm80", False)):
         # (a fresh module each time: TVM's pass infra updates the module a pass is called on in place)
         mod = tvm.IRModule({name: f.with_attr("global_symbol", name) for name, f in gemvs.items()})
         target = get_target(preset).tvm_target()
         assert cuda_pdl.supported(target) is want
         with target, toolchain_for("cuda"):  # as compile_library builds them: the pass picks the kernel variant
-            ex = tvm.compile(q4_decode_gemv_pass(mod), target, tir_pipeline=cuda_pdl.tir_pipeline_for(target))
+            ex = tvm.compile(decode_gemv_pass(mod), target, tir_pipeline=cuda_pdl.tir_pipeline_for(target))
         ex.export_library(str(tmp_path / f"{preset}.so"))
         data = (tmp_path / f"{preset}.so").read_bytes()
         assert (cuda_pdl.PDL_TAG.encode() in data) is want
@@ -195,32 +220,43 @@ def test_decode_graph_matches_plain_decode_on_the_gpu(hf_models, tmp_path):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("pdl", [False, True])
+@pytest.mark.parametrize("weights", ["q4f16_1", "float16"])
 @pytest.mark.parametrize("n,k,epilogue", [(4096, 4096, "add"), (1000, 896, "none"), (320, 64, "cast"),
-                                          (4096, 14336, "add")])
-def test_q4_kernel_matches_numpy_on_the_gpu(n, k, epilogue, pdl):
+                                          (4096, 14336, "add"), (4864, 896, "swiglu"), (128, 64, "swiglu")])
+def test_gemv_kernel_matches_numpy_on_the_gpu(n, k, epilogue, weights, pdl):
     from mlcc.targets.toolchains import toolchain_for
 
     if not tvm.cuda(0).exist:
         pytest.fail("marked gpu but no CUDA device")
     rng = np.random.default_rng(0)
-    q = get_quantization("q4f16_1")
-    packed, scale = group_quantize(rng.standard_normal((n, k)).astype(np.float32) * 0.05, q)
+    n_w = 2 * n if epilogue == "swiglu" else n
+    w = rng.standard_normal((n_w, k)).astype(np.float32) * 0.05
+    if weights == "q4f16_1":
+        q = get_quantization("q4f16_1")
+        packed, scale = group_quantize(w, q)
+        weight_args, w = [packed, scale], group_dequantize(packed, scale, q)
+    else:
+        w = w.astype(np.float16)
+        weight_args = [w]
     x = rng.standard_normal((1, 1, k)).astype(np.float16)
     res = rng.standard_normal((1, 1, n)).astype(np.float16)
     out_dtype = "float32" if epilogue == "cast" else "float16"
-    shape = GemvShape(n, k, epilogue, (1, 1, n) if epilogue == "add" else (), out_dtype)
+    shape = GemvShape(n, k, epilogue, (1, 1, n) if epilogue == "add" else (), out_dtype, weights)
     target = get_target("cuda").tvm_target()
     with target, toolchain_for("cuda"):
-        kernel = make_q4_gemv(shape, pdl=pdl).with_attr("global_symbol", "main")
+        kernel = make_gemv(shape, pdl=pdl).with_attr("global_symbol", "main")
         lib = tvm.compile(tvm.IRModule({"main": kernel}), target,
                           tir_pipeline=cuda_pdl.tir_pipeline_for(target) if pdl else "default")
     dev = tvm.cuda(0)
-    args = [x, packed, scale] + ([res] if epilogue == "add" else []) + [np.zeros((1, 1, n), out_dtype)]
+    args = [x] + weight_args + ([res] if epilogue == "add" else []) + [np.zeros((1, 1, n), out_dtype)]
     args = [tvm.runtime.tensor(a, dev) for a in args]
     lib["main"](*args)
-    want = group_dequantize(packed, scale, q) @ x.reshape(-1).astype(np.float32)
+    want = w.astype(np.float32) @ x.reshape(-1).astype(np.float32)
     if epilogue == "add":
         want = want + res.reshape(-1)
+    if epilogue == "swiglu":
+        gate, up = (want[:n].astype(np.float16).astype(np.float32), want[n:].astype(np.float16).astype(np.float32))
+        want = gate / (1 + np.exp(-gate)) * up
     got = args[-1].numpy().reshape(-1).astype(np.float32)
     np.testing.assert_allclose(got, want, rtol=0, atol=2e-2 * np.abs(want).max())
 

@@ -1,0 +1,477 @@
+"""Batch-1 decode GEMVs for CUDA, written by hand (issue 4: decode near the bandwidth limit): q4f16_1
+dequantize-GEMV and plain float16 GEMV, with PDL-aware weight preloading and fused epilogues.
+
+dlight's GEMV rule unpacks one nibble at a time: shift, and, or, reinterpret, subtract, scale and FMA per code, about
+seven scalar ops per 4 bits, which caps the kernel at ~2 TB/s on an H200 (ALU-bound, bench/results/README.md). This
+kernel does the FasterTransformer/Marlin trick on MLC's unchanged layout instead: `(w >> 4j) & 0x000F000F | 0x64006400`
+(one LOP3) puts codes j and j+4 into the two fp16 halves of one register as 1024 + code, so one HSUB2 and one HFMA2
+handle two codes. The activation pairs (x_j, x_j+4) come from two 32-bit loads and a byte permute, shared by every row a
+thread owns. Partial sums stay in fp16 only within a 32-code group; the group's scale is applied in fp32 and the row
+is accumulated in fp32 (more accurate than the fp16 reduction it replaces).
+
+Layout: one warp slot of L lanes per row set; lane i reads groups i, i+L, ... of R rows with one 16-byte load each
+(a whole 32-code group), so a warp's loads of a row are contiguous. The cross-lane sum is a shuffle butterfly.
+
+float16 weights (q0f16) use the same layout with 8 values per 16-byte load, multiplied in fp32. dlight's fp16 GEMV
+already streams at 3.8-4.4 TB/s, but it waits for its predecessor before its first load; this one issues its first
+weight loads before the PDL wait (cuda_pdl), which is what the ~130 GEMV launches of an 8B step lose otherwise.
+
+The kernel replaces the fused PrimFunc of a decode projection in place (same parameters), for the epilogues TVM
+fuses into it here: none, `+ residual/bias`, `cast to float32` (lm_head). Anything else keeps dlight's schedule.
+A fourth epilogue, "swiglu", is not TVM's: `swiglu_gemv_pass` replaces the gate_up projection and the
+split/silu/multiply kernel after it with one kernel whose threads own gate row i and up row i + I together and write
+silu(gate) * up, so the activation never makes a round trip through memory and a step has one launch less per layer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import tvm
+
+from . import cuda_pdl
+
+log = logging.getLogger(__name__)
+
+HELPER_NAME = "mlcc_q4x8_hfma2"
+
+# Device helpers, added to the CUDA source of any module that calls them (schedules/cuda_source.py).
+CUDA_HELPERS = r"""
+#include <cuda_fp16.h>
+__device__ __forceinline__ half2 mlcc_u2h(unsigned v) { union { unsigned u; half2 h; } c; c.u = v; return c.h; }
+__device__ __forceinline__ unsigned mlcc_h2u(half2 v) { union { unsigned u; half2 h; } c; c.h = v; return c.u; }
+__device__ __forceinline__ unsigned mlcc_lop3_and_or(unsigned a, unsigned b, unsigned c) {
+  unsigned d;
+  asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(d) : "r"(a), "r"(b), "r"(c));  // (a & b) | c
+  return d;
+}
+// acc (fp16x2 bits) += sum over the 8 codes of word w of (code - 7) * x, x given as its 4 natural-order fp16 pairs
+__device__ __forceinline__ unsigned mlcc_q4x8_hfma2(unsigned w, unsigned x01, unsigned x23, unsigned x45,
+                                                    unsigned x67, unsigned acc) {
+  const half2 bias = mlcc_u2h(0x64076407u);  // 1024 + 7 in both halves
+  half2 a = mlcc_u2h(acc);
+  a = __hfma2(__hsub2(mlcc_u2h(mlcc_lop3_and_or(w, 0x000F000Fu, 0x64006400u)), bias),
+              mlcc_u2h(__byte_perm(x01, x45, 0x5410)), a);
+  a = __hfma2(__hsub2(mlcc_u2h(mlcc_lop3_and_or(w >> 4, 0x000F000Fu, 0x64006400u)), bias),
+              mlcc_u2h(__byte_perm(x01, x45, 0x7632)), a);
+  a = __hfma2(__hsub2(mlcc_u2h(mlcc_lop3_and_or(w >> 8, 0x000F000Fu, 0x64006400u)), bias),
+              mlcc_u2h(__byte_perm(x23, x67, 0x5410)), a);
+  a = __hfma2(__hsub2(mlcc_u2h(mlcc_lop3_and_or(w >> 12, 0x000F000Fu, 0x64006400u)), bias),
+              mlcc_u2h(__byte_perm(x23, x67, 0x7632)), a);
+  return mlcc_h2u(a);
+}
+__device__ __forceinline__ float mlcc_h2_sum(unsigned acc) {
+  const half2 a = mlcc_u2h(acc);
+  return __low2float(a) + __high2float(a);
+}
+"""
+
+
+@dataclasses.dataclass(frozen=True)
+class GemvShape:
+    n: int                 # output features (rows of W; for "swiglu", half of them)
+    k: int                 # input features
+    epilogue: str          # "none" | "add" | "cast" | "swiglu"
+    residual_shape: tuple[int, ...] = ()
+    out_dtype: str = "float16"
+    weights: str = "q4f16_1"  # | "float16"
+
+    @property
+    def unit(self) -> int:
+        """Weights per 16-byte load of one row."""
+        return 32 if self.weights == "q4f16_1" else 8
+
+
+F16_HELPER_NAME = "mlcc_f16x2_fma"
+F16_HELPERS = r"""
+#include <cuda_fp16.h>
+// acc + w.lo * x.lo + w.hi * x.hi in fp32, w and x given as the bits of an fp16 pair
+__device__ __forceinline__ float mlcc_f16x2_fma(unsigned w, unsigned x, float acc) {
+  const float2 wf = __half22float2(*reinterpret_cast<const __half2*>(&w));
+  const float2 xf = __half22float2(*reinterpret_cast<const __half2*>(&x));
+  return fmaf(wf.y, xf.y, fmaf(wf.x, xf.x, acc));
+}
+"""
+
+
+# Enough warps in flight to cover DRAM latency on a big GPU (132 SMs x 16 warps on an H100/H200, ~32 KB of loads
+# outstanding per SM); short projections (o_proj, down_proj: 4096 rows) reach it only by splitting K across warps.
+# Session 5's sweep (bench/gemv_sweep.py) found configurations 14% faster per 8B layer in isolation (35.2 vs 40.9 us
+# back to back), but neither they nor a rule of 1536 warps with two iterations preloaded made the 8B model faster
+# (interleaved A/B: -1.4%, -1.3%; bench/results session 5), so this rule stays.
+_WARPS_WANTED = 4096
+
+
+def launch_config(n: int, units: int, warps_wanted: int = _WARPS_WANTED) -> tuple[int, int, int, int]:
+    """(lanes per row, rows per thread, row warps per block, warps splitting K) for n rows of `units` 16-byte
+    loads each."""
+    lanes = 32
+    while lanes > 4 and units < lanes:
+        lanes //= 2
+    rows, ksplit = 4, 1
+
+    def warps_total() -> int:
+        return -(-n // (rows * (32 // lanes))) * ksplit
+
+    while warps_total() < warps_wanted and units >= lanes * ksplit * 2 and ksplit < 8:
+        ksplit *= 2
+    while warps_total() < warps_wanted // 2 and rows > 1:  # small models: fewer rows per thread, more threads
+        rows //= 2
+    return lanes, rows, max(1, 4 // ksplit), ksplit
+
+
+def make_gemv(shape: GemvShape, warps_wanted: int = _WARPS_WANTED, pdl: bool = False,
+              config: tuple[int, int, int, int] | None = None, preload: int = 1):
+    """The hand-scheduled kernel for one projection, with the parameter order of TVM's fused function (for
+    "swiglu": x, weights[, scales], out). `pdl`: place the programmatic-dependent-launch wait after the first weight
+    loads (sm_90+, see cuda_pdl). `config` overrides launch_config (rows counted in weight rows); `preload`: how many
+    of a thread's iterations load their weights before anything else (before the wait, with PDL), each in its own
+    registers."""
+    from tvm.script import tirx as T
+
+    n, k, epi = shape.n, shape.k, shape.epilogue
+    q4 = shape.weights == "q4f16_1"
+    swiglu = epi == "swiglu"
+    n_w = 2 * n if swiglu else n  # weight rows
+    units = k // shape.unit
+    x_words = shape.unit // 2  # 32-bit words of x per unit
+    lanes, rows_w, row_warps, ksplit = config or launch_config(n_w, units, warps_wanted)
+    # a swiglu thread owns `rows` output rows: weight rows r (gate) and r + n (up) of each
+    rows = max(1, rows_w // 2) if swiglu else rows_w
+    rows_w = 2 * rows if swiglu else rows
+    warps = row_warps * ksplit
+    slots = 32 // lanes
+    rows_per_block = row_warps * slots * rows
+    iters = -(-units // (lanes * ksplit))
+    pre = max(1, min(preload, iters))
+    blocks = -(-n // rows_per_block)
+    r_shape = shape.residual_shape or (1, 1, n)
+    out_dtype = shape.out_dtype
+    groups = k // 32
+
+    def row_of(bx, ty, tx, r):
+        return bx * rows_per_block + (ty // ksplit * slots + tx // lanes) * rows + r
+
+    def wrow_of(bx, ty, tx, r):
+        # weight row of the thread's r-th loaded row (the up rows of a swiglu thread follow its gate rows)
+        if swiglu:
+            return row_of(bx, ty, tx, r % rows) + (r // rows) * n
+        return row_of(bx, ty, tx, r)
+
+    def unit_of(it, ty, tx):
+        return (it * ksplit + ty % ksplit) * lanes + tx % lanes
+
+    def slot(it):
+        # the preloaded iterations keep their own registers; later ones reuse the first slot
+        return T.if_then_else(it < pre, it, 0)
+
+    @T.macro
+    def load_weights(ww, wl, bx, ty, tx, it):
+        for r in T.unroll(rows_w):
+            if row_of(bx, ty, tx, r % rows) < n:
+                for v in T.vectorized(4):
+                    wl[slot(it), r, v] = ww[wrow_of(bx, ty, tx, r) * (units * 4) + unit_of(it, ty, tx) * 4 + v]
+            else:
+                for v in T.vectorized(4):
+                    wl[slot(it), r, v] = T.uint32(0x77777777 if q4 else 0)
+
+    @T.macro
+    def accumulate(sf, wl, xl, accf, acc, bx, ty, tx, it):
+        if q4:
+            for r in T.unroll(rows_w):
+                acc[r] = T.uint32(0)
+            for c in T.unroll(4):
+                for r in T.unroll(rows_w):
+                    acc[r] = T.call_pure_extern("uint32", HELPER_NAME, wl[slot(it), r, c], xl[c * 4],
+                                                xl[c * 4 + 1], xl[c * 4 + 2], xl[c * 4 + 3], acc[r])
+            for r in T.unroll(rows_w):
+                if row_of(bx, ty, tx, r % rows) < n:
+                    accf[r] = accf[r] + T.call_pure_extern("float32", "mlcc_h2_sum", acc[r]) * \
+                        T.Cast("float32", sf[wrow_of(bx, ty, tx, r) * groups + unit_of(it, ty, tx)])
+        else:
+            for c in T.unroll(4):
+                for r in T.unroll(rows_w):
+                    accf[r] = T.call_pure_extern("float32", F16_HELPER_NAME, wl[slot(it), r, c], xl[c], accf[r])
+
+    @T.macro
+    def body(x, w, s, res, out):
+        xw = T.decl_buffer((k // 2,), "uint32", data=x.data)
+        ww = T.decl_buffer((n_w * units * 4,), "uint32", data=w.data)
+        sf = T.decl_buffer((n_w * groups,), "float16", data=s.data)  # unread for float16 weights
+        rf = T.decl_buffer((n,), "float16", data=res.data)  # unread unless epilogue == "add"
+        for bx in T.thread_binding(blocks, thread="blockIdx.x"):
+            for ty in T.thread_binding(warps, thread="threadIdx.y"):
+                for tx in T.thread_binding(32, thread="threadIdx.x"):
+                    with T.sblock("gemv"):
+                        T.reads()
+                        T.writes()
+                        xl = T.sblock_alloc_buffer((x_words,), "uint32", scope="local")
+                        wl = T.sblock_alloc_buffer((pre, rows_w, 4), "uint32", scope="local")
+                        acc = T.sblock_alloc_buffer((rows_w,), "uint32", scope="local")
+                        accf = T.sblock_alloc_buffer((rows_w,), "float32", scope="local")
+                        red = T.sblock_alloc_buffer((warps, slots, rows_w), "float32", scope="shared")
+                        for r in T.unroll(rows_w):
+                            accf[r] = T.float32(0)
+                        # the first weights do not depend on the previous kernel: with PDL they load while it
+                        # finishes (cuda_pdl), the activations only after the wait
+                        for p in T.unroll(pre):
+                            if unit_of(p, ty, tx) < units:
+                                load_weights(ww, wl, bx, ty, tx, p)
+                        if pdl:
+                            T.evaluate(T.call_extern("void", cuda_pdl.WAIT))
+                            T.evaluate(T.call_extern("void", cuda_pdl.LAUNCH_DEPENDENTS))
+                        for it in T.unroll(iters):
+                            if unit_of(it, ty, tx) < units:
+                                for q in T.unroll(x_words // 4):
+                                    for v in T.vectorized(4):
+                                        xl[q * 4 + v] = xw[unit_of(it, ty, tx) * x_words + q * 4 + v]
+                                if it >= pre:
+                                    load_weights(ww, wl, bx, ty, tx, it)
+                                accumulate(sf, wl, xl, accf, acc, bx, ty, tx, it)
+                        for r in T.unroll(rows_w):
+                            for o in T.unroll(5):
+                                if (1 << o) < lanes:
+                                    accf[r] = accf[r] + T.call_pure_extern(
+                                        "float32", "__shfl_xor_sync", T.uint32(0xFFFFFFFF), accf[r], 1 << o, 32)
+                        if ksplit > 1:
+                            # the warps that split K meet in shared memory; the first of them finishes the rows
+                            for r in T.unroll(rows_w):
+                                if tx % lanes == 0:
+                                    red[ty, tx // lanes, r] = accf[r]
+                            T.evaluate(T.tvm_storage_sync("shared"))
+                            if ty % ksplit == 0:
+                                for r in T.unroll(rows_w):
+                                    for j in T.unroll(ksplit - 1):
+                                        accf[r] = accf[r] + red[ty + 1 + j, tx // lanes, r]
+                        for r in T.unroll(rows):
+                            if tx % lanes == 0 and ty % ksplit == 0 and row_of(bx, ty, tx, r) < n:
+                                if epi == "add":
+                                    out[0, 0, row_of(bx, ty, tx, r)] = T.Cast("float16", accf[r]) + rf[row_of(bx, ty, tx, r)]
+                                elif swiglu:
+                                    # silu(gate) * up from the fp16-rounded projections, as the unfused kernels
+                                    out[0, 0, row_of(bx, ty, tx, r)] = T.Cast("float16", _silu_times(
+                                        T.Cast("float32", T.Cast("float16", accf[r])),
+                                        T.Cast("float32", T.Cast("float16", accf[r + rows]))))
+                                else:
+                                    out[0, 0, row_of(bx, ty, tx, r)] = T.Cast(out_dtype, T.Cast("float16", accf[r]))
+
+    if q4:
+        if epi == "add":
+            @T.prim_func(private=True, s_tir=True)
+            def func(x: T.Buffer((1, 1, k), "float16"), w: T.Buffer((n_w, k // 8), "uint32"),
+                     s: T.Buffer((n_w, groups), "float16"), res: T.Buffer(r_shape, "float16"),
+                     out: T.Buffer((1, 1, n), "float16")):
+                T.func_attr({"tirx.is_scheduled": True, "tirx.noalias": True})
+                body(x, w, s, res, out)
+        else:
+            @T.prim_func(private=True, s_tir=True)
+            def func(x: T.Buffer((1, 1, k), "float16"), w: T.Buffer((n_w, k // 8), "uint32"),
+                     s: T.Buffer((n_w, groups), "float16"), out: T.Buffer((1, 1, n), out_dtype)):
+                T.func_attr({"tirx.is_scheduled": True, "tirx.noalias": True})
+                body(x, w, s, out, out)
+    elif epi == "add":
+        @T.prim_func(private=True, s_tir=True)
+        def func(x: T.Buffer((1, 1, k), "float16"), w: T.Buffer((n_w, k), "float16"),
+                 res: T.Buffer(r_shape, "float16"), out: T.Buffer((1, 1, n), "float16")):
+            T.func_attr({"tirx.is_scheduled": True, "tirx.noalias": True})
+            body(x, w, w, res, out)
+    else:
+        @T.prim_func(private=True, s_tir=True)
+        def func(x: T.Buffer((1, 1, k), "float16"), w: T.Buffer((n_w, k), "float16"),
+                 out: T.Buffer((1, 1, n), out_dtype)):
+            T.func_attr({"tirx.is_scheduled": True, "tirx.noalias": True})
+            body(x, w, w, out, out)
+    return func
+
+
+def _silu_times(gate, up):
+    from tvm import tirx
+
+    return gate * tirx.sigmoid(gate) * up
+
+
+def _static_ints(shape) -> tuple[int, ...] | None:
+    try:
+        return tuple(int(d) for d in shape)
+    except TypeError:  # a symbolic dimension
+        return None
+
+
+def _blocks(func) -> dict | None:
+    from tvm import s_tir
+
+    try:
+        sch = s_tir.Schedule(func)
+        return {sch.get(b).name_hint: sch.get(b) for b in sch.get_child_blocks(sch.get_sblock("root"))}
+    except Exception:  # noqa: BLE001 - not a plain block-structured function: not ours
+        return None
+
+
+def match_gemv(func) -> GemvShape | None:
+    """The shape of a batch-1 decode projection PrimFunc — q4f16_1 dequantize→matmul or float16 NT_matmul,
+    [→add|cast] — or None if it is anything else."""
+    blocks = _blocks(func)
+    if blocks is None:
+        return None
+    if {"dequantize", "matmul"} <= set(blocks):
+        core, weights = {"dequantize", "matmul"}, "q4f16_1"
+        deq, mm = blocks["dequantize"], blocks["matmul"]
+        if len(deq.reads) != 2 or len(mm.reads) != 2:
+            return None
+        w, s = (r.source for r in deq.reads)
+        x = next((r.source for r in mm.reads if not r.source.same_as(deq.writes[0].source)), None)
+        if x is None or w.dtype != "uint32" or s.dtype != "float16":
+            return None
+    elif "NT_matmul" in blocks:
+        core, weights = {"NT_matmul"}, "float16"
+        mm = blocks["NT_matmul"]
+        if len(mm.reads) != 2:
+            return None
+        x, w = (r.source for r in mm.reads)
+        s = None
+        if w.dtype != "float16" or not _reads_row_major(mm, w):
+            return None
+    else:
+        return None
+    extra = set(blocks) - core
+    if len(extra) > 1 or not extra <= {"T_add", "compute"}:
+        return None
+    ws, xs, ys = (_static_ints(b.shape) for b in (w, x, mm.writes[0].source))
+    if None in (ws, xs, ys) or x.dtype != "float16" or len(ws) != 2:
+        return None
+    n, k = (ws[0], ws[1] * 8) if weights == "q4f16_1" else ws
+    if xs != (1, 1, k) or ys != (1, 1, n) or k % 32:
+        return None
+    if s is not None and _static_ints(s.shape) != (n, k // 32):
+        return None
+    if not extra:
+        epilogue, res, out = "none", None, mm.writes[0].source
+    else:
+        (name,) = extra
+        blk = blocks[name]
+        reads = [r.source for r in blk.reads]
+        out = blk.writes[0].source
+        others = [b for b in reads if not b.same_as(mm.writes[0].source)]
+        if name == "T_add":
+            if len(reads) != 2 or len(others) != 1 or not isinstance(blk.body.value, tvm.tirx.Add):
+                return None
+            res = others[0]
+            if res.dtype != "float16" or _static_ints(res.shape) not in ((n,), (1, 1, n)) or out.dtype != "float16":
+                return None
+            epilogue = "add"
+        else:
+            if len(reads) != 1 or others or not isinstance(blk.body.value, tvm.tirx.Cast):
+                return None
+            epilogue, res = "cast", None
+        if _static_ints(out.shape) != (1, 1, n):
+            return None
+    expected = [x, w] + ([s] if s is not None else []) + ([res] if res is not None else []) + [out]
+    if len(func.params) != len(expected) or not all(p.same_as(e) for p, e in zip(func.params, expected)):
+        return None
+    return GemvShape(n, k, epilogue, _static_ints(res.shape) if res is not None else (), str(out.dtype), weights)
+
+
+def _reads_row_major(block, w) -> bool:
+    """The NT matmul reads W[i, k] (row i of the output, the reduction index second), not W[k, i]."""
+    (region,) = [r for r in block.reads if r.source.same_as(w)]
+    iters = block.iter_vars
+    spatial = [iv.var for iv in iters if iv.iter_type == 0]
+    reduce = [iv.var for iv in iters if iv.iter_type == 2]
+    if len(reduce) != 1 or not spatial:
+        return False
+    first, second = (r.min for r in region.region)
+    return first.same_as(spatial[-1]) and second.same_as(reduce[0])
+
+
+def match_swiglu(func) -> int | None:
+    """I for the split → silu(first half) * second half kernel of a (1, 1, 2I) float16 input, else None."""
+    blocks = _blocks(func)
+    if blocks is None or set(blocks) != {"T_split_sections", "T_split_sections_1", "compute", "T_multiply",
+                                         "T_multiply1"}:
+        return None
+    if len(func.params) != 2:
+        return None
+    src, dst = (_static_ints(p.shape) for p in func.params)
+    dtypes = {str(p.dtype) for p in func.params}
+    value = blocks["compute"].body.value
+    if src is None or dst is None or dtypes != {"float16"} or len(src) != 3 or src[:2] != (1, 1) \
+            or dst != (1, 1, src[2] // 2) or src[2] % 2:
+        return None
+    if not (isinstance(value, tvm.ir.expr.Call) and value.op.same_as(tvm.ir.Op.get("tirx.sigmoid"))):
+        return None
+    return dst[2]
+
+
+@tvm.transform.module_pass(opt_level=0, name="mlcc_cuda_decode_gemv")
+def decode_gemv_pass(mod: tvm.ir.IRModule, _ctx) -> tvm.ir.IRModule:
+    """Swap every batch-1 decode projection for the hand-written kernel (before dlight sees it)."""
+    replaced = 0
+    pdl = _pdl()
+    for gv, func in list(mod.functions.items()):
+        if not isinstance(func, tvm.tirx.PrimFunc) or func.attrs is not None and "tirx.is_scheduled" in func.attrs:
+            continue
+        shape = match_gemv(func)
+        if shape is None:
+            continue
+        new = make_gemv(shape, pdl=pdl)
+        mod[gv] = new.with_attrs({k: v for k, v in func.attrs.items()} if func.attrs is not None else {}) \
+            .with_attr("tirx.is_scheduled", True)
+        replaced += 1
+    log.debug("decode GEMV kernels: %d", replaced)
+    return mod
+
+
+def _pdl() -> bool:
+    target = tvm.target.Target.current(allow_none=True)
+    return target is not None and cuda_pdl.supported(target)
+
+
+def swiglu_gemv_pass(mod: tvm.ir.IRModule) -> tvm.ir.IRModule:
+    """gate_up projection + split/silu/multiply → one "swiglu" GEMV kernel, in every Relax function."""
+    from tvm import relax
+    from tvm.relax.expr_functor import PyExprMutator, mutator
+
+    call_tir = tvm.ir.Op.get("relax.call_tir")
+    swiglus = {gv.name_hint: i for gv, f in mod.functions.items() if isinstance(f, tvm.tirx.PrimFunc)
+               and (i := match_swiglu(f)) is not None}
+    if not swiglus:
+        return mod
+    pdl = _pdl()
+
+    @mutator
+    class Fuse(PyExprMutator):
+        def __init__(self):
+            super().__init__(mod)
+            self.made: dict[GemvShape, tvm.ir.GlobalVar] = {}
+
+        def visit_call_(self, call):
+            call = self.visit_expr_post_order(call)
+            if not (call.op.same_as(call_tir) and call.args[0].name_hint in swiglus):
+                return call
+            (src,) = call.args[1].fields
+            producer = self.lookup_binding(src) if isinstance(src, relax.Var) else None
+            if producer is None or not isinstance(producer, relax.Call) or not producer.op.same_as(call_tir):
+                return call
+            callee = mod[producer.args[0]]
+            shape = match_gemv(callee) if isinstance(callee, tvm.tirx.PrimFunc) else None
+            if shape is None or shape.epilogue != "none" or shape.n != 2 * swiglus[call.args[0].name_hint]:
+                return call
+            fused = GemvShape(shape.n // 2, shape.k, "swiglu", weights=shape.weights)
+            if fused not in self.made:
+                func = make_gemv(fused, pdl=pdl).with_attr("tirx.is_scheduled", True)
+                self.made[fused] = self.builder_.add_func(func, f"fused_gemv_swiglu_{fused.n}_{fused.k}")
+            return relax.call_tir(self.made[fused], producer.args[1], call.ty_args[0])
+
+    fuser = Fuse()
+    for gv, func in mod.functions.items():
+        if isinstance(func, relax.Function):
+            fuser.builder_.update_func(gv, fuser.visit_expr(func))
+    out = fuser.builder_.get()
+    log.debug("gate_up + SwiGLU kernels fused: %d shapes", len(fuser.made))
+    return relax.transform.DeadCodeElimination()(out)
+
+
+@tvm.transform.module_pass(opt_level=0, name="mlcc_cuda_swiglu_gemv")
+def swiglu_gemv_module_pass(mod: tvm.ir.IRModule, _ctx) -> tvm.ir.IRModule:
+    return swiglu_gemv_pass(mod)
