@@ -65,7 +65,7 @@ def cmd_build(a) -> None:
             fname = f"{name}__" + "_".join(map(str, cfg))
             funcs[fname] = make_gemv(shape, pdl=True, config=cfg[:4], preload=cfg[4]).with_attr("global_symbol", fname)
             entries.append({"func": fname, "config": cfg,
-                            "current": cfg[:4] == launch_config(n, k // shape.unit) and cfg[4] == 1})
+                            "current": cfg[:4] == launch_config(n, k // shape.unit, weights=a.weights) and cfg[4] == 1})
         if a.weights == "float16":
             # dlight's GEMV as q0f16 builds scheduled it before the hand kernel (PDL wait at its start, cuda_pdl)
             with target:

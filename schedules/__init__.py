@@ -10,10 +10,10 @@ def handwritten_kernel_passes(target: tvm.target.Target) -> list[tvm.transform.P
     if target.kind.name == "cuda":
         from .cuda_decode_attention import split_decode_attention_pass
         from .cuda_prefill_attention import wide_prefill_attention_pass
-        from .cuda_gemv import decode_gemv_pass, swiglu_gemv_module_pass
+        from .cuda_gemv import decode_gemv_pass, fused_decode_gemv_pass
 
-        # the SwiGLU fusion first: it needs the gate_up projection before the plain GEMV kernel replaces it
-        return [swiglu_gemv_module_pass, decode_gemv_pass, split_decode_attention_pass, wide_prefill_attention_pass]
+        # the SwiGLU/RMSNorm fusions first: they need the projections before the plain GEMV kernel replaces them
+        return [fused_decode_gemv_pass, decode_gemv_pass, split_decode_attention_pass, wide_prefill_attention_pass]
     return []
 
 

@@ -76,6 +76,7 @@ class GemvShape:
     residual_shape: tuple[int, ...] = ()
     out_dtype: str = "float16"
     weights: str = "q4f16_1"  # | "float16"
+    norm_eps: float | None = None  # RMSNorm prologue: x is the un-normalized input, with the norm weight after it
 
     @property
     def unit(self) -> int:
@@ -95,6 +96,23 @@ __device__ __forceinline__ float mlcc_f16x2_fma(unsigned w, unsigned x, float ac
 """
 
 
+NORM_HELPER_NAME = "mlcc_h2_rms_scale"
+NORM_HELPERS = r"""
+#include <cuda_fp16.h>
+__device__ __forceinline__ float mlcc_h2_sumsq(unsigned x) {
+  const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&x));
+  return f.x * f.x + f.y * f.y;
+}
+// fp16(rs * x * g) for an fp16 pair, in fp32 and in the order of TVM's rms_norm, so the GEMV sees its input bits
+__device__ __forceinline__ unsigned mlcc_h2_rms_scale(unsigned x, unsigned g, float rs) {
+  const float2 xf = __half22float2(*reinterpret_cast<const __half2*>(&x));
+  const float2 gf = __half22float2(*reinterpret_cast<const __half2*>(&g));
+  const __half2 r = __floats2half2_rn(rs * xf.x * gf.x, rs * xf.y * gf.y);
+  return *reinterpret_cast<const unsigned*>(&r);
+}
+"""
+
+
 # Enough warps in flight to cover DRAM latency on a big GPU (132 SMs x 16 warps on an H100/H200, ~32 KB of loads
 # outstanding per SM); short projections (o_proj, down_proj: 4096 rows) reach it only by splitting K across warps.
 # Session 5's sweep (bench/gemv_sweep.py) found configurations 14% faster per 8B layer in isolation (35.2 vs 40.9 us
@@ -103,12 +121,22 @@ __device__ __forceinline__ float mlcc_f16x2_fma(unsigned w, unsigned x, float ac
 _WARPS_WANTED = 4096
 
 
-def launch_config(n: int, units: int, warps_wanted: int = _WARPS_WANTED) -> tuple[int, int, int, int]:
+def launch_config(n: int, units: int, warps_wanted: int = _WARPS_WANTED,
+                  weights: str = "q4f16_1") -> tuple[int, int, int, int]:
     """(lanes per row, rows per thread, row warps per block, warps splitting K) for n rows of `units` 16-byte
     loads each."""
     lanes = 32
     while lanes > 4 and units < lanes:
         lanes //= 2
+    if weights == "float16":
+        # float16 rows are 4x longer per 16-byte load than q4 ones: the L2-rotated sweep (session 7,
+        # bench/results/gemv_sweep_q0f16_l2rotated_h200_s7.json) found 2 rows per thread with K split over 8 warps
+        # best or within 1% of best on all four 8B projections (qkv 3969, o 3743, gate_up 4396, down 4196 GB/s;
+        # the q4 rule gave 3540/3100/4279/3524)
+        ksplit = 1
+        while units >= lanes * ksplit * 2 and ksplit < 8:
+            ksplit *= 2
+        return lanes, 2, 1, ksplit
     rows, ksplit = 4, 1
 
     def warps_total() -> int:
@@ -136,7 +164,7 @@ def make_gemv(shape: GemvShape, warps_wanted: int = _WARPS_WANTED, pdl: bool = F
     n_w = 2 * n if swiglu else n  # weight rows
     units = k // shape.unit
     x_words = shape.unit // 2  # 32-bit words of x per unit
-    lanes, rows_w, row_warps, ksplit = config or launch_config(n_w, units, warps_wanted)
+    lanes, rows_w, row_warps, ksplit = config or launch_config(n_w, units, warps_wanted, shape.weights)
     # a swiglu thread owns `rows` output rows: weight rows r (gate) and r + n (up) of each
     rows = max(1, rows_w // 2) if swiglu else rows_w
     rows_w = 2 * rows if swiglu else rows
@@ -149,6 +177,8 @@ def make_gemv(shape: GemvShape, warps_wanted: int = _WARPS_WANTED, pdl: bool = F
     r_shape = shape.residual_shape or (1, 1, n)
     out_dtype = shape.out_dtype
     groups = k // 32
+    norm = shape.norm_eps is not None
+    eps = float(shape.norm_eps or 0.0)
 
     def row_of(bx, ty, tx, r):
         return bx * rows_per_block + (ty // ksplit * slots + tx // lanes) * rows + r
@@ -195,8 +225,33 @@ def make_gemv(shape: GemvShape, warps_wanted: int = _WARPS_WANTED, pdl: bool = F
                     accf[r] = T.call_pure_extern("float32", F16_HELPER_NAME, wl[slot(it), r, c], xl[c], accf[r])
 
     @T.macro
-    def body(x, w, s, res, out):
+    def rms_of_x(xw, xl, rs, ssred, ty, tx):
+        # sum of squares of x over the thread's units, then over the warps that split K (which together cover all
+        # of x, as every row group of the block does): no extra pass over DRAM, one extra barrier per block
+        rs[0] = T.float32(0)
+        for it in T.unroll(iters):
+            if unit_of(it, ty, tx) < units:
+                for q in T.unroll(x_words // 4):
+                    for v in T.vectorized(4):
+                        xl[q * 4 + v] = xw[unit_of(it, ty, tx) * x_words + q * 4 + v]
+                for c in T.unroll(x_words):
+                    rs[0] = rs[0] + T.call_pure_extern("float32", "mlcc_h2_sumsq", xl[c])
+        for o in T.unroll(5):
+            if (1 << o) < lanes:
+                rs[0] = rs[0] + T.call_pure_extern("float32", "__shfl_xor_sync", T.uint32(0xFFFFFFFF), rs[0], 1 << o, 32)
+        if ksplit > 1:
+            if tx % lanes == 0:
+                ssred[ty, tx // lanes] = rs[0]
+            T.evaluate(T.tvm_storage_sync("shared"))
+            rs[0] = T.float32(0)
+            for j in T.unroll(ksplit):
+                rs[0] = rs[0] + ssred[ty // ksplit * ksplit + j, tx // lanes]
+        rs[0] = T.rsqrt(rs[0] / T.float32(k) + T.float32(eps))
+
+    @T.macro
+    def body(x, g, w, s, res, out):
         xw = T.decl_buffer((k // 2,), "uint32", data=x.data)
+        gw = T.decl_buffer((k // 2,), "uint32", data=g.data)  # unread without the norm prologue
         ww = T.decl_buffer((n_w * units * 4,), "uint32", data=w.data)
         sf = T.decl_buffer((n_w * groups,), "float16", data=s.data)  # unread for float16 weights
         rf = T.decl_buffer((n,), "float16", data=res.data)  # unread unless epilogue == "add"
@@ -211,6 +266,8 @@ def make_gemv(shape: GemvShape, warps_wanted: int = _WARPS_WANTED, pdl: bool = F
                         acc = T.sblock_alloc_buffer((rows_w,), "uint32", scope="local")
                         accf = T.sblock_alloc_buffer((rows_w,), "float32", scope="local")
                         red = T.sblock_alloc_buffer((warps, slots, rows_w), "float32", scope="shared")
+                        rs = T.sblock_alloc_buffer((1,), "float32", scope="local")
+                        ssred = T.sblock_alloc_buffer((warps, slots), "float32", scope="shared")
                         for r in T.unroll(rows_w):
                             accf[r] = T.float32(0)
                         # the first weights do not depend on the previous kernel: with PDL they load while it
@@ -221,11 +278,17 @@ def make_gemv(shape: GemvShape, warps_wanted: int = _WARPS_WANTED, pdl: bool = F
                         if pdl:
                             T.evaluate(T.call_extern("void", cuda_pdl.WAIT))
                             T.evaluate(T.call_extern("void", cuda_pdl.LAUNCH_DEPENDENTS))
+                        if norm:
+                            rms_of_x(xw, xl, rs, ssred, ty, tx)
                         for it in T.unroll(iters):
                             if unit_of(it, ty, tx) < units:
                                 for q in T.unroll(x_words // 4):
                                     for v in T.vectorized(4):
                                         xl[q * 4 + v] = xw[unit_of(it, ty, tx) * x_words + q * 4 + v]
+                                if norm:
+                                    for c in T.unroll(x_words):
+                                        xl[c] = T.call_pure_extern("uint32", NORM_HELPER_NAME, xl[c],
+                                                                   gw[unit_of(it, ty, tx) * x_words + c], rs[0])
                                 if it >= pre:
                                     load_weights(ww, wl, bx, ty, tx, it)
                                 accumulate(sf, wl, xl, accf, acc, bx, ty, tx, it)
@@ -256,32 +319,58 @@ def make_gemv(shape: GemvShape, warps_wanted: int = _WARPS_WANTED, pdl: bool = F
                                 else:
                                     out[0, 0, row_of(bx, ty, tx, r)] = T.Cast(out_dtype, T.Cast("float16", accf[r]))
 
-    if q4:
-        if epi == "add":
-            @T.prim_func(private=True, s_tir=True)
-            def func(x: T.Buffer((1, 1, k), "float16"), w: T.Buffer((n_w, k // 8), "uint32"),
-                     s: T.Buffer((n_w, groups), "float16"), res: T.Buffer(r_shape, "float16"),
-                     out: T.Buffer((1, 1, n), "float16")):
-                T.func_attr({"tirx.is_scheduled": True, "tirx.noalias": True})
-                body(x, w, s, res, out)
-        else:
-            @T.prim_func(private=True, s_tir=True)
-            def func(x: T.Buffer((1, 1, k), "float16"), w: T.Buffer((n_w, k // 8), "uint32"),
-                     s: T.Buffer((n_w, groups), "float16"), out: T.Buffer((1, 1, n), out_dtype)):
-                T.func_attr({"tirx.is_scheduled": True, "tirx.noalias": True})
-                body(x, w, s, out, out)
-    elif epi == "add":
+    w_shape, w_dtype = ((n_w, k // 8), "uint32") if q4 else ((n_w, k), "float16")
+    x_shape, g_shape, s_shape = (1, 1, k), (k,), (n_w, groups)
+    add = epi == "add"
+    # one signature per parameter list: x[, norm weight], W[, scales][, residual], out
+    if q4 and norm and add:
         @T.prim_func(private=True, s_tir=True)
-        def func(x: T.Buffer((1, 1, k), "float16"), w: T.Buffer((n_w, k), "float16"),
-                 res: T.Buffer(r_shape, "float16"), out: T.Buffer((1, 1, n), "float16")):
-            T.func_attr({"tirx.is_scheduled": True, "tirx.noalias": True})
-            body(x, w, w, res, out)
-    else:
-        @T.prim_func(private=True, s_tir=True)
-        def func(x: T.Buffer((1, 1, k), "float16"), w: T.Buffer((n_w, k), "float16"),
+        def func(x: T.Buffer(x_shape, "float16"), g: T.Buffer(g_shape, "float16"), w: T.Buffer(w_shape, w_dtype),
+                 s: T.Buffer(s_shape, "float16"), res: T.Buffer(r_shape, "float16"),
                  out: T.Buffer((1, 1, n), out_dtype)):
             T.func_attr({"tirx.is_scheduled": True, "tirx.noalias": True})
-            body(x, w, w, out, out)
+            body(x, g, w, s, res, out)
+    elif q4 and norm:
+        @T.prim_func(private=True, s_tir=True)
+        def func(x: T.Buffer(x_shape, "float16"), g: T.Buffer(g_shape, "float16"), w: T.Buffer(w_shape, w_dtype),
+                 s: T.Buffer(s_shape, "float16"), out: T.Buffer((1, 1, n), out_dtype)):
+            T.func_attr({"tirx.is_scheduled": True, "tirx.noalias": True})
+            body(x, g, w, s, out, out)
+    elif q4 and add:
+        @T.prim_func(private=True, s_tir=True)
+        def func(x: T.Buffer(x_shape, "float16"), w: T.Buffer(w_shape, w_dtype), s: T.Buffer(s_shape, "float16"),
+                 res: T.Buffer(r_shape, "float16"), out: T.Buffer((1, 1, n), out_dtype)):
+            T.func_attr({"tirx.is_scheduled": True, "tirx.noalias": True})
+            body(x, x, w, s, res, out)
+    elif q4:
+        @T.prim_func(private=True, s_tir=True)
+        def func(x: T.Buffer(x_shape, "float16"), w: T.Buffer(w_shape, w_dtype), s: T.Buffer(s_shape, "float16"),
+                 out: T.Buffer((1, 1, n), out_dtype)):
+            T.func_attr({"tirx.is_scheduled": True, "tirx.noalias": True})
+            body(x, x, w, s, out, out)
+    elif norm and add:
+        @T.prim_func(private=True, s_tir=True)
+        def func(x: T.Buffer(x_shape, "float16"), g: T.Buffer(g_shape, "float16"), w: T.Buffer(w_shape, w_dtype),
+                 res: T.Buffer(r_shape, "float16"), out: T.Buffer((1, 1, n), out_dtype)):
+            T.func_attr({"tirx.is_scheduled": True, "tirx.noalias": True})
+            body(x, g, w, w, res, out)
+    elif norm:
+        @T.prim_func(private=True, s_tir=True)
+        def func(x: T.Buffer(x_shape, "float16"), g: T.Buffer(g_shape, "float16"), w: T.Buffer(w_shape, w_dtype),
+                 out: T.Buffer((1, 1, n), out_dtype)):
+            T.func_attr({"tirx.is_scheduled": True, "tirx.noalias": True})
+            body(x, g, w, w, out, out)
+    elif add:
+        @T.prim_func(private=True, s_tir=True)
+        def func(x: T.Buffer(x_shape, "float16"), w: T.Buffer(w_shape, w_dtype), res: T.Buffer(r_shape, "float16"),
+                 out: T.Buffer((1, 1, n), out_dtype)):
+            T.func_attr({"tirx.is_scheduled": True, "tirx.noalias": True})
+            body(x, x, w, w, res, out)
+    else:
+        @T.prim_func(private=True, s_tir=True)
+        def func(x: T.Buffer(x_shape, "float16"), w: T.Buffer(w_shape, w_dtype), out: T.Buffer((1, 1, n), out_dtype)):
+            T.func_attr({"tirx.is_scheduled": True, "tirx.noalias": True})
+            body(x, x, w, w, out, out)
     return func
 
 
@@ -427,51 +516,133 @@ def _pdl() -> bool:
     return target is not None and cuda_pdl.supported(target)
 
 
-def swiglu_gemv_pass(mod: tvm.ir.IRModule) -> tvm.ir.IRModule:
-    """gate_up projection + split/silu/multiply → one "swiglu" GEMV kernel, in every Relax function."""
+def match_rms_norm(func) -> tuple[int, float] | None:
+    """(k, eps) of TVM's legalized float16 rms_norm over (1, 1, k) with a (k,) weight, else None."""
+    blocks = _blocks(func)
+    if blocks is None or set(blocks) != {"T_cast", "T_multiply", "T_multiply_red", "rsqrt", "T_cast_1", "T_rms_norm",
+                                         "T_cast_2"} or len(func.params) != 3:
+        return None
+    x, g, out = (_static_ints(p.shape) for p in func.params)
+    if x is None or len(x) != 3 or x[:2] != (1, 1) or g != x[2:] or out != x \
+            or {str(p.dtype) for p in func.params} != {"float16"}:
+        return None
+    value = blocks["rsqrt"].body.value  # rsqrt(sum / k + eps)
+    try:
+        mean, eps = value.args[0].a, value.args[0].b
+        if int(round(float(mean.b.value))) != x[2]:
+            return None
+        return x[2], float(eps.value)
+    except AttributeError:
+        return None
+
+
+def fuse_decode_gemvs(mod: tvm.ir.IRModule) -> tvm.ir.IRModule:
+    """In every Relax function: gate_up projection + split/silu/multiply → one "swiglu" GEMV kernel; then an
+    rms_norm whose only reader is a decode GEMV → that GEMV with the norm as its prologue (x, norm weight, ...).
+    The new kernels are scheduled already; the projections left over go to decode_gemv_pass."""
     from tvm import relax
-    from tvm.relax.expr_functor import PyExprMutator, mutator
+    from tvm.relax.expr_functor import PyExprMutator, PyExprVisitor, mutator, visitor
 
     call_tir = tvm.ir.Op.get("relax.call_tir")
-    swiglus = {gv.name_hint: i for gv, f in mod.functions.items() if isinstance(f, tvm.tirx.PrimFunc)
-               and (i := match_swiglu(f)) is not None}
-    if not swiglus:
-        return mod
     pdl = _pdl()
+    made: dict[str, GemvShape] = {}  # name of a kernel made here → its shape
 
-    @mutator
-    class Fuse(PyExprMutator):
+    def prim_funcs(m, matcher):
+        return {gv.name_hint: r for gv, f in m.functions.items() if isinstance(f, tvm.tirx.PrimFunc)
+                and (r := matcher(f)) is not None}
+
+    def gemv_shape(m, callee) -> GemvShape | None:
+        if callee.name_hint in made:
+            return made[callee.name_hint]
+        f = m[callee]
+        if not isinstance(f, tvm.tirx.PrimFunc) or f.attrs is not None and "tirx.is_scheduled" in f.attrs:
+            return None
+        return match_gemv(f)
+
+    def add_kernel(builder, shape: GemvShape) -> tvm.ir.GlobalVar:
+        name = f"fused_gemv_{'rms_' if shape.norm_eps is not None else ''}{shape.epilogue}_{shape.n}_{shape.k}"
+        gv = builder.add_func(make_gemv(shape, pdl=pdl).with_attr("tirx.is_scheduled", True), name)
+        made[gv.name_hint] = shape
+        return gv
+
+    @visitor
+    class Uses(PyExprVisitor):
         def __init__(self):
-            super().__init__(mod)
-            self.made: dict[GemvShape, tvm.ir.GlobalVar] = {}
+            super().__init__()
+            self.count: dict = {}
 
-        def visit_call_(self, call):
-            call = self.visit_expr_post_order(call)
-            if not (call.op.same_as(call_tir) and call.args[0].name_hint in swiglus):
-                return call
-            (src,) = call.args[1].fields
-            producer = self.lookup_binding(src) if isinstance(src, relax.Var) else None
-            if producer is None or not isinstance(producer, relax.Call) or not producer.op.same_as(call_tir):
-                return call
-            callee = mod[producer.args[0]]
-            shape = match_gemv(callee) if isinstance(callee, tvm.tirx.PrimFunc) else None
-            if shape is None or shape.epilogue != "none" or shape.n != 2 * swiglus[call.args[0].name_hint]:
-                return call
-            fused = GemvShape(shape.n // 2, shape.k, "swiglu", weights=shape.weights)
-            if fused not in self.made:
-                func = make_gemv(fused, pdl=pdl).with_attr("tirx.is_scheduled", True)
-                self.made[fused] = self.builder_.add_func(func, f"fused_gemv_swiglu_{fused.n}_{fused.k}")
-            return relax.call_tir(self.made[fused], producer.args[1], call.ty_args[0])
+        def visit_var_(self, v):
+            self.count[v] = self.count.get(v, 0) + 1
 
-    fuser = Fuse()
-    for gv, func in mod.functions.items():
-        if isinstance(func, relax.Function):
-            fuser.builder_.update_func(gv, fuser.visit_expr(func))
-    out = fuser.builder_.get()
-    log.debug("gate_up + SwiGLU kernels fused: %d shapes", len(fuser.made))
-    return relax.transform.DeadCodeElimination()(out)
+        def visit_dataflow_var_(self, v):
+            self.count[v] = self.count.get(v, 0) + 1
+
+    def run(m, fuse_call):
+        @mutator
+        class Fuse(PyExprMutator):
+            def __init__(self):
+                super().__init__(m)
+                self.kernels: dict[GemvShape, tvm.ir.GlobalVar] = {}
+
+            def visit_call_(self, call):
+                call = self.visit_expr_post_order(call)
+                if not call.op.same_as(call_tir):
+                    return call
+                fused = fuse_call(self, call)
+                if fused is None:
+                    return call
+                shape, args = fused
+                if shape not in self.kernels:
+                    self.kernels[shape] = add_kernel(self.builder_, shape)
+                return relax.call_tir(self.kernels[shape], args, call.ty_args[0])
+
+        fuser = Fuse()
+        for gv, func in m.functions.items():
+            if isinstance(func, relax.Function):
+                fuser.uses = Uses()
+                fuser.uses.visit_expr(func)
+                fuser.builder_.update_func(gv, fuser.visit_expr(func))
+        return relax.transform.DeadCodeElimination()(fuser.builder_.get())
+
+    def producer(fuser, var, want_name_in) -> relax.Call | None:
+        value = fuser.lookup_binding(var) if isinstance(var, relax.Var) else None
+        if not isinstance(value, relax.Call) or not value.op.same_as(call_tir) \
+                or value.args[0].name_hint not in want_name_in:
+            return None
+        return value
+
+    swiglus = prim_funcs(mod, match_swiglu)
+
+    def swiglu_call(fuser, call):
+        if call.args[0].name_hint not in swiglus:
+            return None
+        (src,) = call.args[1].fields
+        gemv = producer(fuser, src, {gv.name_hint for gv in mod.get_global_vars()})
+        shape = gemv_shape(mod, gemv.args[0]) if gemv is not None else None
+        if shape is None or shape.epilogue != "none" or shape.n != 2 * swiglus[call.args[0].name_hint]:
+            return None
+        return GemvShape(shape.n // 2, shape.k, "swiglu", weights=shape.weights), gemv.args[1]
+
+    mod = run(mod, swiglu_call) if swiglus else mod
+    norms = prim_funcs(mod, match_rms_norm)
+
+    def norm_call(fuser, call):
+        shape = gemv_shape(mod, call.args[0])
+        if shape is None or shape.norm_eps is not None:
+            return None
+        x, *rest = call.args[1].fields
+        norm = producer(fuser, x, norms)
+        if norm is None or fuser.uses.count.get(x, 0) != 1 or norms[norm.args[0].name_hint][0] != shape.k:
+            return None
+        h, g = norm.args[1].fields
+        return dataclasses.replace(shape, norm_eps=norms[norm.args[0].name_hint][1]), relax.Tuple([h, g, *rest])
+
+    if norms:
+        mod = run(mod, norm_call)
+    log.debug("decode GEMV kernels with fused SwiGLU / RMSNorm: %s", sorted(made))
+    return mod
 
 
-@tvm.transform.module_pass(opt_level=0, name="mlcc_cuda_swiglu_gemv")
-def swiglu_gemv_module_pass(mod: tvm.ir.IRModule, _ctx) -> tvm.ir.IRModule:
-    return swiglu_gemv_pass(mod)
+@tvm.transform.module_pass(opt_level=0, name="mlcc_cuda_fused_decode_gemv")
+def fused_decode_gemv_pass(mod: tvm.ir.IRModule, _ctx) -> tvm.ir.IRModule:
+    return fuse_decode_gemvs(mod)

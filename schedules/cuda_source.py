@@ -10,6 +10,7 @@ def _helper_groups() -> list[tuple[str, str]]:
     from . import cuda_gemv, cuda_pdl
 
     return [(cuda_gemv.HELPER_NAME, cuda_gemv.CUDA_HELPERS), (cuda_gemv.F16_HELPER_NAME, cuda_gemv.F16_HELPERS),
+            (cuda_gemv.NORM_HELPER_NAME, cuda_gemv.NORM_HELPERS),
             (cuda_pdl.WAIT, cuda_pdl.CUDA_HELPERS)]
 
 

@@ -15,8 +15,8 @@ from mlcc.compiler.quantize import get_quantization, group_dequantize, group_qua
 from mlcc.compiler.weights import load_source
 from mlcc.schedules import cuda_pdl
 from mlcc.schedules.cuda_decode_attention import _decode_kernel_shape, make_split_decode, split_decode_attention_pass
-from mlcc.schedules.cuda_gemv import (F16_HELPER_NAME, HELPER_NAME, GemvShape, decode_gemv_pass, make_gemv, match_gemv,
-                                      swiglu_gemv_pass)
+from mlcc.schedules.cuda_gemv import (F16_HELPER_NAME, HELPER_NAME, GemvShape, decode_gemv_pass, fuse_decode_gemvs,
+                                      make_gemv, match_gemv)
 from mlcc.targets import get_target
 
 # tiny llama of conftest: hidden 64, intermediate 128, 4 heads of 16 (2 kv heads), vocab 320
@@ -66,18 +66,22 @@ def test_q0f16_decode_projections_get_the_float16_kernel(hf_models):
     assert len([f for f in _prim_funcs(after).values() if F16_HELPER_NAME in f.script()]) == len(matched)
 
 
-@pytest.mark.parametrize("kind,quant,fused", [("llama", "q4f16_1", True), ("qwen2", "q0f16", True),
-                                              ("gemma", "q4f16_1", False)])  # gemma: GeGLU, not SwiGLU
-def test_gate_up_projection_and_swiglu_become_one_decode_kernel(hf_models, kind, quant, fused):
+@pytest.mark.parametrize("kind,quant,swiglu", [("llama", "q4f16_1", True), ("qwen2", "q0f16", True),
+                                               ("gemma", "q4f16_1", False)])  # gemma: GeGLU, not SwiGLU
+def test_decode_norms_and_swiglu_fold_into_the_projections(hf_models, kind, quant, swiglu):
     built, mod = _fused(hf_models, kind, quant)
     with built.target:
-        after = swiglu_gemv_pass(mod)
+        after = fuse_decode_gemvs(mod)
     decode = after["decode"].script()
-    assert ("fused_gemv_swiglu_128_64" in decode) is fused
-    if fused:
-        assert "silu" not in decode  # the split/silu/multiply kernel is gone from decode, prefill keeps its own
-        assert "silu" in after["prefill"].script()
-        assert after[after.get_global_var("fused_gemv_swiglu_128_64")].attrs["tirx.is_scheduled"]
+    gate_up = "fused_gemv_rms_swiglu_128_64"
+    assert (gate_up in decode) is swiglu
+    if swiglu:
+        # the split/silu/multiply kernel and every rms_norm kernel are gone from decode; prefill keeps its own
+        assert "silu" not in decode and "rms_norm" not in decode
+        assert "silu" in after["prefill"].script() and "rms_norm" in after["prefill"].script()
+        assert after[after.get_global_var(gate_up)].attrs["tirx.is_scheduled"]
+        assert "fused_gemv_rms_none_128_64" in decode or "fused_gemv_rms_add_128_64" in decode  # qkv (+bias)
+        assert f"fused_gemv_rms_cast_{built.cfg.vocab_size}_64" in decode  # final norm + LM head
 
 
 def test_pdl_launch_only_for_sm90_and_newer(hf_models, tmp_path):
@@ -221,9 +225,12 @@ def test_decode_graph_matches_plain_decode_on_the_gpu(hf_models, tmp_path):
 @pytest.mark.gpu
 @pytest.mark.parametrize("pdl", [False, True])
 @pytest.mark.parametrize("weights", ["q4f16_1", "float16"])
-@pytest.mark.parametrize("n,k,epilogue", [(4096, 4096, "add"), (1000, 896, "none"), (320, 64, "cast"),
-                                          (4096, 14336, "add"), (4864, 896, "swiglu"), (128, 64, "swiglu")])
-def test_gemv_kernel_matches_numpy_on_the_gpu(n, k, epilogue, weights, pdl):
+@pytest.mark.parametrize("n,k,epilogue,norm", [
+    (4096, 4096, "add", False), (1000, 896, "none", False), (320, 64, "cast", False), (4096, 14336, "add", False),
+    (4864, 896, "swiglu", False), (128, 64, "swiglu", False),
+    (6144, 4096, "none", True), (1000, 896, "add", True), (320, 64, "cast", True), (14336, 4096, "swiglu", True),
+    (1536, 576, "swiglu", True)])
+def test_gemv_kernel_matches_numpy_on_the_gpu(n, k, epilogue, norm, weights, pdl):
     from mlcc.targets.toolchains import toolchain_for
 
     if not tvm.cuda(0).exist:
@@ -241,14 +248,22 @@ def test_gemv_kernel_matches_numpy_on_the_gpu(n, k, epilogue, weights, pdl):
     x = rng.standard_normal((1, 1, k)).astype(np.float16)
     res = rng.standard_normal((1, 1, n)).astype(np.float16)
     out_dtype = "float32" if epilogue == "cast" else "float16"
-    shape = GemvShape(n, k, epilogue, (1, 1, n) if epilogue == "add" else (), out_dtype, weights)
+    shape = GemvShape(n, k, epilogue, (1, 1, n) if epilogue == "add" else (), out_dtype, weights,
+                      1e-5 if norm else None)
+    x_in = [x]
+    if norm:  # the un-normalized residual stream (larger values) and the norm weight; x becomes rms_norm's output
+        h = (x.astype(np.float32) * 7).astype(np.float16)
+        g = (1 + 0.3 * rng.standard_normal(k)).astype(np.float16)
+        hf = h.astype(np.float32)
+        x = (hf / np.sqrt((hf * hf).mean() + 1e-5) * g.astype(np.float32)).astype(np.float16)
+        x_in = [h, g]
     target = get_target("cuda").tvm_target()
     with target, toolchain_for("cuda"):
         kernel = make_gemv(shape, pdl=pdl).with_attr("global_symbol", "main")
         lib = tvm.compile(tvm.IRModule({"main": kernel}), target,
                           tir_pipeline=cuda_pdl.tir_pipeline_for(target) if pdl else "default")
     dev = tvm.cuda(0)
-    args = [x] + weight_args + ([res] if epilogue == "add" else []) + [np.zeros((1, 1, n), out_dtype)]
+    args = x_in + weight_args + ([res] if epilogue == "add" else []) + [np.zeros((1, 1, n), out_dtype)]
     args = [tvm.runtime.tensor(a, dev) for a in args]
     lib["main"](*args)
     want = w.astype(np.float32) @ x.reshape(-1).astype(np.float32)
