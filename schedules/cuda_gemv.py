@@ -538,7 +538,7 @@ def match_rms_norm(func) -> tuple[int, float] | None:
 
 def fuse_decode_gemvs(mod: tvm.ir.IRModule) -> tvm.ir.IRModule:
     """In every Relax function: gate_up projection + split/silu/multiply → one "swiglu" GEMV kernel; then an
-    rms_norm whose only reader is a decode GEMV → that GEMV with the norm as its prologue (x, norm weight, ...).
+    rms_norm whose only reader is a float16 decode GEMV → that GEMV with the norm as its prologue (x, norm weight, ...).
     The new kernels are scheduled already; the projections left over go to decode_gemv_pass."""
     from tvm import relax
     from tvm.relax.expr_functor import PyExprMutator, PyExprVisitor, mutator, visitor
@@ -628,7 +628,10 @@ def fuse_decode_gemvs(mod: tvm.ir.IRModule) -> tvm.ir.IRModule:
 
     def norm_call(fuser, call):
         shape = gemv_shape(mod, call.args[0])
-        if shape is None or shape.norm_eps is not None:
+        # float16 weights only: every warp of the q4 kernel normalizes all of x for its 4 rows, which an ALU-bound
+        # kernel cannot absorb (8B q4f16_1 456 -> 288 tok/s, q0f16 212 -> 235; session 7 A/B,
+        # bench/results/ab_decode_h200_f16rule_rmsfold_s7.json)
+        if shape is None or shape.norm_eps is not None or shape.weights != "float16":
             return None
         x, *rest = call.args[1].fields
         norm = producer(fuser, x, norms)
