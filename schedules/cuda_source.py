@@ -4,14 +4,16 @@ library carries complete source."""
 
 from __future__ import annotations
 
+import re
 
-def _helper_groups() -> list[tuple[str, str]]:
-    """(a name the kernels call, the source that defines it and its siblings)."""
+_DEFINED = re.compile(r"__device__\s+__forceinline__\s+[\w\s*]+?\b(\w+)\s*\(")
+
+
+def _helper_groups() -> list[str]:
+    """The helper sources; each is added whole where the code calls any function it defines."""
     from . import cuda_gemv, cuda_pdl
 
-    return [(cuda_gemv.HELPER_NAME, cuda_gemv.CUDA_HELPERS), (cuda_gemv.F16_HELPER_NAME, cuda_gemv.F16_HELPERS),
-            (cuda_gemv.NORM_HELPER_NAME, cuda_gemv.NORM_HELPERS),
-            (cuda_pdl.WAIT, cuda_pdl.CUDA_HELPERS)]
+    return [cuda_gemv.CUDA_HELPERS, cuda_gemv.F16_HELPERS, cuda_gemv.NORM_HELPERS, cuda_pdl.CUDA_HELPERS]
 
 
 def _marker(name: str) -> str:
@@ -20,8 +22,12 @@ def _marker(name: str) -> str:
 
 def add_cuda_helpers(code: str) -> str:
     """Insert each helper group the code calls (once) before the first kernel of the translation unit."""
-    wanted = "".join(f"{_marker(name)}\n{src}" for name, src in _helper_groups()
-                     if f"{name}(" in code and _marker(name) not in code)
+    wanted = ""
+    for src in _helper_groups():
+        names = _DEFINED.findall(src)
+        # (a call, not the definition a previous insertion brought along: those sit behind the group's marker)
+        if any(f"{n}(" in code for n in names) and _marker(names[0]) not in code:
+            wanted += f"{_marker(names[0])}\n{src}"
     if not wanted:
         return code
     at = code.find('extern "C" __global__')
