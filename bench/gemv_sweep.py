@@ -16,16 +16,14 @@ from __future__ import annotations
 
 import itertools
 import json
-import time
 from pathlib import Path
 
 import numpy as np
 
 from cli import build_and_run
-from gemv_kernels import SHAPES, _inputs, _reference, kernels
+from gemv_kernels import L2_DEFEAT_BYTES, SHAPES, _inputs, _reference, kernels, time_rotating
 
 SWEPT = ("qkv", "o", "gate_up", "down")
-L2_DEFEAT_BYTES = 320 << 20
 
 
 def configs(n: int, units: int):
@@ -85,18 +83,6 @@ def cmd_build(a) -> None:
     (out / "meta.json").write_text(json.dumps(meta, indent=1))
 
 
-def _time_rotating(f, x, weight_sets, out, dev, calls: int = 600) -> float:
-    """Seconds per call, each call on the next weight copy (so the weights come from DRAM, as in a model step)."""
-    for ws in weight_sets:
-        f(x, *ws, out)
-    dev.sync()
-    t = time.perf_counter()
-    for i in range(calls):
-        f(x, *weight_sets[i % len(weight_sets)], out)
-    dev.sync()
-    return (time.perf_counter() - t) / calls
-
-
 def cmd_run(a) -> None:
     import tvm
 
@@ -122,7 +108,7 @@ def cmd_run(a) -> None:
             f(x, *weight_sets[0], out)
             got = out.numpy().astype(np.float32).reshape(-1)
             rel = float(np.abs(got - want).max() / np.abs(want).max())
-            t = min(_time_rotating(f, x, weight_sets, out, dev) for _ in range(3))
+            t = min(time_rotating(f, x, weight_sets, out, dev) for _ in range(3))
             r = {"kernel": name, "config": e["config"], "current": e["current"], "us": t * 1e6,
                  "GB_s": spec["bytes"] / t / 1e9, "max_rel_err": rel, "check_ok": rel < 2e-2}
             rows.append(r)
