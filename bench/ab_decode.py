@@ -5,7 +5,9 @@ moves ±4% between device calls, more than one kernel change is worth).
     python3 bench/ab_decode.py run --libs .dev/ab --out $OUT                  # device
 
 Variants: a folder of --libs per variant (any name: a library built elsewhere can be copied in to compare; runtime
-variants without a folder load base's library). "base" = the default build (batch-1 decode through decode_graph,
+variants without a folder load base's library). To compare against another commit, build from a worktree of it:
+`git worktree add /tmp/wt REV && ln -sfn /tmp/wt /tmp/mlccrev/mlcc && PYTHONPATH=/tmp/mlccrev python ab_decode.py build
+...` (PYTHONPATH wins over the editable install), then rename its `base` folder (session 7: bench/issue4_s7_h200.sh). "base" = the default build (batch-1 decode through decode_graph,
 one CUDA graph per step); "no-graph" = the same library with plain decode (MLCC_DECODE_GRAPH=0 at load: every
 kernel launched by the VM); "no-pdl" = a build without programmatic dependent launch (MLCC_CUDA_PDL=0);
 "splits16" = a build whose split-KV decode attention cuts every context into 16 chunks whatever the number of KV

@@ -1,6 +1,13 @@
 #!/usr/bin/env bash
 # Issue 4, session 7, third A/B: the default build (RMSNorm prologue pass over x, then a barrier) against
 # the float16 GEMV scaling its rows by 1/rms(x) at the end (8B and SmolLM2 q0f16; base from .dev/bench7).
+# NOT RUN YET: session 7's attempt failed to load (the helper-group bug fixed in 9182ae4) and the device budget ran
+# out. Prepare here (the deferred scale lives in commit 9182ae4, reverted in 7e8d903):
+#   git worktree add /tmp/wt_defer 9182ae4 && mkdir -p /tmp/mlccdefer && ln -sfn /tmp/wt_defer /tmp/mlccdefer/mlcc
+#   M=llama3-8b-q0f16,smollm2-135m-q0f16
+#   (cd bench && python ab_decode.py build --out ../.dev/ab13 --variants base --model $M \
+#      && PYTHONPATH=/tmp/mlccdefer python ab_decode.py build --out ../.dev/ab13d --variants base --model $M)
+#   mv .dev/ab13d/base .dev/ab13/new && cp .dev/ref11/reference.npz .dev/ab13/   (decode.py reference --out .dev/ref11)
 # Device: run(command="bash bench/issue4_s7c_h200.sh", carry=[".gpu-rt", ".dev/ab13"])
 set -uo pipefail
 source .gpu-rt/setup.sh
