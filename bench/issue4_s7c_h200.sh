@@ -8,6 +8,9 @@
 #   (cd bench && python ab_decode.py build --out ../.dev/ab13 --variants base --model $M \
 #      && PYTHONPATH=/tmp/mlccdefer python ab_decode.py build --out ../.dev/ab13d --variants base --model $M)
 #   mv .dev/ab13d/base .dev/ab13/new && cp .dev/ref11/reference.npz .dev/ab13/   (decode.py reference --out .dev/ref11)
+# The same recipe, from commit fccf695 (reverted in ccabf9d), A/Bs the q4f16_1 RMSNorm fold with x normalized once
+# per block in shared memory (M=llama3-8b-q4f16_1,qwen2.5-0.5b-q4f16_1,smollm2-135m-q4f16_1); run
+# `bash bench/gpu_tests_h200.sh` from that commit first (its q4 + norm cases test the staged kernel).
 # Device: run(command="bash bench/issue4_s7c_h200.sh", carry=[".gpu-rt", ".dev/ab13"])
 set -uo pipefail
 source .gpu-rt/setup.sh
