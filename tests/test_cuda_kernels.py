@@ -67,7 +67,7 @@ def test_q0f16_decode_projections_get_the_float16_kernel(hf_models):
 
 
 @pytest.mark.parametrize("kind,quant,swiglu", [("llama", "q4f16_1", True), ("qwen2", "q0f16", True),
-                                               ("llama", "q0f16", True), ("gemma", "q4f16_1", False)])
+                                               ("gemma", "q4f16_1", False)])
 def test_decode_norms_and_swiglu_fold_into_the_projections(hf_models, kind, quant, swiglu):
     """SwiGLU folds into gate_up for both weight formats (gemma's GeGLU does not); RMSNorm folds into the next
     projection for float16 weights only."""
