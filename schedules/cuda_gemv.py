@@ -566,10 +566,11 @@ def fuse_decode_gemvs(mod: tvm.ir.IRModule) -> tvm.ir.IRModule:
                 fuser.builder_.update_func(gv, fuser.visit_expr(func))
         return relax.transform.DeadCodeElimination()(fuser.builder_.get())
 
-    def producer(fuser, var, want_name_in) -> relax.Call | None:
+    def producer(fuser, var, callees=None) -> relax.Call | None:
+        """The call_tir that binds `var` (to one of `callees`, by name, when given)."""
         value = fuser.lookup_binding(var) if isinstance(var, relax.Var) else None
         if not isinstance(value, relax.Call) or not value.op.same_as(call_tir) \
-                or value.args[0].name_hint not in want_name_in:
+                or callees is not None and value.args[0].name_hint not in callees:
             return None
         return value
 
@@ -579,7 +580,7 @@ def fuse_decode_gemvs(mod: tvm.ir.IRModule) -> tvm.ir.IRModule:
         if call.args[0].name_hint not in swiglus:
             return None
         (src,) = call.args[1].fields
-        gemv = producer(fuser, src, {gv.name_hint for gv in mod.get_global_vars()})
+        gemv = producer(fuser, src)
         shape = gemv_shape(mod, gemv.args[0]) if gemv is not None else None
         if shape is None or shape.epilogue != "none" or shape.n != 2 * swiglus[call.args[0].name_hint]:
             return None
