@@ -8,7 +8,8 @@ Variants: a folder of --libs per variant (any name: a library built elsewhere ca
 variants without a folder load base's library). To compare against another commit, build from a worktree of it:
 `git worktree add /tmp/wt REV && ln -sfn /tmp/wt /tmp/mlccrev/mlcc && PYTHONPATH=/tmp/mlccrev python ab_decode.py build
 ...` (PYTHONPATH wins over the editable install), then rename its `base` folder (session 7: bench/issue4_s7_h200.sh). "base" = the default build (batch-1 decode through decode_graph,
-one CUDA graph per step); "no-graph" = the same library with plain decode (MLCC_DECODE_GRAPH=0 at load: every
+one CUDA graph per step), timed with the engine's pipelined loop (runtime.decode_pipeline); "sync" = the same
+library timed with the synchronous loop (decode, argmax, read the id, repeat; every variant before session 8); "no-graph" = the same library with plain decode (MLCC_DECODE_GRAPH=0 at load: every
 kernel launched by the VM); "no-pdl" = a build without programmatic dependent launch (MLCC_CUDA_PDL=0);
 "splits16" = a build whose split-KV decode attention cuts every context into 16 chunks whatever the number of KV
 heads (session 4's choice; MLCC_DECODE_SPLITS=16);
@@ -30,14 +31,13 @@ import contextlib
 import json
 import os
 import statistics
-import time
 from pathlib import Path
 from unittest import mock
 
 from cli import build_and_run
-from decode import MODELS, check_against_reference, check_argmax, check_graph_decode
+from decode import MODELS, check_against_reference, check_argmax, check_graph_decode, decode_steps
 
-VARIANTS = ("base", "no-graph", "no-pdl", "splits16", "attn-s5")
+VARIANTS = ("base", "sync", "no-graph", "no-pdl", "splits16", "attn-s5")
 BUILT = ("base", "no-pdl", "splits16", "attn-s5")   # the others load base's library
 ENV = {"no-pdl": {"MLCC_CUDA_PDL": "0"}, "no-graph": {"MLCC_DECODE_GRAPH": "0"}, "splits16": {"MLCC_DECODE_SPLITS": "16"},
        "attn-s5": {"MLCC_DECODE_TOKENS": "4"}}
@@ -71,6 +71,7 @@ def cmd_run(a) -> None:
     import numpy as np
 
     from mlcc.runtime.model import LoadedModel
+    from mlcc.runtime.token_fetch import TokenFetcher
 
     libs = Path(a.libs)
     ref_file = libs / "reference.npz"
@@ -93,23 +94,19 @@ def cmd_run(a) -> None:
             m.create_kv_cache(1, 4096, 2048)
             m.add_sequence(0)
             m.prefill([0], [[7] * 128])
-            loaded[v] = [m, 7, []]
+            loaded[v] = [m, 7, [], TokenFetcher(m.dev)]
         for _ in range(a.rounds):
             for v, state in loaded.items():
-                m, tok, times = state
+                m, tok, times, fetcher = state
                 if a.fixed_context:
                     m.remove_sequence(0)
                     m.add_sequence(0)
                     m.prefill([0], [[7] * 128])
-                argmax = m.vm["argmax_logits"]
-                for _ in range(4):
-                    tok = int(argmax(m.decode([0], [tok])).numpy()[0])
-                t = time.perf_counter()
-                for _ in range(a.steps):
-                    tok = int(argmax(m.decode([0], [tok])).numpy()[0])
-                times.append(a.steps / (time.perf_counter() - t))
+                tok, _ = decode_steps(m, tok, 4, v != "sync", fetcher)
+                tok, seconds = decode_steps(m, tok, a.steps, v != "sync", fetcher)
+                times.append(a.steps / seconds)
                 state[1] = tok
-        for v, (m, _, times) in loaded.items():
+        for v, (m, _, times, _) in loaded.items():
             rows.append({"model": model, "variant": v, "tok_s_median": statistics.median(times),
                          "tok_s_rounds": [round(x, 1) for x in times]})
             print(f"{model:24} {v:8} median {rows[-1]['tok_s_median']:8.1f} tok/s  rounds {rows[-1]['tok_s_rounds']}",

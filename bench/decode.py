@@ -33,7 +33,7 @@ SMOLLM2_135M = dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=3
 MODELS = {"llama3-8b": ("llama", LLAMA3_8B), "qwen2.5-0.5b": ("qwen2", QWEN25_05B),
           "smollm2-135m": ("llama", SMOLLM2_135M)}
 RUNS = [("llama3-8b", "q4f16_1"), ("llama3-8b", "q0f16"), ("qwen2.5-0.5b", "q4f16_1"), ("smollm2-135m", "q4f16_1")]
-PROMPT, STEPS = 128, 256
+PROMPT, STEPS, ROUNDS = 128, 256, 4   # 2 x 256 steps: pipelined and synchronous rounds alternate
 CHECKED = ("smollm2-135m", "qwen2.5-0.5b")   # small enough to run on the CPU here as the reference
 # checked against a CPU reference too, though not in the table: the float16 decode GEMV kernel's small shapes
 EXTRA_CHECKED = [("smollm2-135m", "q0f16")]
@@ -55,6 +55,24 @@ def teacher_forced_logits(m, forced: list[int]) -> tuple[np.ndarray, list[int]]:
         rows.append(m.decode([0], [forced[i]]).numpy().reshape(-1))
     m.remove_sequence(0)
     return np.stack(rows).astype(np.float32), toks
+
+
+def decode_steps(m, tok: int, steps: int, pipelined: bool, fetcher=None) -> tuple[int, float]:
+    """`steps` greedy batch-1 decode steps of sequence 0 from token `tok`; (last token, seconds). Each id reaches the
+    host, as in serving: pipelined = the engine's loop for a lone greedy request (runtime.decode_pipeline: step k
+    queued before step k-1's id is read), else the synchronous loop (decode, argmax, read, repeat)."""
+    argmax = m.vm["argmax_logits"]
+    t = time.perf_counter()
+    if not pipelined:
+        for _ in range(steps):
+            tok = int(argmax(m.decode([0], [tok])).numpy()[0])
+        return tok, time.perf_counter() - t
+    from mlcc.runtime.decode_pipeline import decode_pipelined
+
+    got: list[int] = []
+    decode_pipelined(m, 0, tok, argmax, fetcher, lambda in_flight: len(got) + in_flight < steps,
+                     lambda t_: got.append(t_) or True)
+    return got[-1], time.perf_counter() - t
 
 
 def cmd_reference(a) -> None:
@@ -87,6 +105,27 @@ def check_argmax(m) -> bool:
     x[2, vocab - 1] = 100.0           # the last element
     got = m.vm["argmax_logits"](tvm.runtime.tensor(x, m.dev)).numpy()
     return bool((got == x.argmax(-1)).all())
+
+
+def check_pipelined_decode(m, fetcher, steps: int = 100) -> dict:
+    """The pipelined loop's greedy ids against the synchronous loop's, from the same prompt (two sequences)."""
+    m.create_kv_cache(2, 4096, 2048)
+    ids = {}
+    for seq, pipelined in ((0, False), (1, True)):
+        m.add_sequence(seq)
+        first = int(m.vm["argmax_logits"](m.prefill([seq], [[7, 1, 99, 3000, 42]])).numpy()[0])
+        got = [first]
+        if pipelined:
+            from mlcc.runtime.decode_pipeline import decode_pipelined
+
+            decode_pipelined(m, seq, first, m.vm["argmax_logits"], fetcher,
+                             lambda in_flight: len(got) + in_flight <= steps, lambda t: got.append(t) or True)
+        else:
+            for _ in range(steps):
+                got.append(int(m.vm["argmax_logits"](m.decode([seq], [got[-1]])).numpy()[0]))
+        ids[pipelined] = got
+    same = sum(a == b for a, b in zip(ids[False], ids[True]))
+    return {"ok": ids[False] == ids[True], "same": same, "of": len(ids[False]), "overlaps": fetcher.overlaps}
 
 
 def check_graph_decode(m, steps: int = 200) -> dict:
@@ -169,6 +208,7 @@ def cmd_mlcc(a) -> None:
     import torch
 
     from mlcc.runtime.model import LoadedModel
+    from mlcc.runtime.token_fetch import TokenFetcher
 
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -204,18 +244,26 @@ def cmd_mlcc(a) -> None:
                 rows.append({"model": model, "quant": quant, "engine": "mlcc", "check": check,
                              "error": "logits differ from the CPU build: not timed"})
                 continue
+        fetcher = TokenFetcher(m.dev)
+        pipe_check = check_pipelined_decode(m, fetcher)
+        print(model, quant, "pipelined vs synchronous decode:", pipe_check, flush=True)
+        if not pipe_check["ok"]:
+            rows.append({"model": model, "quant": quant, "engine": "mlcc", "check": pipe_check,
+                         "error": "pipelined decode differs from synchronous decode: not timed"})
+            continue
         m.create_kv_cache(1, 4096, 2048)
         argmax = m.vm["argmax_logits"]
-        # decode: one token per step, the id copied to the host each step (as in serving)
+        # decode: one token per step, every id reaches the host; the pipelined loop (what the engine runs for a
+        # lone greedy request) and the synchronous one, in alternating rounds over the same context lengths
         m.add_sequence(0)
         m.prefill([0], [[7] * PROMPT])
-        tok = 7
-        for _ in range(5):
-            tok = int(argmax(m.decode([0], [tok])).numpy()[0])
-        t = time.perf_counter()
-        for _ in range(STEPS):
-            tok = int(argmax(m.decode([0], [tok])).numpy()[0])
-        decode_s = (time.perf_counter() - t) / STEPS
+        tok, _ = decode_steps(m, 7, 5, pipelined=False)
+        spent = {True: 0.0, False: 0.0}
+        for r in range(ROUNDS):
+            for pipelined in ((True, False) if r % 2 else (False, True)):
+                tok, s = decode_steps(m, tok, STEPS // ROUNDS, pipelined, fetcher)
+                spent[pipelined] += s
+        decode_s, sync_s = spent[True] / STEPS, spent[False] / STEPS
         # where the step goes, measured with a sync after each phase
         phases = {"embed": 0.0, "model": 0.0, "argmax+copy": 0.0}
         for _ in range(32):
@@ -245,8 +293,9 @@ def cmd_mlcc(a) -> None:
                 m.remove_sequence(0)
             prefill[n] = n / best
         peak = (free0 - torch.cuda.mem_get_info()[0]) / 2**30
-        nbytes = bytes_per_token(cfg, m.config["params"], PROMPT + STEPS // 2, 2)
+        nbytes = bytes_per_token(cfg, m.config["params"], PROMPT + STEPS, 2)
         row = {"model": model, "quant": quant, "engine": "mlcc", "decode_tok_s": 1 / decode_s,
+               "decode_tok_s_synchronous": 1 / sync_s, "pipelined_check": pipe_check,
                "roofline_tok_s": bw / nbytes, "bytes_per_token": nbytes, "copy_bw_GBs": bw / 1e9,
                "prefill_tok_s_512": prefill[512], "prefill_tok_s_2048": prefill[2048], "gpu_mem_GiB": peak,
                "load_s": load_s, "compile_s": compile_times[f"{model}/{quant}"],

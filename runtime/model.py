@@ -9,7 +9,7 @@ import json
 import logging
 import os
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
@@ -267,6 +267,26 @@ class LoadedModel(PagedModel):
         self._kv_sync(self.kv)  # the graph's kernels read the cache's metadata from the device: put this step's there
         layout = artifact.graph_decode_layout(self._graph_seq_len[seq_id] + 1, self.page_size)
         return self._decode_graph(ids, self._shape([self._kv_cache_id, layout]), self.kv, self.params)
+
+    def decode_fed_back(self, seq_id: int, ids, before_launch: Callable[[], None] | None = None):
+        """Batch-1 decode of a token id already on the device (the previous step's sampled id, never read back).
+        `before_launch` runs after this step's KV-cache metadata is queued for the device and before its kernels
+        are: a copy queued there waits for the previous step only (runtime.decode_pipeline)."""
+        self._kv_begin(self.kv, self._shape([seq_id]), self._shape([1]))
+        self._kv_sync(self.kv)
+        if before_launch is not None:
+            before_launch()
+        if self._decode_graph is not None and seq_id in self._graph_seq_len:
+            out = self._graph_call(seq_id, ids)
+        else:
+            emb = self._reshape(self._f["embed"](ids, self.params), self._shape([1, 1, self.hidden]))
+            out = self._f["decode"](emb, self.kv, self.params)
+        self._kv_end(self.kv)
+        self._grow([seq_id], [1])
+        return self._logits(out, 1)
+
+    def ids_to_device(self, ids: Sequence[int]):
+        return self._ids_to_dev(self._check_ids(ids))
 
     def embed(self, ids: Sequence[int]):
         return self._f["embed"](self._ids_to_dev(self._check_ids(ids)), self.params)

@@ -102,6 +102,14 @@ class Sampler:
         rows = logits.numpy() if hasattr(logits, "numpy") else np.asarray(logits)
         return [sample_row(rows[i], params[i], histories[i], rngs[i]) for i in range(len(params))]
 
+    def pipelines(self, p: SamplingParams) -> bool:
+        """Whether `p`'s tokens can be drawn on the device and fed back without a host round trip (greedy, no
+        penalties, a compiled argmax): runtime.decode_pipeline."""
+        return self._argmax is not None and p.greedy and not p.penalised
+
+    def argmax_on_device(self, logits):
+        return self._argmax(logits)
+
     def _sample_on_device(self, logits, params: Sequence[SamplingParams], rngs) -> list[int]:
         n, dev = len(params), self._to_device
         # greedy rows ride along as top_k=1; the uniform is still drawn so each request's stream stays aligned

@@ -17,8 +17,10 @@ from typing import Callable
 
 import numpy as np
 
+from .decode_pipeline import decode_pipelined
 from .errors import ContextWindowExceededError
 from .sampler import Sampler, SamplingParams
+from .token_fetch import TokenFetcher
 from .tokenizer import StreamDecoder
 
 log = logging.getLogger(__name__)
@@ -120,6 +122,8 @@ class Scheduler:
         self.waiting: collections.deque[Request] = collections.deque()
         self.active: list[Request] = []
         self._free_seq_ids = list(range(max_batch))
+        # a lone greedy request decodes pipelined (runtime.decode_pipeline) where the model can feed ids back
+        self._fetcher = TokenFetcher(model.dev) if hasattr(model, "decode_fed_back") else None
         self._cv = threading.Condition()
         self._stop = False
         self._thread = threading.Thread(target=self._loop, name="mlcc-scheduler", daemon=True)
@@ -250,12 +254,43 @@ class Scheduler:
                    and r not in batch]
         if running and self.policy == "max_util":
             running = self._preempt_for_decode(running)
-        if running:
+        if len(running) == 1 and len(self.active) == 1 and self._pipelines(running[0]):
+            self._decode_pipelined(running[0])
+        elif running:
             logits = self.model.decode([r.seq_id for r in running], [r.output_ids[-1] for r in running])
             self.stats["decode_tokens"] += len(running)
             self._sample_and_emit(running, logits)
         for r in [r for r in self.active if r.finish_reason is not None]:
             self._finish(r)
+
+    def _pipelines(self, r: Request) -> bool:
+        if self._fetcher is None or not self.sampler.pipelines(r.params):
+            return False
+        # max_util admits without reserving pages; a lone request cannot be preempted for them mid-burst
+        left = r.max_new - len(r.output_ids)
+        return self.policy == "no_evict" or self.model.free_pages() * self.page_size >= left + self.page_size
+
+    def _decode_pipelined(self, r: Request) -> None:
+        """Decode the only running request until it ends or another request arrives."""
+        def want_more(in_flight: int) -> bool:
+            if r.cancelled or r.finish_reason is not None or self._stop:
+                return False
+            if len(r.output_ids) + in_flight >= r.max_new:
+                return False
+            with self._cv:
+                return not self.waiting
+
+        def on_token(tid: int) -> bool:
+            self.stats["decode_tokens"] += 1
+            self.stats["pipelined_tokens"] += 1
+            if r.cancelled:
+                r.finish_reason = "abort"
+            else:
+                r.on_token(tid)
+            return r.finish_reason is None
+
+        decode_pipelined(self.model, r.seq_id, r.output_ids[-1], self.sampler.argmax_on_device, self._fetcher,
+                         want_more, on_token)
 
     def _sample_and_emit(self, reqs: list[Request], logits, rows: list[int] | None = None) -> None:
         if rows is not None and len(rows) != logits.shape[0]:

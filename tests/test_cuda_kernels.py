@@ -236,6 +236,49 @@ def test_decode_graph_matches_plain_decode_on_the_gpu(hf_models, tmp_path):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("graph", [True, False])
+def test_pipelined_decode_matches_the_synchronous_loop_on_the_gpu(hf_models, tmp_path, graph):
+    """Greedy ids of the engine's pipelined loop (ids fed back on the device, read one step late through pinned
+    memory and a CUDA event) against decode + argmax + read per step; then a stop mid-way and a fresh sequence."""
+    from mlcc.compiler.build import compile_model
+    from mlcc.runtime.decode_pipeline import decode_pipelined
+    from mlcc.runtime.model import LoadedModel
+    from mlcc.runtime.token_fetch import TokenFetcher
+
+    compile_model(hf_models("llama"), "cuda", "q4f16_1", tmp_path / "m")
+    m = LoadedModel(tmp_path / "m")
+    if not graph:
+        m._decode_graph = None
+    fetcher = TokenFetcher(m.dev)
+    assert fetcher.overlaps
+    argmax = m.vm["argmax_logits"]
+    m.create_kv_cache(4, 2048, 256)
+    prompt, steps = [7, 1, 99, 300, 42], 120
+
+    def first(seq: int) -> int:
+        m.add_sequence(seq)
+        return int(argmax(m.prefill([seq], [prompt])).numpy()[0])
+
+    want = [first(0)]
+    for _ in range(steps):
+        want.append(int(argmax(m.decode([0], [want[-1]])).numpy()[0]))
+
+    def pipelined(seq: int, stop_after: int | None = None) -> list[int]:
+        got = [first(seq)]
+        decode_pipelined(m, seq, got[0], argmax, fetcher, lambda in_flight: len(got) + in_flight <= steps,
+                         lambda t: got.append(t) or len(got) != stop_after)
+        return got
+
+    assert pipelined(1) == want
+    assert pipelined(2, stop_after=30) == want[:30]   # the step queued behind the stop is dropped
+    m.remove_sequence(2)
+    assert pipelined(3) == want
+    # the KV cache holds what was decoded: one more synchronous step on each sequence agrees
+    nxt = [int(argmax(m.decode([s], [want[-1]])).numpy()[0]) for s in (0, 1, 3)]
+    assert nxt[0] == nxt[1] == nxt[2]
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("pdl", [False, True])
 @pytest.mark.parametrize("weights", ["q4f16_1", "float16"])
 @pytest.mark.parametrize("n,k,epilogue,norm", [

@@ -2,7 +2,9 @@
 
 import asyncio
 import json
+import queue
 import shutil
+import time
 
 import pytest
 from openai.types import Completion
@@ -11,6 +13,8 @@ from openai.types.chat import ChatCompletion, ChatCompletionChunk
 from mlcc.artifact import ArtifactError
 from mlcc.runtime.engine import AsyncEngine, Engine
 from mlcc.runtime.errors import ContextWindowExceededError, RequestError
+from mlcc.runtime.sampler import SamplingParams
+from mlcc.runtime.scheduler import Request
 
 MSGS = [{"role": "user", "content": "Hello there"}]
 
@@ -150,8 +154,6 @@ def test_abandoned_stream_frees_its_pages(engine):
     it = engine.chat.completions.create(messages=MSGS, max_tokens=200, temperature=0, stream=True)
     next(it), next(it)
     it.close()
-    import time
-
     for _ in range(100):
         if engine.scheduler.pages_in_use() == 0:
             break
@@ -217,3 +219,60 @@ def test_compiled_sampler_follows_the_distribution(compiled):
     assert {draw(1.0, 1.0, 1, u) for u in us[:50]} == {19}                 # top_k=1 is argmax
     assert {draw(1.0, 1.0, 2, u) for u in us[:200]} == {11, 19}            # top_k=2
     assert {draw(1.0, 0.6, m.vocab, u) for u in us[:200]} == {19}          # top mass 0.64 ≥ 0.6
+
+
+@pytest.fixture(scope="module")
+def pipelined_engine(compiled):
+    """The same model with the compiled argmax as the sampler's, so a lone greedy request decodes pipelined
+    (runtime.decode_pipeline; on CUDA that is the default, on the CPU numpy's argmax is used without it)."""
+    e = Engine(compiled("llama", "q0f32"), target="llvm", max_batch=4)
+    e.scheduler.sampler._argmax = e.model.vm["argmax_logits"]
+    yield e
+    e.shutdown()
+
+
+def test_pipelined_decode_matches_the_synchronous_loop(engine, pipelined_engine):
+    prompts = ["one", "two two", "three three three"]
+    for p in prompts:
+        want = engine.completions.create(prompt=p, max_tokens=24, temperature=0)
+        before = pipelined_engine.scheduler.stats["pipelined_tokens"]
+        got = pipelined_engine.completions.create(prompt=p, max_tokens=24, temperature=0)
+        assert got.choices[0].text == want.choices[0].text
+        assert got.usage.completion_tokens == want.usage.completion_tokens
+        assert pipelined_engine.scheduler.stats["pipelined_tokens"] - before == got.usage.completion_tokens - 1
+    # a stop token in the middle: the step queued behind it is dropped, its pages freed with the sequence
+    toks, _ = _token_ids(engine, "one", 24)
+    stop = toks[10]
+    want = _token_ids(engine, "one", 24, stop_token_ids=[stop])
+    assert _token_ids(pipelined_engine, "one", 24, stop_token_ids=[stop]) == want == (toks[:toks.index(stop)], "stop")
+    assert pipelined_engine.scheduler.pages_in_use() == 0
+
+
+def test_pipelined_decode_yields_to_new_requests(engine, pipelined_engine):
+    import concurrent.futures as cf
+
+    prompts = ["one", "two two", "three three three", "four"]
+    seq = [engine.completions.create(prompt=p, max_tokens=40, temperature=0).choices[0].text for p in prompts]
+    with cf.ThreadPoolExecutor(4) as ex:
+        futs = []
+        for p in prompts:  # staggered: each arrives while the earlier ones decode
+            futs.append(ex.submit(lambda p=p: pipelined_engine.completions.create(prompt=p, max_tokens=40,
+                                                                                  temperature=0).choices[0].text))
+            time.sleep(0.05)
+        assert [f.result() for f in futs] == seq
+    assert pipelined_engine.scheduler.pages_in_use() == 0
+
+
+def _token_ids(engine, prompt: str, n: int, **params) -> tuple[list[int], str]:
+    """The greedy ids themselves, straight from the scheduler, and the finish reason."""
+    q: queue.Queue = queue.Queue()
+    req = Request(engine.encode_prompt(prompt), SamplingParams(temperature=0, ignore_eos=True, **params), n, q.put,
+                  None, set())
+    engine.scheduler.submit(req)
+    out = []
+    while True:
+        ev = q.get(timeout=60)
+        if ev.kind == "delta" and ev.token_id is not None:
+            out.append(ev.token_id)
+        if ev.kind != "delta":
+            return out, ev.finish_reason

@@ -1,0 +1,115 @@
+"""Sampled token ids from the device to the host without waiting for the kernels queued after them.
+
+Pipelined decode (runtime.decode_pipeline) queues step k before it reads step k-1's token. Every read TVM offers
+synchronizes the whole stream (`Tensor.numpy()` ends in a stream sync), which would wait for step k as well, and
+TVM's Python API has no events. On CUDA the copy and the wait therefore go through the CUDA runtime TVM has already
+loaded (libcudart): an asynchronous copy into page-locked memory on the stream TVM launches on, then an event
+recorded behind it; waiting on that event waits for step k-1 and its copy only. Other devices read with a plain
+`numpy()` (correct, no overlap).
+"""
+
+from __future__ import annotations
+
+import collections
+import ctypes
+import logging
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+_CUDA = 2                              # DLDeviceType.kDLCUDA
+_MEMCPY_DEVICE_TO_HOST = 2             # cudaMemcpyDeviceToHost
+_EVENT_DISABLE_TIMING = 2              # cudaEventDisableTiming
+_LEGACY_STREAM = ctypes.c_void_p(0)    # TVM launches kernels and CUDA graphs on the default stream
+
+
+def _loaded_cudart() -> ctypes.CDLL:
+    """The libcudart TVM's CUDA runtime loaded (one runtime per process: events and streams must be its own)."""
+    with open("/proc/self/maps") as maps:
+        paths = {line.split()[-1] for line in maps if "libcudart.so" in line}
+    if not paths:
+        raise RuntimeError("libcudart is not loaded: TVM's CUDA runtime must be loaded before the token fetcher")
+    lib = ctypes.CDLL(sorted(paths)[0])
+    lib.cudaGetErrorString.restype = ctypes.c_char_p
+    return lib
+
+
+class _CudaRuntime:
+    def __init__(self) -> None:
+        self.lib = _loaded_cudart()
+
+    def __call__(self, name: str, *args: Any) -> None:
+        err = getattr(self.lib, name)(*args)
+        if err != 0:
+            msg = self.lib.cudaGetErrorString(err).decode()
+            raise RuntimeError(f"{name} failed: {msg} (CUDA error {err})")
+
+
+class TokenFetcher:
+    """push(ids) queues a copy of a device int32 tensor of token ids (behind everything queued so far); pop() returns
+    the oldest pushed ids as a list, waiting only for the kernels queued before its push."""
+
+    def __init__(self, dev, max_ids: int = 64, slots: int = 4):
+        self.dev = dev
+        self.max_ids = max_ids
+        self._queue: collections.deque = collections.deque()
+        self._cuda = None
+        if int(dev.dlpack_device_type()) == _CUDA:
+            self._cuda = _CudaRuntime()
+            self._cuda("cudaSetDevice", ctypes.c_int(dev.index))
+            self._slots = []
+            for _ in range(slots):
+                host, event = ctypes.c_void_p(), ctypes.c_void_p()
+                self._cuda("cudaMallocHost", ctypes.byref(host), ctypes.c_size_t(4 * max_ids))
+                self._cuda("cudaEventCreateWithFlags", ctypes.byref(event), ctypes.c_uint(_EVENT_DISABLE_TIMING))
+                self._slots.append((host, event))
+            self._next = 0
+
+    @property
+    def overlaps(self) -> bool:
+        """Whether pop() leaves the kernels queued after the push running (CUDA), or waits for all of them."""
+        return self._cuda is not None
+
+    def push(self, ids) -> None:
+        n = 1
+        for d in ids.shape:
+            n *= int(d)
+        if str(ids.dtype) != "int32" or n > self.max_ids:
+            raise ValueError(f"token ids must be int32 and at most {self.max_ids} of them, got {ids.dtype} {ids.shape}")
+        if self._cuda is None:
+            self._queue.append((ids, n, None))
+            return
+        if len(self._queue) >= len(self._slots):
+            raise RuntimeError(f"more than {len(self._slots)} token copies in flight; pop() before pushing more")
+        host, event = self._slots[self._next]
+        self._next = (self._next + 1) % len(self._slots)
+        self._cuda("cudaMemcpyAsync", host, ctypes.c_void_p(ids.data_ptr()), ctypes.c_size_t(4 * n),
+                   ctypes.c_int(_MEMCPY_DEVICE_TO_HOST), _LEGACY_STREAM)
+        self._cuda("cudaEventRecord", event, _LEGACY_STREAM)
+        # keep the device tensor alive until its copy has run: the VM's allocator may hand its memory on otherwise
+        self._queue.append((ids, n, (host, event)))
+
+    def pop(self) -> list[int]:
+        ids, n, slot = self._queue.popleft()
+        if slot is None:
+            return [int(t) for t in ids.numpy().reshape(-1)]
+        host, event = slot
+        self._cuda("cudaEventSynchronize", event)
+        return list((ctypes.c_int32 * n).from_address(host.value))
+
+    def close(self) -> None:
+        if self._cuda is None:
+            return
+        self._queue.clear()
+        for host, event in self._slots:
+            self._cuda("cudaEventDestroy", event)
+            self._cuda("cudaFreeHost", host)
+        self._slots = []
+        self._cuda = None
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001 - interpreter shutdown: the CUDA runtime may be gone
+            pass
+
