@@ -404,14 +404,15 @@ def cmd_hf(a) -> None:
 def cmd_table(a) -> None:
     rows = [r for f in a.files for r in json.loads(Path(f).read_text())]
     hf = {(r["model"], r["engine"]): r.get("decode_tok_s") for r in rows if r["engine"].startswith("transformers")}
-    print(f"{'model':14} {'quant':8} {'mlcc tok/s':>10} {'roofline':>9} {'frac':>6} {'HF eager':>9} {'HF compile':>10} "
+    print(f"{'model':14} {'quant':8} {'mlcc tok/s':>10} {'sync loop':>9} {'roofline':>9} {'frac':>6} {'HF eager':>9} {'HF compile':>10} "
           f"{'x compile':>9} {'prefill512':>10} {'prefill2k':>10} {'mem GiB':>8} {'compile s':>9}")
     for r in rows:
         if r["engine"] != "mlcc" or "decode_tok_s" not in r:
             continue
         e = hf.get((r["model"], "transformers-eager-static")) or hf.get((r["model"], "transformers-eager"))
         c = hf.get((r["model"], "transformers-compile-static")) or hf.get((r["model"], "transformers-compile"))
-        print(f"{r['model']:14} {r['quant']:8} {r['decode_tok_s']:>10.0f} {r['roofline_tok_s']:>9.0f} "
+        print(f"{r['model']:14} {r['quant']:8} {r['decode_tok_s']:>10.0f} "
+              f"{r.get('decode_tok_s_synchronous', 0):>9.0f} {r['roofline_tok_s']:>9.0f} "
               f"{r['fraction_of_roofline']:>6.1%} {e or 0:>9.0f} {c or 0:>10.0f} "
               f"{(r['decode_tok_s'] / c) if c else 0:>9.2f} {r['prefill_tok_s_512']:>10.0f} "
               f"{r['prefill_tok_s_2048']:>10.0f} {r['gpu_mem_GiB']:>8.1f} {r['compile_s']:>9.1f}")
