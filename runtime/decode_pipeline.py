@@ -1,10 +1,12 @@
 """Batch-1 decode with the sampled id fed back on the device and read one step late.
 
-A synchronous step leaves the GPU idle while the host reads the sampled id, queues the next step's KV-cache
-metadata and launches it (~0.3 ms of every 8B step on an H200: bench/results, issue 4). Here step k is queued with
-step k-1's sampled id still on the device, and only then is that id read: the host's work for a step overlaps the
-GPU's work on the one before. When a token ends the request, the step queued behind it is wasted; its KV entry
-belongs to a sequence the caller removes. Greedy tokens are the same as the synchronous loop's (tested).
+A synchronous step leaves the GPU idle while the host reads the sampled id, hands it out (detokenize, stop
+checks, stream it), copies it back and launches the next step. Here step k is launched with step k-1's sampled id
+still on the device, and step k-1's id is handed out while step k runs. What cannot overlap is TVM's KV-cache
+metadata copy: BeginForward's arrays go to the device on a separate stream into one buffer, so step k's may only
+be queued once step k-1 has finished (measured on the H200: queuing it earlier corrupts the running step). When a
+token ends the request, the step queued behind it is wasted; its KV entry belongs to a sequence the caller
+removes. Greedy tokens are the same as the synchronous loop's (tested).
 """
 
 from __future__ import annotations
@@ -22,17 +24,18 @@ def decode_pipelined(model, seq_id: int, token: int, sample: Callable, fetcher: 
     while `in_flight` (0 or 1) steps' ids are still unread; on_token(id) -> whether the request is still live.
     Every queued step's id reaches on_token unless an earlier one ended the request."""
     ids = model.ids_to_device([token])
-    pending = None
+    unread = False
     while True:
-        go = want_more(0 if pending is None else 1)
+        go = want_more(1 if unread else 0)
+        # wait for the previous step (its id's copy is the last work queued for it) before queuing this step's
+        # KV-cache metadata: TVM copies it on a stream of its own, which would overwrite what running kernels read
+        got = fetcher.pop()[0] if unread else None
         if go:
-            # step k-1's id is copied behind step k's KV metadata and ahead of its kernels (TokenFetcher)
-            before = (lambda p=pending: fetcher.push(p)) if pending is not None else None
-            following = sample(model.decode_fed_back(seq_id, ids, before))
-        elif pending is not None:
-            fetcher.push(pending)
-        if pending is not None and not on_token(fetcher.pop()[0]):
+            following = sample(model.decode_fed_back(seq_id, ids))
+            fetcher.push(following)
+        if got is not None and not on_token(got):
+            fetcher.forget()   # the step queued behind the last token is wasted
             return
         if not go:
             return
-        pending = ids = following
+        ids, unread = following, True

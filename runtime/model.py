@@ -9,7 +9,7 @@ import json
 import logging
 import os
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -268,14 +268,9 @@ class LoadedModel(PagedModel):
         layout = artifact.graph_decode_layout(self._graph_seq_len[seq_id] + 1, self.page_size)
         return self._decode_graph(ids, self._shape([self._kv_cache_id, layout]), self.kv, self.params)
 
-    def decode_fed_back(self, seq_id: int, ids, before_launch: Callable[[], None] | None = None):
-        """Batch-1 decode of a token id already on the device (the previous step's sampled id, never read back).
-        `before_launch` runs after this step's KV-cache metadata is queued for the device and before its kernels
-        are: a copy queued there waits for the previous step only (runtime.decode_pipeline)."""
+    def decode_fed_back(self, seq_id: int, ids):
+        """Batch-1 decode of a token id already on the device (the previous step's sampled id, never read back)."""
         self._kv_begin(self.kv, self._shape([seq_id]), self._shape([1]))
-        self._kv_sync(self.kv)
-        if before_launch is not None:
-            before_launch()
         if self._decode_graph is not None and seq_id in self._graph_seq_len:
             out = self._graph_call(seq_id, ids)
         else:

@@ -97,6 +97,11 @@ class TokenFetcher:
         self._cuda("cudaEventSynchronize", event)
         return list((ctypes.c_int32 * n).from_address(host.value))
 
+    def forget(self) -> None:
+        """Drop the copies not popped yet. Safe without waiting: a slot's next copy and any reuse of the device
+        tensors' memory are queued on the same stream, behind them."""
+        self._queue.clear()
+
     def close(self) -> None:
         if self._cuda is None:
             return
