@@ -110,6 +110,13 @@ __device__ __forceinline__ unsigned mlcc_h2_rms_scale(unsigned x, unsigned g, fl
   const __half2 r = __floats2half2_rn(rs * xf.x * gf.x, rs * xf.y * gf.y);
   return *reinterpret_cast<const unsigned*>(&r);
 }
+// fp16(x * g) for an fp16 pair, in fp32
+__device__ __forceinline__ unsigned mlcc_h2_mul(unsigned x, unsigned g) {
+  const float2 xf = __half22float2(*reinterpret_cast<const __half2*>(&x));
+  const float2 gf = __half22float2(*reinterpret_cast<const __half2*>(&g));
+  const __half2 r = __floats2half2_rn(xf.x * gf.x, xf.y * gf.y);
+  return *reinterpret_cast<const unsigned*>(&r);
+}
 """
 
 
@@ -179,6 +186,13 @@ def make_gemv(shape: GemvShape, warps_wanted: int = _WARPS_WANTED, pdl: bool = F
     groups = k // 32
     norm = shape.norm_eps is not None
     eps = float(shape.norm_eps or 0.0)
+    # float16 weights multiply in fp32, so they take x * g un-normalized and scale each row by 1/rms(x) at the end:
+    # the sum of x² rides along as one more accumulator, and no pass over x or barrier precedes the weight stream
+    # (a prologue pass left the 8B qkv projection at 3.1 TB/s, session 7 profile). The q4 kernel sums fp16 products
+    # of 32 codes, which un-normalized activations (the residual stream reaches the thousands) could overflow: it
+    # normalizes x first.
+    defer = norm and not q4
+    n_acc = rows_w + defer  # the accumulators a thread reduces: its rows [, the sum of x²]
 
     def row_of(bx, ty, tx, r):
         return bx * rows_per_block + (ty // ksplit * slots + tx // lanes) * rows + r
@@ -264,11 +278,11 @@ def make_gemv(shape: GemvShape, warps_wanted: int = _WARPS_WANTED, pdl: bool = F
                         xl = T.sblock_alloc_buffer((x_words,), "uint32", scope="local")
                         wl = T.sblock_alloc_buffer((pre, rows_w, 4), "uint32", scope="local")
                         acc = T.sblock_alloc_buffer((rows_w,), "uint32", scope="local")
-                        accf = T.sblock_alloc_buffer((rows_w,), "float32", scope="local")
-                        red = T.sblock_alloc_buffer((warps, slots, rows_w), "float32", scope="shared")
+                        accf = T.sblock_alloc_buffer((n_acc,), "float32", scope="local")
+                        red = T.sblock_alloc_buffer((warps, slots, n_acc), "float32", scope="shared")
                         rs = T.sblock_alloc_buffer((1,), "float32", scope="local")
                         ssred = T.sblock_alloc_buffer((warps, slots), "float32", scope="shared")
-                        for r in T.unroll(rows_w):
+                        for r in T.unroll(n_acc):
                             accf[r] = T.float32(0)
                         # the first weights do not depend on the previous kernel: with PDL they load while it
                         # finishes (cuda_pdl), the activations only after the wait
@@ -278,35 +292,44 @@ def make_gemv(shape: GemvShape, warps_wanted: int = _WARPS_WANTED, pdl: bool = F
                         if pdl:
                             T.evaluate(T.call_extern("void", cuda_pdl.WAIT))
                             T.evaluate(T.call_extern("void", cuda_pdl.LAUNCH_DEPENDENTS))
-                        if norm:
+                        if norm and not defer:
                             rms_of_x(xw, xl, rs, ssred, ty, tx)
                         for it in T.unroll(iters):
                             if unit_of(it, ty, tx) < units:
                                 for q in T.unroll(x_words // 4):
                                     for v in T.vectorized(4):
                                         xl[q * 4 + v] = xw[unit_of(it, ty, tx) * x_words + q * 4 + v]
-                                if norm:
+                                if defer:
+                                    for c in T.unroll(x_words):
+                                        accf[rows_w] = accf[rows_w] + T.call_pure_extern("float32", "mlcc_h2_sumsq",
+                                                                                         xl[c])
+                                        xl[c] = T.call_pure_extern("uint32", "mlcc_h2_mul", xl[c],
+                                                                   gw[unit_of(it, ty, tx) * x_words + c])
+                                elif norm:
                                     for c in T.unroll(x_words):
                                         xl[c] = T.call_pure_extern("uint32", NORM_HELPER_NAME, xl[c],
                                                                    gw[unit_of(it, ty, tx) * x_words + c], rs[0])
                                 if it >= pre:
                                     load_weights(ww, wl, bx, ty, tx, it)
                                 accumulate(sf, wl, xl, accf, acc, bx, ty, tx, it)
-                        for r in T.unroll(rows_w):
+                        for r in T.unroll(n_acc):
                             for o in T.unroll(5):
                                 if (1 << o) < lanes:
                                     accf[r] = accf[r] + T.call_pure_extern(
                                         "float32", "__shfl_xor_sync", T.uint32(0xFFFFFFFF), accf[r], 1 << o, 32)
                         if ksplit > 1:
                             # the warps that split K meet in shared memory; the first of them finishes the rows
-                            for r in T.unroll(rows_w):
+                            for r in T.unroll(n_acc):
                                 if tx % lanes == 0:
                                     red[ty, tx // lanes, r] = accf[r]
                             T.evaluate(T.tvm_storage_sync("shared"))
                             if ty % ksplit == 0:
-                                for r in T.unroll(rows_w):
+                                for r in T.unroll(n_acc):
                                     for j in T.unroll(ksplit - 1):
                                         accf[r] = accf[r] + red[ty + 1 + j, tx // lanes, r]
+                        if defer:
+                            for r in T.unroll(rows_w):
+                                accf[r] = accf[r] * T.rsqrt(accf[rows_w] / T.float32(k) + T.float32(eps))
                         for r in T.unroll(rows):
                             if tx % lanes == 0 and ty % ksplit == 0 and row_of(bx, ty, tx, r) < n:
                                 if epi == "add":
