@@ -189,10 +189,14 @@ def make_gemv(shape: GemvShape, warps_wanted: int = _WARPS_WANTED, pdl: bool = F
     # float16 weights multiply in fp32, so they take x * g un-normalized and scale each row by 1/rms(x) at the end:
     # the sum of x² rides along as one more accumulator, and no pass over x or barrier precedes the weight stream
     # (a prologue pass left the 8B qkv projection at 3.1 TB/s, session 7 profile). The q4 kernel sums fp16 products
-    # of 32 codes, which un-normalized activations (the residual stream reaches the thousands) could overflow: it
-    # normalizes x first.
+    # of 32 codes, which un-normalized activations (the residual stream reaches the thousands) could overflow: its
+    # blocks normalize x once into shared memory (per warp, 4 rows each, the rescaling cost more than the ALU-bound
+    # kernel had to spare: 8B q4f16_1 456 -> 288 tok/s, session 7)
     defer = norm and not q4
     n_acc = rows_w + defer  # the accumulators a thread reduces: its rows [, the sum of x²]
+    staged = norm and q4
+    threads = warps * 32
+    stage_words = -(-(k // 2) // threads) if staged else 1  # 32-bit words of x a thread stages
 
     def row_of(bx, ty, tx, r):
         return bx * rows_per_block + (ty // ksplit * slots + tx // lanes) * rows + r
@@ -239,28 +243,29 @@ def make_gemv(shape: GemvShape, warps_wanted: int = _WARPS_WANTED, pdl: bool = F
                     accf[r] = T.call_pure_extern("float32", F16_HELPER_NAME, wl[slot(it), r, c], xl[c], accf[r])
 
     @T.macro
-    def rms_of_x(xw, xl, rs, ssred, ty, tx):
-        # sum of squares of x over the thread's units, then over the warps that split K (which together cover all
-        # of x, as every row group of the block does): no extra pass over DRAM, one extra barrier per block
+    def stage_normalized_x(xw, gw, xs, xr, rs, ssred, ty, tx):
+        # the block's threads read x once (into registers), sum its squares across the block, then write it
+        # rescaled to shared memory for every warp: one read of x per block and two barriers
         rs[0] = T.float32(0)
-        for it in T.unroll(iters):
-            if unit_of(it, ty, tx) < units:
-                for q in T.unroll(x_words // 4):
-                    for v in T.vectorized(4):
-                        xl[q * 4 + v] = xw[unit_of(it, ty, tx) * x_words + q * 4 + v]
-                for c in T.unroll(x_words):
-                    rs[0] = rs[0] + T.call_pure_extern("float32", "mlcc_h2_sumsq", xl[c])
+        for j in T.unroll(stage_words):
+            xr[j] = T.uint32(0)
+            if ty * 32 + tx + j * threads < k // 2:
+                xr[j] = xw[ty * 32 + tx + j * threads]
+            rs[0] = rs[0] + T.call_pure_extern("float32", "mlcc_h2_sumsq", xr[j])
         for o in T.unroll(5):
-            if (1 << o) < lanes:
-                rs[0] = rs[0] + T.call_pure_extern("float32", "__shfl_xor_sync", T.uint32(0xFFFFFFFF), rs[0], 1 << o, 32)
-        if ksplit > 1:
-            if tx % lanes == 0:
-                ssred[ty, tx // lanes] = rs[0]
-            T.evaluate(T.tvm_storage_sync("shared"))
-            rs[0] = T.float32(0)
-            for j in T.unroll(ksplit):
-                rs[0] = rs[0] + ssred[ty // ksplit * ksplit + j, tx // lanes]
+            rs[0] = rs[0] + T.call_pure_extern("float32", "__shfl_xor_sync", T.uint32(0xFFFFFFFF), rs[0], 1 << o, 32)
+        if tx == 0:
+            ssred[ty, 0] = rs[0]
+        T.evaluate(T.tvm_storage_sync("shared"))
+        rs[0] = T.float32(0)
+        for j in T.unroll(warps):
+            rs[0] = rs[0] + ssred[j, 0]
         rs[0] = T.rsqrt(rs[0] / T.float32(k) + T.float32(eps))
+        for j in T.unroll(stage_words):
+            if ty * 32 + tx + j * threads < k // 2:
+                xs[ty * 32 + tx + j * threads] = T.call_pure_extern(
+                    "uint32", NORM_HELPER_NAME, xr[j], gw[ty * 32 + tx + j * threads], rs[0])
+        T.evaluate(T.tvm_storage_sync("shared"))
 
     @T.macro
     def body(x, g, w, s, res, out):
@@ -282,6 +287,8 @@ def make_gemv(shape: GemvShape, warps_wanted: int = _WARPS_WANTED, pdl: bool = F
                         red = T.sblock_alloc_buffer((warps, slots, n_acc), "float32", scope="shared")
                         rs = T.sblock_alloc_buffer((1,), "float32", scope="local")
                         ssred = T.sblock_alloc_buffer((warps, slots), "float32", scope="shared")
+                        xs = T.sblock_alloc_buffer((k // 2 if staged else 1,), "uint32", scope="shared")
+                        xr = T.sblock_alloc_buffer((stage_words,), "uint32", scope="local")
                         for r in T.unroll(n_acc):
                             accf[r] = T.float32(0)
                         # the first weights do not depend on the previous kernel: with PDL they load while it
@@ -292,23 +299,19 @@ def make_gemv(shape: GemvShape, warps_wanted: int = _WARPS_WANTED, pdl: bool = F
                         if pdl:
                             T.evaluate(T.call_extern("void", cuda_pdl.WAIT))
                             T.evaluate(T.call_extern("void", cuda_pdl.LAUNCH_DEPENDENTS))
-                        if norm and not defer:
-                            rms_of_x(xw, xl, rs, ssred, ty, tx)
+                        if staged:
+                            stage_normalized_x(xw, gw, xs, xr, rs, ssred, ty, tx)
                         for it in T.unroll(iters):
                             if unit_of(it, ty, tx) < units:
                                 for q in T.unroll(x_words // 4):
                                     for v in T.vectorized(4):
-                                        xl[q * 4 + v] = xw[unit_of(it, ty, tx) * x_words + q * 4 + v]
+                                        xl[q * 4 + v] = (xs if staged else xw)[unit_of(it, ty, tx) * x_words + q * 4 + v]
                                 if defer:
                                     for c in T.unroll(x_words):
                                         accf[rows_w] = accf[rows_w] + T.call_pure_extern("float32", "mlcc_h2_sumsq",
                                                                                          xl[c])
                                         xl[c] = T.call_pure_extern("uint32", "mlcc_h2_mul", xl[c],
                                                                    gw[unit_of(it, ty, tx) * x_words + c])
-                                elif norm:
-                                    for c in T.unroll(x_words):
-                                        xl[c] = T.call_pure_extern("uint32", NORM_HELPER_NAME, xl[c],
-                                                                   gw[unit_of(it, ty, tx) * x_words + c], rs[0])
                                 if it >= pre:
                                     load_weights(ww, wl, bx, ty, tx, it)
                                 accumulate(sf, wl, xl, accf, acc, bx, ty, tx, it)
@@ -523,7 +526,7 @@ def match_rms_norm(func) -> tuple[int, float] | None:
 
 def fuse_decode_gemvs(mod: tvm.ir.IRModule) -> tvm.ir.IRModule:
     """In every Relax function: gate_up projection + split/silu/multiply → one "swiglu" GEMV kernel; then an
-    rms_norm whose only reader is a float16 decode GEMV → that GEMV with the norm as its prologue (x, norm weight, ...).
+    rms_norm whose only reader is a decode GEMV → that GEMV with the norm as its prologue (x, norm weight, ...).
     The new kernels are scheduled already; the projections left over go to decode_gemv_pass."""
     from tvm import relax
     from tvm.relax.expr_functor import PyExprMutator, PyExprVisitor, mutator, visitor
@@ -614,10 +617,9 @@ def fuse_decode_gemvs(mod: tvm.ir.IRModule) -> tvm.ir.IRModule:
 
     def norm_call(fuser, call):
         shape = gemv_shape(mod, call.args[0])
-        # float16 weights only: every warp of the q4 kernel normalizes all of x for its 4 rows, which an ALU-bound
-        # kernel cannot absorb (8B q4f16_1 456 -> 288 tok/s, q0f16 212 -> 235; session 7 A/B,
-        # bench/results/ab_decode_h200_f16rule_rmsfold_s7.json)
-        if shape is None or shape.norm_eps is not None or shape.weights != "float16":
+        # (q4: x normalized once per block in shared memory; the per-warp version cost the 8B 456 -> 288 tok/s,
+        # session 7 A/B, bench/results/ab_decode_h200_f16rule_rmsfold_s7.json)
+        if shape is None or shape.norm_eps is not None:
             return None
         x, *rest = call.args[1].fields
         norm = producer(fuser, x, norms)
