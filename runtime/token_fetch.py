@@ -54,16 +54,22 @@ class TokenFetcher:
         self.max_ids = max_ids
         self._queue: collections.deque = collections.deque()
         self._cuda = None
+        self._slots: list = []
+        self._next = 0
         if int(dev.dlpack_device_type()) == _CUDA:
-            self._cuda = _CudaRuntime()
-            self._cuda("cudaSetDevice", ctypes.c_int(dev.index))
-            self._slots = []
-            for _ in range(slots):
-                host, event = ctypes.c_void_p(), ctypes.c_void_p()
-                self._cuda("cudaMallocHost", ctypes.byref(host), ctypes.c_size_t(4 * max_ids))
-                self._cuda("cudaEventCreateWithFlags", ctypes.byref(event), ctypes.c_uint(_EVENT_DISABLE_TIMING))
-                self._slots.append((host, event))
-            self._next = 0
+            try:
+                self._cuda = _CudaRuntime()
+                self._cuda("cudaSetDevice", ctypes.c_int(dev.index))
+                for _ in range(slots):
+                    host, event = ctypes.c_void_p(), ctypes.c_void_p()
+                    self._cuda("cudaMallocHost", ctypes.byref(host), ctypes.c_size_t(4 * max_ids))
+                    self._slots.append((host, ctypes.c_void_p()))
+                    self._cuda("cudaEventCreateWithFlags", ctypes.byref(event), ctypes.c_uint(_EVENT_DISABLE_TIMING))
+                    self._slots[-1] = (host, event)
+            except (OSError, RuntimeError, AttributeError) as e:
+                # still correct, only without the overlap: every read then waits for all queued work
+                log.warning("sampled ids will be read synchronously (no CUDA event path): %s", e)
+                self.close()
 
     @property
     def overlaps(self) -> bool:
@@ -106,11 +112,12 @@ class TokenFetcher:
         if self._cuda is None:
             return
         self._queue.clear()
-        for host, event in self._slots:
-            self._cuda("cudaEventDestroy", event)
-            self._cuda("cudaFreeHost", host)
-        self._slots = []
-        self._cuda = None
+        cuda, self._cuda, slots, self._slots = self._cuda, None, self._slots, []
+        for host, event in slots:
+            if event.value:
+                cuda("cudaEventDestroy", event)
+            if host.value:
+                cuda("cudaFreeHost", host)
 
     def __del__(self) -> None:
         try:
