@@ -68,9 +68,10 @@ def decode_steps(m, tok: int, steps: int, pipelined: bool, fetcher=None) -> tupl
             tok = int(argmax(m.decode([0], [tok])).numpy()[0])
         return tok, time.perf_counter() - t
     from mlcc.runtime.decode_pipeline import decode_pipelined
+    from mlcc.runtime.sampler import DeviceDraw
 
     got: list[int] = []
-    decode_pipelined(m, 0, tok, argmax, fetcher, lambda in_flight: len(got) + in_flight < steps,
+    decode_pipelined(m, 0, tok, DeviceDraw(argmax), fetcher, lambda in_flight: len(got) + in_flight < steps,
                      lambda t_: got.append(t_) or True)
     return got[-1], time.perf_counter() - t
 
@@ -117,8 +118,9 @@ def check_pipelined_decode(m, fetcher, steps: int = 100) -> dict:
         got = [first]
         if pipelined:
             from mlcc.runtime.decode_pipeline import decode_pipelined
+            from mlcc.runtime.sampler import DeviceDraw
 
-            decode_pipelined(m, seq, first, m.vm["argmax_logits"], fetcher,
+            decode_pipelined(m, seq, first, DeviceDraw(m.vm["argmax_logits"]), fetcher,
                              lambda in_flight: len(got) + in_flight <= steps, lambda t: got.append(t) or True)
         else:
             for _ in range(steps):
@@ -404,8 +406,8 @@ def cmd_hf(a) -> None:
 def cmd_table(a) -> None:
     rows = [r for f in a.files for r in json.loads(Path(f).read_text())]
     hf = {(r["model"], r["engine"]): r.get("decode_tok_s") for r in rows if r["engine"].startswith("transformers")}
-    print(f"{'model':14} {'quant':8} {'mlcc tok/s':>10} {'sync loop':>9} {'roofline':>9} {'frac':>6} {'HF eager':>9} {'HF compile':>10} "
-          f"{'x compile':>9} {'prefill512':>10} {'prefill2k':>10} {'mem GiB':>8} {'compile s':>9}")
+    print(f"{'model':14} {'quant':8} {'mlcc tok/s':>10} {'sync loop':>9} {'roofline':>9} {'frac':>6} {'HF eager':>9} "
+          f"{'HF compile':>10} {'x compile':>9} {'prefill512':>10} {'prefill2k':>10} {'mem GiB':>8} {'compile s':>9}")
     for r in rows:
         if r["engine"] != "mlcc" or "decode_tok_s" not in r:
             continue

@@ -13,15 +13,17 @@ from __future__ import annotations
 
 from typing import Callable
 
+from .sampler import DeviceDraw
 from .token_fetch import TokenFetcher
 
 
-def decode_pipelined(model, seq_id: int, token: int, sample: Callable, fetcher: TokenFetcher,
+def decode_pipelined(model, seq_id: int, token: int, draw: DeviceDraw, fetcher: TokenFetcher,
                      want_more: Callable[[int], bool], on_token: Callable[[int], bool]) -> None:
     """Decode `seq_id` from `token` (its last sampled id, already handed out) until told to stop.
 
-    sample(logits) -> device int32[1], the next id; want_more(in_flight) -> whether one more step may be queued
-    while `in_flight` (0 or 1) steps' ids are still unread; on_token(id) -> whether the request is still live.
+    draw: the next id from the logits, left on the device (Sampler.device_draw); want_more(in_flight) -> whether
+    one more step may be queued while `in_flight` (0 or 1) steps' ids are still unread; on_token(id) -> whether the
+    request is still live.
     Every queued step's id reaches on_token unless an earlier one ended the request."""
     ids = model.ids_to_device([token])
     unread = False
@@ -31,7 +33,9 @@ def decode_pipelined(model, seq_id: int, token: int, sample: Callable, fetcher: 
         # KV-cache metadata: TVM copies it on a stream of its own, which would overwrite what running kernels read
         got = fetcher.pop()[0] if unread else None
         if go:
-            following = sample(model.decode_fed_back(seq_id, ids))
+            if draw.prepare is not None:
+                draw.prepare()
+            following = draw.sample(model.decode_fed_back(seq_id, ids))
             fetcher.push(following)
         if got is not None and not on_token(got):
             fetcher.forget()   # the step queued behind the last token is wasted

@@ -8,7 +8,7 @@ ids cross to the host. Penalties need each request's token history: those batche
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
@@ -102,13 +102,29 @@ class Sampler:
         rows = logits.numpy() if hasattr(logits, "numpy") else np.asarray(logits)
         return [sample_row(rows[i], params[i], histories[i], rngs[i]) for i in range(len(params))]
 
-    def pipelines(self, p: SamplingParams) -> bool:
-        """Whether `p`'s tokens can be drawn on the device and fed back without a host round trip (greedy, no
-        penalties, a compiled argmax): runtime.decode_pipeline."""
-        return self._argmax is not None and p.greedy and not p.penalised
+    def device_draw(self, p: SamplingParams, rng: np.random.Generator) -> "DeviceDraw | None":
+        """How one request's next id is drawn on the device and left there (runtime.decode_pipeline), or None
+        where that needs the host (penalties) or the library lacks the sampler."""
+        if p.penalised:
+            return None
+        if p.greedy:
+            return DeviceDraw(self._argmax) if self._argmax is not None else None
+        if self._sample is None:
+            return None
+        dev = self._to_device
+        consts = (dev(np.array([p.temperature], np.float32)), dev(np.array([p.top_p], np.float32)),
+                  dev(np.array([p.top_k or self.vocab_size], np.int32)), dev(np.zeros(1, np.int32)))
+        uniform = dev(np.zeros(1, np.float32))
 
-    def argmax_on_device(self, logits):
-        return self._argmax(logits)
+        def prepare() -> None:
+            # one uniform a step from the request's generator, as the synchronous path draws it
+            uniform.copyfrom(np.array([rng.random()], np.float32))
+
+        def sample(logits):
+            t, top_p, top_k, rows = consts
+            return self._sample(logits, t, top_p, top_k, uniform, rows)
+
+        return DeviceDraw(sample, prepare)
 
     def _sample_on_device(self, logits, params: Sequence[SamplingParams], rngs) -> list[int]:
         n, dev = len(params), self._to_device
@@ -120,6 +136,14 @@ class Sampler:
         ids = self._sample(logits, dev(temperature), dev(top_p), dev(top_k), dev(uniform),
                            dev(np.arange(n, dtype=np.int32)))
         return [int(t) for t in ids.numpy()]
+
+
+@dataclasses.dataclass
+class DeviceDraw:
+    """sample(logits) -> device int32[1] ids; prepare(), if any, runs before each step is queued, while the device
+    has finished every earlier step (a synchronous upload there costs no overlap)."""
+    sample: Callable
+    prepare: Callable[[], None] | None = None
 
 
 def apply_penalties(row: np.ndarray, p: SamplingParams, history: Sequence[int]) -> np.ndarray:

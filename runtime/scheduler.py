@@ -122,8 +122,11 @@ class Scheduler:
         self.waiting: collections.deque[Request] = collections.deque()
         self.active: list[Request] = []
         self._free_seq_ids = list(range(max_batch))
-        # a lone greedy request decodes pipelined (runtime.decode_pipeline) where the model can feed ids back
+        # a lone request decodes pipelined (runtime.decode_pipeline) where the model can feed ids back and the
+        # device reads them back without waiting for later steps (CUDA); elsewhere it would only add a wasted step
+        # at the end of each request (tests set pipeline_without_overlap to run the loop on the CPU)
         self._fetcher = TokenFetcher(model.dev) if hasattr(model, "decode_fed_back") else None
+        self.pipeline_without_overlap = False
         self._cv = threading.Condition()
         self._stop = False
         self._thread = threading.Thread(target=self._loop, name="mlcc-scheduler", daemon=True)
@@ -254,8 +257,10 @@ class Scheduler:
                    and r not in batch]
         if running and self.policy == "max_util":
             running = self._preempt_for_decode(running)
-        if len(running) == 1 and len(self.active) == 1 and self._pipelines(running[0]):
-            self._decode_pipelined(running[0])
+        draw = self.sampler.device_draw(running[0].params, running[0].rng) \
+            if len(running) == 1 and len(self.active) == 1 and self._pipelines(running[0]) else None
+        if draw is not None:
+            self._decode_pipelined(running[0], draw)
         elif running:
             logits = self.model.decode([r.seq_id for r in running], [r.output_ids[-1] for r in running])
             self.stats["decode_tokens"] += len(running)
@@ -264,13 +269,13 @@ class Scheduler:
             self._finish(r)
 
     def _pipelines(self, r: Request) -> bool:
-        if self._fetcher is None or not self.sampler.pipelines(r.params):
+        if self._fetcher is None or not (self._fetcher.overlaps or self.pipeline_without_overlap):
             return False
         # max_util admits without reserving pages; a lone request cannot be preempted for them mid-burst
         left = r.max_new - len(r.output_ids)
         return self.policy == "no_evict" or self.model.free_pages() * self.page_size >= left + self.page_size
 
-    def _decode_pipelined(self, r: Request) -> None:
+    def _decode_pipelined(self, r: Request, draw) -> None:
         """Decode the only running request until it ends or another request arrives."""
         def want_more(in_flight: int) -> bool:
             if r.cancelled or r.finish_reason is not None or self._stop:
@@ -289,8 +294,7 @@ class Scheduler:
                 r.on_token(tid)
             return r.finish_reason is None
 
-        decode_pipelined(self.model, r.seq_id, r.output_ids[-1], self.sampler.argmax_on_device, self._fetcher,
-                         want_more, on_token)
+        decode_pipelined(self.model, r.seq_id, r.output_ids[-1], draw, self._fetcher, want_more, on_token)
 
     def _sample_and_emit(self, reqs: list[Request], logits, rows: list[int] | None = None) -> None:
         if rows is not None and len(rows) != logits.shape[0]:

@@ -239,10 +239,12 @@ def test_decode_graph_matches_plain_decode_on_the_gpu(hf_models, tmp_path):
 @pytest.mark.parametrize("graph", [True, False])
 def test_pipelined_decode_matches_the_synchronous_loop_on_the_gpu(hf_models, tmp_path, graph):
     """Greedy ids of the engine's pipelined loop (ids fed back on the device, read one step late through pinned
-    memory and a CUDA event) against decode + argmax + read per step; then a stop mid-way and a fresh sequence."""
+    memory and a CUDA event) against decode + argmax + read per step; then a stop mid-way and a fresh sequence;
+    then seeded sampling both ways."""
     from mlcc.compiler.build import compile_model
     from mlcc.runtime.decode_pipeline import decode_pipelined
     from mlcc.runtime.model import LoadedModel
+    from mlcc.runtime.sampler import DeviceDraw
     from mlcc.runtime.token_fetch import TokenFetcher
 
     compile_model(hf_models("llama"), "cuda", "q4f16_1", tmp_path / "m")
@@ -265,7 +267,8 @@ def test_pipelined_decode_matches_the_synchronous_loop_on_the_gpu(hf_models, tmp
 
     def pipelined(seq: int, stop_after: int | None = None) -> list[int]:
         got = [first(seq)]
-        decode_pipelined(m, seq, got[0], argmax, fetcher, lambda in_flight: len(got) + in_flight <= steps,
+        decode_pipelined(m, seq, got[0], DeviceDraw(argmax), fetcher,
+                         lambda in_flight: len(got) + in_flight <= steps,
                          lambda t: got.append(t) or len(got) != stop_after)
         return got
 
@@ -276,6 +279,26 @@ def test_pipelined_decode_matches_the_synchronous_loop_on_the_gpu(hf_models, tmp
     # the KV cache holds what was decoded: one more synchronous step on each sequence agrees
     nxt = [int(argmax(m.decode([s], [want[-1]])).numpy()[0]) for s in (0, 1, 3)]
     assert nxt[0] == nxt[1] == nxt[2]
+
+    # seeded sampling on the device: the synchronous sampler and the pipelined draw take the same uniforms
+    from mlcc.runtime.sampler import Sampler, SamplingParams
+
+    sampler = Sampler(m.vocab, argmax, m.vm["sample_top_p_top_k"], m._to_dev)
+    p = SamplingParams(temperature=0.8, top_p=0.9)
+    m.create_kv_cache(2, 2048, 256)
+    runs = []
+    for seq, pipe in ((0, False), (1, True)):
+        rng = np.random.default_rng(3)
+        m.add_sequence(seq)
+        got = sampler.sample(m.prefill([seq], [prompt]), [p], [[]], [rng])
+        if pipe:
+            decode_pipelined(m, seq, got[0], sampler.device_draw(p, rng), fetcher,
+                             lambda in_flight: len(got) + in_flight <= 40, lambda t: got.append(t) or True)
+        else:
+            while len(got) <= 40:
+                got += sampler.sample(m.decode([seq], [got[-1]]), [p], [[]], [rng])
+        runs.append(got)
+    assert runs[0] == runs[1] and len(set(runs[0])) > 1
 
 
 @pytest.mark.gpu

@@ -219,10 +219,11 @@ def test_compiled_sampler_follows_the_distribution(compiled):
 
 @pytest.fixture(scope="module")
 def pipelined_engine(compiled):
-    """The same model with the compiled argmax as the sampler's, so a lone greedy request decodes pipelined
-    (runtime.decode_pipeline; on CUDA that is the default, on the CPU numpy's argmax is used without it)."""
+    """The same model decoding a lone request pipelined (runtime.decode_pipeline), as on CUDA: the compiled argmax
+    as the sampler's (on the CPU numpy's is used) and the loop on although reads cannot overlap here."""
     e = Engine(compiled("llama", "q0f32"), target="llvm", max_batch=4)
     e.scheduler.sampler._argmax = e.model.vm["argmax_logits"]
+    e.scheduler.pipeline_without_overlap = True
     yield e
     e.shutdown()
 
@@ -242,6 +243,21 @@ def test_pipelined_decode_matches_the_synchronous_loop(engine, pipelined_engine)
     want = _token_ids(engine, "one", 24, stop_token_ids=[stop])
     assert _token_ids(pipelined_engine, "one", 24, stop_token_ids=[stop]) == want == (toks[:toks.index(stop)], "stop")
     _wait_for_free_pages(pipelined_engine)  # the finish event goes out before the worker removes the sequence
+
+
+def test_pipelined_sampling_draws_what_the_synchronous_path_draws(engine, pipelined_engine):
+    """Seeded temperature/top-p sampling: the same uniform stream, drawn one a step, gives the same text."""
+    for seed in (1, 7):
+        kw = dict(prompt="two two", max_tokens=24, temperature=0.9, top_p=0.9, seed=seed)
+        before = pipelined_engine.scheduler.stats["pipelined_tokens"]
+        got = pipelined_engine.completions.create(**kw)
+        assert got.choices[0].text == engine.completions.create(**kw).choices[0].text
+        assert pipelined_engine.scheduler.stats["pipelined_tokens"] - before == got.usage.completion_tokens - 1
+    # penalties need the history on the host: not pipelined, same answer
+    kw = dict(prompt="aaaa", max_tokens=12, temperature=0, repetition_penalty=1.5)
+    before = pipelined_engine.scheduler.stats["pipelined_tokens"]
+    assert pipelined_engine.completions.create(**kw).choices[0].text == engine.completions.create(**kw).choices[0].text
+    assert pipelined_engine.scheduler.stats["pipelined_tokens"] == before
 
 
 def test_pipelined_decode_yields_to_new_requests(engine, pipelined_engine):
