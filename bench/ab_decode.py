@@ -9,7 +9,9 @@ variants without a folder load base's library). To compare against another commi
 `git worktree add /tmp/wt REV && ln -sfn /tmp/wt /tmp/mlccrev/mlcc && PYTHONPATH=/tmp/mlccrev python ab_decode.py build
 ...` (PYTHONPATH wins over the editable install), then rename its `base` folder (session 7: bench/issue4_s7_h200.sh). "base" = the default build (batch-1 decode through decode_graph,
 one CUDA graph per step), timed with the engine's pipelined loop (runtime.decode_pipeline); "sync" = the same
-library timed with the synchronous loop (decode, argmax, read the id, repeat; every variant before session 8); "no-graph" = the same library with plain decode (MLCC_DECODE_GRAPH=0 at load: every
+library timed with the synchronous loop (decode, argmax, read the id, repeat; every variant before session 8);
+"tail" = base's library, pipelined with the next step's KV metadata queued after the previous step's last
+attention instead of its end (MLCC_STEP_TAIL=1, runtime.model); "no-graph" = the same library with plain decode (MLCC_DECODE_GRAPH=0 at load: every
 kernel launched by the VM); "no-pdl" = a build without programmatic dependent launch (MLCC_CUDA_PDL=0);
 "splits16" = a build whose split-KV decode attention cuts every context into 16 chunks whatever the number of KV
 heads (session 4's choice; MLCC_DECODE_SPLITS=16);
@@ -35,12 +37,13 @@ from pathlib import Path
 from unittest import mock
 
 from cli import build_and_run
-from decode import MODELS, check_against_reference, check_argmax, check_graph_decode, decode_steps
+from decode import (MODELS, check_against_reference, check_argmax, check_graph_decode, check_pipelined_decode,
+                    decode_steps)
 
-VARIANTS = ("base", "sync", "no-graph", "no-pdl", "splits16", "attn-s5")
+VARIANTS = ("base", "sync", "tail", "no-graph", "no-pdl", "splits16", "attn-s5")
 BUILT = ("base", "no-pdl", "splits16", "attn-s5")   # the others load base's library
-ENV = {"no-pdl": {"MLCC_CUDA_PDL": "0"}, "no-graph": {"MLCC_DECODE_GRAPH": "0"}, "splits16": {"MLCC_DECODE_SPLITS": "16"},
-       "attn-s5": {"MLCC_DECODE_TOKENS": "4"}}
+ENV = {"tail": {"MLCC_STEP_TAIL": "1"}, "no-pdl": {"MLCC_CUDA_PDL": "0"}, "no-graph": {"MLCC_DECODE_GRAPH": "0"},
+       "splits16": {"MLCC_DECODE_SPLITS": "16"}, "attn-s5": {"MLCC_DECODE_TOKENS": "4"}}
 
 
 @contextlib.contextmanager
@@ -84,17 +87,20 @@ def cmd_run(a) -> None:
         for v in sorted(set(built) | set(a.variants.split(",")), key=_order):
             with _variant(v):
                 m = LoadedModel(libs / (v if (libs / v / model).is_dir() else "base") / model, weights="random")
-            check = {"argmax_ok": check_argmax(m), "graph": check_graph_decode(m)}
+            fetcher = TokenFetcher(m.dev)
+            check = {"argmax_ok": check_argmax(m), "graph": check_graph_decode(m),
+                     "pipelined": check_pipelined_decode(m, fetcher)}
             if ref is not None and f"{name}/{quant}/logits" in ref:
                 check.update(check_against_reference(m, ref, f"{name}/{quant}"))
             print(model, v, "check:", check, flush=True)
-            if not check["argmax_ok"] or not check["graph"].get("ok", True) or not check.get("ok", True):
+            if not check["argmax_ok"] or not check["graph"].get("ok", True) or not check.get("ok", True) \
+                    or not check["pipelined"]["ok"]:
                 rows.append({"model": model, "variant": v, "check": check, "error": "check failed: not timed"})
                 continue
             m.create_kv_cache(1, 4096, 2048)
             m.add_sequence(0)
             m.prefill([0], [[7] * 128])
-            loaded[v] = [m, 7, [], TokenFetcher(m.dev)]
+            loaded[v] = [m, 7, [], fetcher]
         for _ in range(a.rounds):
             for v, state in loaded.items():
                 m, tok, times, fetcher = state

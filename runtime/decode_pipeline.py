@@ -26,20 +26,29 @@ def decode_pipelined(model, seq_id: int, token: int, draw: DeviceDraw, fetcher: 
     request is still live.
     Every queued step's id reaches on_token unless an earlier one ended the request."""
     ids = model.ids_to_device([token])
-    unread = False
+    unread, tail = False, None
     while True:
         go = want_more(1 if unread else 0)
-        # wait for the previous step (its id's copy is the last work queued for it) before queuing this step's
-        # KV-cache metadata: TVM copies it on a stream of its own, which would overwrite what running kernels read
-        got = fetcher.pop()[0] if unread else None
+        got = None
+        if unread:
+            # TVM copies step k's KV-cache metadata on a stream of its own into one buffer: queue it only once step
+            # k-1 has read its own, i.e. has finished, or has passed its last KV-cache read (model.step_tail)
+            if go and tail is not None:
+                tail.synchronize()
+            else:
+                got = fetcher.pop()[0]
         if go:
             if draw.prepare is not None:
                 draw.prepare()
             following = draw.sample(model.decode_fed_back(seq_id, ids))
             fetcher.push(following)
-        if got is not None and not on_token(got):
-            fetcher.forget()   # the step queued behind the last token is wasted
-            return
+            following_tail = getattr(model, "step_tail", None)
+        if unread:
+            if got is None:
+                got = fetcher.pop()[0]
+            if not on_token(got):
+                fetcher.forget()   # the step queued behind the last token is wasted
+                return
         if not go:
             return
-        ids, unread = following, True
+        ids, unread, tail = following, True, following_tail

@@ -8,12 +8,15 @@ from __future__ import annotations
 import json
 import logging
 import os
+import weakref
 from pathlib import Path
 from typing import Any, Sequence
 
 import numpy as np
 
 from mlcc import artifact
+
+from .token_fetch import CudaEvent, cuda_runtime
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +52,12 @@ def _load_backend_runtimes(device: str) -> None:
                                                            extra_lib_paths=[d], mode="RTLD_LOCAL")
 
 
+# Not yet measured, off unless MLCC_STEP_TAIL=1: decode_graph records an event right after the step's last KV-cache
+# read (the last layer's attention), so the pipelined loop may queue the next step's KV metadata while the rest of
+# the step (last MLP, LM head, sampling) runs. id(model) -> (kv_cache, last layer id, CudaEvent, device)
+_STEP_TAILS: dict[int, tuple] = {}
+
+
 def _register_graph_attention() -> None:
     """The paged-attention call of decode_graph: TVM's builtin under a name RewriteCUDAGraph captures, plus the
     graph key it ignores. Python runs here only on a layout's first step and its capture; replays skip the host."""
@@ -59,6 +68,9 @@ def _register_graph_attention() -> None:
 
     def attention(kv_cache, layer_id, sm_scale, qkv, _cache_id, _layout, out) -> None:
         builtin(kv_cache, layer_id, sm_scale, qkv, out)
+        for kv, last, event, dev in list(_STEP_TAILS.values()):
+            if layer_id == last and kv.same_as(kv_cache):
+                event.record(tvm_ffi.get_raw_stream(dev))  # captured into the graph: every replay records it
 
     tvm_ffi.register_global_func(artifact.GRAPH_ATTENTION, attention, override=True)
 
@@ -229,11 +241,24 @@ class LoadedModel(PagedModel):
         if self.vm.module.implements_function(artifact.GRAPH_DECODE_FUNCTION) and \
                 os.environ.get("MLCC_DECODE_GRAPH", "1") != "0":
             self._decode_graph = self.vm[artifact.GRAPH_DECODE_FUNCTION]
+        self._tail_event = self.step_tail = None
+        if self._decode_graph is not None and os.environ.get("MLCC_STEP_TAIL", "0") == "1":
+            cuda = cuda_runtime()
+            layers = self.config.get("model_config", {}).get("num_hidden_layers")
+            if cuda is not None and layers:
+                self._tail_event, self._last_layer = CudaEvent(cuda), int(layers) - 1
+                weakref.finalize(self, _STEP_TAILS.pop, id(self), None)
         self.kv = None
         self._ids_buffers: dict = {}
         self.hidden = int(self.config["hidden_size"])
         self.vocab = int(self.config["vocab_size"])
         self.context_window = int(self.config["context_window_size"])
+
+    def create_kv_cache(self, max_batch: int, max_total_tokens: int, prefill_chunk: int, page_size: int = 16):
+        kv = super().create_kv_cache(max_batch, max_total_tokens, prefill_chunk, page_size)
+        if self._tail_event is not None:  # before any graph of this cache is captured
+            _STEP_TAILS[id(self)] = (kv, self._last_layer, self._tail_event, self.dev)
+        return kv
 
     def free_pages(self) -> int:
         return int(self._kv_free_pages(self.kv))
@@ -271,11 +296,12 @@ class LoadedModel(PagedModel):
     def decode_fed_back(self, seq_id: int, ids):
         """Batch-1 decode of a token id already on the device (the previous step's sampled id, never read back)."""
         self._kv_begin(self.kv, self._shape([seq_id]), self._shape([1]))
+        # step_tail: the event recorded after this step's last KV-cache read, where it has one (decode_graph)
         if self._decode_graph is not None and seq_id in self._graph_seq_len:
-            out = self._graph_call(seq_id, ids)
+            out, self.step_tail = self._graph_call(seq_id, ids), self._tail_event
         else:
             emb = self._reshape(self._f["embed"](ids, self.params), self._shape([1, 1, self.hidden]))
-            out = self._f["decode"](emb, self.kv, self.params)
+            out, self.step_tail = self._f["decode"](emb, self.kv, self.params), None
         self._kv_end(self.kv)
         self._grow([seq_id], [1])
         return self._logits(out, 1)

@@ -45,6 +45,40 @@ class _CudaRuntime:
             raise RuntimeError(f"{name} failed: {msg} (CUDA error {err})")
 
 
+_RUNTIME: list = []
+
+
+def cuda_runtime() -> _CudaRuntime | None:
+    """The loaded CUDA runtime, or None where it cannot be reached (logged once)."""
+    if not _RUNTIME:
+        try:
+            _RUNTIME.append(_CudaRuntime())
+        except (OSError, RuntimeError, AttributeError) as e:
+            log.warning("CUDA runtime not reachable from Python: %s", e)
+            _RUNTIME.append(None)
+    return _RUNTIME[0]
+
+
+class CudaEvent:
+    """A CUDA event (no timing) recorded on a raw stream handle; synchronize() waits for its latest record."""
+
+    def __init__(self, cuda: _CudaRuntime):
+        self._cuda, self.handle = cuda, ctypes.c_void_p()
+        cuda("cudaEventCreateWithFlags", ctypes.byref(self.handle), ctypes.c_uint(_EVENT_DISABLE_TIMING))
+
+    def record(self, stream: int) -> None:
+        self._cuda("cudaEventRecord", self.handle, ctypes.c_void_p(stream))
+
+    def synchronize(self) -> None:
+        self._cuda("cudaEventSynchronize", self.handle)
+
+    def __del__(self) -> None:
+        try:
+            self._cuda("cudaEventDestroy", self.handle)
+        except Exception:  # noqa: BLE001 - interpreter shutdown: the CUDA runtime may be gone
+            pass
+
+
 class TokenFetcher:
     """push(ids) queues a copy of a device int32 tensor of token ids (behind everything queued so far); pop() returns
     the oldest pushed ids as a list, waiting only for the kernels queued before its push."""

@@ -236,11 +236,12 @@ def test_decode_graph_matches_plain_decode_on_the_gpu(hf_models, tmp_path):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("graph", [True, False])
-def test_pipelined_decode_matches_the_synchronous_loop_on_the_gpu(hf_models, tmp_path, graph):
+@pytest.mark.parametrize("graph,tail", [(True, False), (True, True), (False, False)])
+def test_pipelined_decode_matches_the_synchronous_loop_on_the_gpu(hf_models, tmp_path, monkeypatch, graph, tail):
     """Greedy ids of the engine's pipelined loop (ids fed back on the device, read one step late through pinned
     memory and a CUDA event) against decode + argmax + read per step; then a stop mid-way and a fresh sequence;
-    then seeded sampling both ways."""
+    then seeded sampling both ways. tail: the next step's KV metadata queued once the previous step has passed its
+    last KV-cache read (MLCC_STEP_TAIL=1), not its end."""
     from mlcc.compiler.build import compile_model
     from mlcc.runtime.decode_pipeline import decode_pipelined
     from mlcc.runtime.model import LoadedModel
@@ -248,7 +249,9 @@ def test_pipelined_decode_matches_the_synchronous_loop_on_the_gpu(hf_models, tmp
     from mlcc.runtime.token_fetch import TokenFetcher
 
     compile_model(hf_models("llama"), "cuda", "q4f16_1", tmp_path / "m")
+    monkeypatch.setenv("MLCC_STEP_TAIL", "1" if tail else "0")
     m = LoadedModel(tmp_path / "m")
+    assert (m._tail_event is not None) is tail
     if not graph:
         m._decode_graph = None
     fetcher = TokenFetcher(m.dev)
