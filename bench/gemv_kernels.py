@@ -43,6 +43,52 @@ def time_rotating(f, x, weight_sets, out, dev, calls: int = 600) -> float:
     return (time.perf_counter() - t) / calls
 
 
+def time_graph(f, x, weight_sets, out, dev, calls: int = 600) -> float:
+    """Seconds per call as time_rotating, but the calls are captured once into a CUDA graph and replayed, so a
+    kernel shorter than the ~3 us Python takes to queue a call is timed by itself (back to back, as in the model's
+    graph). Through the CUDA runtime TVM loaded (TVM launches on tvm-ffi's env stream, which is set to a capturing
+    stream here). Written after session 8's device time was spent: validate against time_rotating on the long
+    kernels (gate_up, down, lm_head) before trusting it on the short ones."""
+    import ctypes
+
+    import tvm_ffi
+
+    from mlcc.runtime.token_fetch import cuda_runtime
+
+    cuda = cuda_runtime()
+    if cuda is None:
+        raise RuntimeError("the CUDA runtime is not reachable from Python")
+    stream = dev.create_raw_stream()
+    s = ctypes.c_void_p(stream)
+    graph, exe, start, end = ctypes.c_void_p(), ctypes.c_void_p(), ctypes.c_void_p(), ctypes.c_void_p()
+    try:
+        with tvm_ffi.use_raw_stream(dev, stream):
+            for ws in weight_sets:  # loads the module and warms the copies outside the capture
+                f(x, *ws, out)
+            dev.sync(stream)
+            cuda("cudaStreamBeginCapture", s, ctypes.c_int(2))  # cudaStreamCaptureModeRelaxed
+            for i in range(calls):
+                f(x, *weight_sets[i % len(weight_sets)], out)
+            cuda("cudaStreamEndCapture", s, ctypes.byref(graph))
+        cuda("cudaGraphInstantiate", ctypes.byref(exe), graph, ctypes.c_ulonglong(0))
+        cuda("cudaEventCreate", ctypes.byref(start))
+        cuda("cudaEventCreate", ctypes.byref(end))
+        cuda("cudaGraphLaunch", exe, s)  # warm-up replay
+        cuda("cudaEventRecord", start, s)
+        cuda("cudaGraphLaunch", exe, s)
+        cuda("cudaEventRecord", end, s)
+        cuda("cudaEventSynchronize", end)
+        ms = ctypes.c_float()
+        cuda("cudaEventElapsedTime", ctypes.byref(ms), start, end)
+        return ms.value / 1e3 / calls
+    finally:
+        for name, h in (("cudaEventDestroy", start), ("cudaEventDestroy", end), ("cudaGraphExecDestroy", exe),
+                        ("cudaGraphDestroy", graph)):
+            if h.value:
+                cuda(name, h)
+        dev.free_raw_stream(stream)
+
+
 def _target():
     """The same CUDA target `mlcc compile --target cuda` uses (the preset, not a tag of its own)."""
     from mlcc.targets import get_target

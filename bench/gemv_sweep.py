@@ -9,7 +9,8 @@ Every kernel is checked against numpy before it is timed; the current launch_con
 Timing: the kernel is called in turn on enough copies of the weights (>= 320 MB) that none is still in the H200's
 50 MB L2 when its turn comes back, as in a model step; session 5's sweep timed one copy over and over, which let the
 q4 projections (8-60 MB) run partly out of L2 and is why its winners did not carry into the model. The calls are
-queued from Python (~3 us each), so kernels shorter than that (q4 o_proj) are launch-bound here.
+queued from Python (~3 us each), so kernels shorter than that (q4 o_proj) are launch-bound there; `run --graph`
+replays them from a CUDA graph instead (not yet run on the GPU: compare with us_queued on the long kernels).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from cli import build_and_run
-from gemv_kernels import L2_DEFEAT_BYTES, SHAPES, _inputs, _reference, kernels, time_rotating
+from gemv_kernels import L2_DEFEAT_BYTES, SHAPES, _inputs, _reference, kernels, time_graph, time_rotating
 
 SWEPT = ("qkv", "o", "gate_up", "down")
 
@@ -109,9 +110,11 @@ def cmd_run(a) -> None:
             f(x, *weight_sets[0], out)
             got = out.numpy().astype(np.float32).reshape(-1)
             rel = float(np.abs(got - want).max() / np.abs(want).max())
-            t = min(time_rotating(f, x, weight_sets, out, dev) for _ in range(3))
+            queued = min(time_rotating(f, x, weight_sets, out, dev) for _ in range(3))
+            t = min(time_graph(f, x, weight_sets, out, dev) for _ in range(3)) if a.graph else queued
             r = {"kernel": name, "config": e["config"], "current": e["current"], "us": t * 1e6,
-                 "GB_s": spec["bytes"] / t / 1e9, "max_rel_err": rel, "check_ok": rel < 2e-2}
+                 "us_queued": queued * 1e6, "GB_s": spec["bytes"] / t / 1e9, "max_rel_err": rel,
+                 "check_ok": rel < 2e-2}
             rows.append(r)
             if r["check_ok"] and (best is None or r["us"] < best["us"]):
                 best = r
@@ -129,8 +132,10 @@ def cmd_run(a) -> None:
     (Path(a.out) / f"gemv_sweep_{quant}.json").write_text(json.dumps(rows, indent=1))
 
 
-def _configure(b, _r) -> None:
+def _configure(b, r) -> None:
     b.add_argument("--weights", choices=("q4f16_1", "float16"), default="q4f16_1")
+    r.add_argument("--graph", action="store_true",
+                   help="time from a CUDA graph of the calls (gemv_kernels.time_graph); us_queued keeps the other")
 
 
 if __name__ == "__main__":
