@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 
 import tvm
 
@@ -35,6 +36,13 @@ from . import cuda_pdl
 log = logging.getLogger(__name__)
 
 HELPER_NAME = "mlcc_q4x8_hfma2"
+# Not yet measured, off unless MLCC_Q4_ONE_SHIFT=1 at build time: the unpacking with one shift per word (10% fewer
+# SASS instructions in the 8B down_proj kernel; bench/results, issue 4 session 8)
+ONE_SHIFT_HELPER_NAME = "mlcc_q4x8_hfma2_s1"
+
+
+def q4_helper_name() -> str:
+    return ONE_SHIFT_HELPER_NAME if os.environ.get("MLCC_Q4_ONE_SHIFT", "0") == "1" else HELPER_NAME
 
 # Device helpers, added to the CUDA source of any module that calls them (schedules/cuda_source.py).
 CUDA_HELPERS = r"""
@@ -58,6 +66,25 @@ __device__ __forceinline__ unsigned mlcc_q4x8_hfma2(unsigned w, unsigned x01, un
   a = __hfma2(__hsub2(mlcc_u2h(mlcc_lop3_and_or(w >> 8, 0x000F000Fu, 0x64006400u)), bias),
               mlcc_u2h(__byte_perm(x23, x67, 0x5410)), a);
   a = __hfma2(__hsub2(mlcc_u2h(mlcc_lop3_and_or(w >> 12, 0x000F000Fu, 0x64006400u)), bias),
+              mlcc_u2h(__byte_perm(x23, x67, 0x7632)), a);
+  return mlcc_h2u(a);
+}
+// the same sum with one shift per word instead of three: codes 1/5 and 3/7 are masked in place (bits 4-7 and
+// 20-23), giving 1024 + 16 * code, and brought to code - 7 by one HFMA2 (x 1/16, - 71) in place of the HSUB2; exact
+__device__ __forceinline__ unsigned mlcc_q4x8_hfma2_s1(unsigned w, unsigned x01, unsigned x23, unsigned x45,
+                                                       unsigned x67, unsigned acc) {
+  const half2 bias = mlcc_u2h(0x64076407u);     // 1024 + 7 in both halves
+  const half2 sixteenth = mlcc_u2h(0x2C002C00u);  // 1/16
+  const half2 bias16 = mlcc_u2h(0xD470D470u);     // -71 = -(1024 / 16 + 7)
+  const unsigned w8 = w >> 8;
+  half2 a = mlcc_u2h(acc);
+  a = __hfma2(__hsub2(mlcc_u2h(mlcc_lop3_and_or(w, 0x000F000Fu, 0x64006400u)), bias),
+              mlcc_u2h(__byte_perm(x01, x45, 0x5410)), a);
+  a = __hfma2(__hfma2(mlcc_u2h(mlcc_lop3_and_or(w, 0x00F000F0u, 0x64006400u)), sixteenth, bias16),
+              mlcc_u2h(__byte_perm(x01, x45, 0x7632)), a);
+  a = __hfma2(__hsub2(mlcc_u2h(mlcc_lop3_and_or(w8, 0x000F000Fu, 0x64006400u)), bias),
+              mlcc_u2h(__byte_perm(x23, x67, 0x5410)), a);
+  a = __hfma2(__hfma2(mlcc_u2h(mlcc_lop3_and_or(w8, 0x00F000F0u, 0x64006400u)), sixteenth, bias16),
               mlcc_u2h(__byte_perm(x23, x67, 0x7632)), a);
   return mlcc_h2u(a);
 }
@@ -193,6 +220,7 @@ def make_gemv(shape: GemvShape, warps_wanted: int = _WARPS_WANTED, pdl: bool = F
     # blocks normalize x once into shared memory (per warp, 4 rows each, the rescaling cost more than the ALU-bound
     # kernel had to spare: 8B q4f16_1 456 -> 288 tok/s, session 7)
     defer = norm and not q4
+    q4_helper = q4_helper_name()
     n_acc = rows_w + defer  # the accumulators a thread reduces: its rows [, the sum of x²]
     staged = norm and q4
     threads = warps * 32
@@ -231,7 +259,7 @@ def make_gemv(shape: GemvShape, warps_wanted: int = _WARPS_WANTED, pdl: bool = F
                 acc[r] = T.uint32(0)
             for c in T.unroll(4):
                 for r in T.unroll(rows_w):
-                    acc[r] = T.call_pure_extern("uint32", HELPER_NAME, wl[slot(it), r, c], xl[c * 4],
+                    acc[r] = T.call_pure_extern("uint32", q4_helper, wl[slot(it), r, c], xl[c * 4],
                                                 xl[c * 4 + 1], xl[c * 4 + 2], xl[c * 4 + 3], acc[r])
             for r in T.unroll(rows_w):
                 if row_of(bx, ty, tx, r % rows) < n:
@@ -305,7 +333,8 @@ def make_gemv(shape: GemvShape, warps_wanted: int = _WARPS_WANTED, pdl: bool = F
                             if unit_of(it, ty, tx) < units:
                                 for q in T.unroll(x_words // 4):
                                     for v in T.vectorized(4):
-                                        xl[q * 4 + v] = (xs if staged else xw)[unit_of(it, ty, tx) * x_words + q * 4 + v]
+                                        xl[q * 4 + v] = (xs if staged else xw)[
+                                            unit_of(it, ty, tx) * x_words + q * 4 + v]
                                 if defer:
                                     for c in T.unroll(x_words):
                                         accf[rows_w] = accf[rows_w] + T.call_pure_extern("float32", "mlcc_h2_sumsq",

@@ -15,8 +15,8 @@ from mlcc.compiler.quantize import get_quantization, group_dequantize, group_qua
 from mlcc.compiler.weights import load_source
 from mlcc.schedules import cuda_pdl
 from mlcc.schedules.cuda_decode_attention import _decode_kernel_shape, make_split_decode, split_decode_attention_pass
-from mlcc.schedules.cuda_gemv import (F16_HELPER_NAME, HELPER_NAME, GemvShape, decode_gemv_pass, fuse_decode_gemvs,
-                                      make_gemv, match_gemv)
+from mlcc.schedules.cuda_gemv import (F16_HELPER_NAME, HELPER_NAME, ONE_SHIFT_HELPER_NAME, GemvShape,
+                                      decode_gemv_pass, fuse_decode_gemvs, make_gemv, match_gemv)
 from mlcc.targets import get_target
 
 # tiny llama of conftest: hidden 64, intermediate 128, 4 heads of 16 (2 kv heads), vocab 320
@@ -356,6 +356,35 @@ def test_gemv_kernel_matches_numpy_on_the_gpu(n, k, epilogue, norm, weights, pdl
         want = gate / (1 + np.exp(-gate)) * up
     got = args[-1].numpy().reshape(-1).astype(np.float32)
     np.testing.assert_allclose(got, want, rtol=0, atol=2e-2 * np.abs(want).max())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n,k,epilogue,norm", [(4096, 14336, "add", False), (14336, 4096, "swiglu", True),
+                                               (320, 64, "cast", False)])
+def test_one_shift_q4_unpacking_matches_numpy_on_the_gpu(monkeypatch, n, k, epilogue, norm):
+    """The unpacking with one shift per word (MLCC_Q4_ONE_SHIFT=1, not yet measured) computes the same GEMV."""
+    monkeypatch.setenv("MLCC_Q4_ONE_SHIFT", "1")
+    test_gemv_kernel_matches_numpy_on_the_gpu(n, k, epilogue, norm, "q4f16_1", True)
+
+
+def test_one_shift_q4_unpacking_is_called_and_compiles(monkeypatch, tmp_path):
+    from mlcc.targets.toolchains import toolchain_for
+
+    monkeypatch.setenv("MLCC_Q4_ONE_SHIFT", "1")
+    target = get_target("cuda").tvm_target()
+    with target, toolchain_for("cuda"):
+        kernel = make_gemv(GemvShape(4096, 14336, "add", (1, 1, 4096))).with_attr("global_symbol", "main")
+        lib = tvm.compile(tvm.IRModule({"main": kernel}), target)
+    (cuda,) = [m for m in lib.mod.imports if m.kind == "cuda"]
+    src = cuda.inspect_source()
+    assert f"{ONE_SHIFT_HELPER_NAME}(" in src.split("extern \"C\" __global__", 1)[1]  # the kernel calls it
+    nvcc = shutil.which("nvcc")
+    if nvcc is None:
+        return
+    (tmp_path / "k.cu").write_text(src)
+    r = subprocess.run([nvcc, "-arch=sm_90", "-cubin", "-o", str(tmp_path / "k.cubin"), str(tmp_path / "k.cu")],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-2000:]
 
 
 @pytest.mark.gpu
