@@ -260,6 +260,17 @@ def test_pipelined_sampling_draws_what_the_synchronous_path_draws(engine, pipeli
     assert pipelined_engine.scheduler.stats["pipelined_tokens"] == before
 
 
+def test_pipelined_decode_stops_for_an_abandoned_stream(pipelined_engine):
+    before = pipelined_engine.scheduler.stats["pipelined_tokens"]
+    it = pipelined_engine.chat.completions.create(messages=MSGS, max_tokens=400, temperature=0, stream=True,
+                                                  ignore_eos=True)
+    next(it), next(it)
+    it.close()
+    _wait_for_free_pages(pipelined_engine)
+    assert pipelined_engine.scheduler.stats["pipelined_tokens"] - before < 399  # the burst stopped early
+    assert pipelined_engine.chat.completions.create(messages=MSGS, max_tokens=4, temperature=0).choices
+
+
 def test_pipelined_decode_yields_to_new_requests(engine, pipelined_engine):
     import concurrent.futures as cf
 
