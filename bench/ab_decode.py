@@ -109,10 +109,10 @@ def cmd_run(a) -> None:
                     m.remove_sequence(0)
                     m.add_sequence(0)
                     m.prefill([0], [[7] * 128])
-                tok, _ = decode_steps(m, tok, 4, v != "sync", fetcher)
-                tok, seconds = decode_steps(m, tok, a.steps, v != "sync", fetcher)
+                tok = decode_steps(m, tok, 4, v != "sync", fetcher)[0][-1]
+                got, seconds = decode_steps(m, tok, a.steps, v != "sync", fetcher)
                 times.append(a.steps / seconds)
-                state[1] = tok
+                state[1] = got[-1]
         for v, (m, _, times, _) in loaded.items():
             rows.append({"model": model, "variant": v, "tok_s_median": statistics.median(times),
                          "tok_s_rounds": [round(x, 1) for x in times]})

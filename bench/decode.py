@@ -57,23 +57,24 @@ def teacher_forced_logits(m, forced: list[int]) -> tuple[np.ndarray, list[int]]:
     return np.stack(rows).astype(np.float32), toks
 
 
-def decode_steps(m, tok: int, steps: int, pipelined: bool, fetcher=None) -> tuple[int, float]:
-    """`steps` greedy batch-1 decode steps of sequence 0 from token `tok`; (last token, seconds). Each id reaches the
-    host, as in serving: pipelined = the engine's loop for a lone greedy request (runtime.decode_pipeline: step k
-    queued before step k-1's id is read), else the synchronous loop (decode, argmax, read, repeat)."""
-    argmax = m.vm["argmax_logits"]
-    t = time.perf_counter()
-    if not pipelined:
-        for _ in range(steps):
-            tok = int(argmax(m.decode([0], [tok])).numpy()[0])
-        return tok, time.perf_counter() - t
+def decode_steps(m, tok: int, steps: int, pipelined: bool, fetcher=None, seq: int = 0) -> tuple[list[int], float]:
+    """`steps` greedy batch-1 decode steps of sequence `seq` from token `tok`; (the new ids, seconds). Each id
+    reaches the host, as in serving: pipelined = the engine's loop for a lone greedy request
+    (runtime.decode_pipeline), else the synchronous loop (decode, argmax, read, repeat)."""
     from mlcc.runtime.decode_pipeline import decode_pipelined
     from mlcc.runtime.sampler import DeviceDraw
 
+    argmax = m.vm["argmax_logits"]
     got: list[int] = []
-    decode_pipelined(m, 0, tok, DeviceDraw(argmax), fetcher, lambda in_flight: len(got) + in_flight < steps,
-                     lambda t_: got.append(t_) or True)
-    return got[-1], time.perf_counter() - t
+    t = time.perf_counter()
+    if pipelined:
+        decode_pipelined(m, seq, tok, DeviceDraw(argmax), fetcher, lambda in_flight: len(got) + in_flight < steps,
+                         lambda t_: got.append(t_) or True)
+    else:
+        for _ in range(steps):
+            tok = int(argmax(m.decode([seq], [tok])).numpy()[0])
+            got.append(tok)
+    return got, time.perf_counter() - t
 
 
 def cmd_reference(a) -> None:
@@ -115,17 +116,7 @@ def check_pipelined_decode(m, fetcher, steps: int = 100) -> dict:
     for seq, pipelined in ((0, False), (1, True)):
         m.add_sequence(seq)
         first = int(m.vm["argmax_logits"](m.prefill([seq], [[7, 1, 99, 3000, 42]])).numpy()[0])
-        got = [first]
-        if pipelined:
-            from mlcc.runtime.decode_pipeline import decode_pipelined
-            from mlcc.runtime.sampler import DeviceDraw
-
-            decode_pipelined(m, seq, first, DeviceDraw(m.vm["argmax_logits"]), fetcher,
-                             lambda in_flight: len(got) + in_flight <= steps, lambda t: got.append(t) or True)
-        else:
-            for _ in range(steps):
-                got.append(int(m.vm["argmax_logits"](m.decode([seq], [got[-1]])).numpy()[0]))
-        ids[pipelined] = got
+        ids[pipelined] = [first] + decode_steps(m, first, steps, pipelined, fetcher, seq)[0]
     same = sum(a == b for a, b in zip(ids[False], ids[True]))
     return {"ok": ids[False] == ids[True], "same": same, "of": len(ids[False]), "overlaps": fetcher.overlaps}
 
@@ -259,12 +250,12 @@ def cmd_mlcc(a) -> None:
         # lone greedy request) and the synchronous one, in alternating rounds over the same context lengths
         m.add_sequence(0)
         m.prefill([0], [[7] * PROMPT])
-        tok, _ = decode_steps(m, 7, 5, pipelined=False)
+        tok = decode_steps(m, 7, 5, pipelined=False)[0][-1]
         spent = {True: 0.0, False: 0.0}
         for r in range(ROUNDS):
             for pipelined in ((True, False) if r % 2 else (False, True)):
-                tok, s = decode_steps(m, tok, STEPS // ROUNDS, pipelined, fetcher)
-                spent[pipelined] += s
+                got, s = decode_steps(m, tok, STEPS // ROUNDS, pipelined, fetcher)
+                tok, spent[pipelined] = got[-1], spent[pipelined] + s
         decode_s, sync_s = spent[True] / STEPS, spent[False] / STEPS
         # where the step goes, measured with a sync after each phase
         phases = {"embed": 0.0, "model": 0.0, "argmax+copy": 0.0}

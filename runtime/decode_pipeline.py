@@ -42,7 +42,7 @@ def decode_pipelined(model, seq_id: int, token: int, draw: DeviceDraw, fetcher: 
                 draw.prepare()
             following = draw.sample(model.decode_fed_back(seq_id, ids))
             fetcher.push(following)
-            following_tail = getattr(model, "step_tail", None)
+            following_tail = model.step_tail
         if unread:
             if got is None:
                 got = fetcher.pop()[0]

@@ -285,7 +285,7 @@ class LoadedModel(PagedModel):
 
     def _graph_step(self, seq_id: int, token: int):
         """One decode_graph call: the id goes in, the embedding lookup and the step's graph run in the library."""
-        return self._graph_call(seq_id, self._ids_to_dev(self._check_ids([token])))
+        return self._graph_call(seq_id, self.ids_to_device([token]))
 
     def _graph_call(self, seq_id: int, ids):
         """decode_graph for a step already begun (begin_forward) on `seq_id`, the id already on the device."""
@@ -310,7 +310,7 @@ class LoadedModel(PagedModel):
         return self._ids_to_dev(self._check_ids(ids))
 
     def embed(self, ids: Sequence[int]):
-        return self._f["embed"](self._ids_to_dev(self._check_ids(ids)), self.params)
+        return self._f["embed"](self.ids_to_device(ids), self.params)
 
     def _embed_shaped(self, ids: Sequence[int], shape: list[int]):
         return self._reshape(self.embed(ids), self._shape(shape))

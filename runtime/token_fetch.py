@@ -20,7 +20,7 @@ log = logging.getLogger(__name__)
 _CUDA = 2                              # DLDeviceType.kDLCUDA
 _MEMCPY_DEVICE_TO_HOST = 2             # cudaMemcpyDeviceToHost
 _EVENT_DISABLE_TIMING = 2              # cudaEventDisableTiming
-_LEGACY_STREAM = ctypes.c_void_p(0)    # TVM launches kernels and CUDA graphs on the default stream
+_LEGACY_STREAM = 0                     # TVM launches kernels and CUDA graphs on the default stream
 
 
 def _loaded_cudart() -> ctypes.CDLL:
@@ -88,19 +88,20 @@ class TokenFetcher:
         self.max_ids = max_ids
         self._queue: collections.deque = collections.deque()
         self._cuda = None
-        self._slots: list = []
+        self._slots: list = []   # page-locked host buffers, one per copy in flight, each with its event
+        self._events: list = []
         self._next = 0
         if int(dev.dlpack_device_type()) == _CUDA:
+            self._cuda = cuda_runtime()
             try:
-                self._cuda = _CudaRuntime()
-                self._cuda("cudaSetDevice", ctypes.c_int(dev.index))
-                for _ in range(slots):
-                    host, event = ctypes.c_void_p(), ctypes.c_void_p()
-                    self._cuda("cudaMallocHost", ctypes.byref(host), ctypes.c_size_t(4 * max_ids))
-                    self._slots.append((host, ctypes.c_void_p()))
-                    self._cuda("cudaEventCreateWithFlags", ctypes.byref(event), ctypes.c_uint(_EVENT_DISABLE_TIMING))
-                    self._slots[-1] = (host, event)
-            except (OSError, RuntimeError, AttributeError) as e:
+                if self._cuda is not None:
+                    self._cuda("cudaSetDevice", ctypes.c_int(dev.index))
+                    for _ in range(slots):
+                        host = ctypes.c_void_p()
+                        self._cuda("cudaMallocHost", ctypes.byref(host), ctypes.c_size_t(4 * max_ids))
+                        self._slots.append(host)
+                    self._events = [CudaEvent(self._cuda) for _ in range(slots)]
+            except RuntimeError as e:
                 # still correct, only without the overlap: every read then waits for all queued work
                 log.warning("sampled ids will be read synchronously (no CUDA event path): %s", e)
                 self.close()
@@ -121,11 +122,11 @@ class TokenFetcher:
             return
         if len(self._queue) >= len(self._slots):
             raise RuntimeError(f"more than {len(self._slots)} token copies in flight; pop() before pushing more")
-        host, event = self._slots[self._next]
+        host, event = self._slots[self._next], self._events[self._next]
         self._next = (self._next + 1) % len(self._slots)
         self._cuda("cudaMemcpyAsync", host, ctypes.c_void_p(ids.data_ptr()), ctypes.c_size_t(4 * n),
-                   ctypes.c_int(_MEMCPY_DEVICE_TO_HOST), _LEGACY_STREAM)
-        self._cuda("cudaEventRecord", event, _LEGACY_STREAM)
+                   ctypes.c_int(_MEMCPY_DEVICE_TO_HOST), ctypes.c_void_p(_LEGACY_STREAM))
+        event.record(_LEGACY_STREAM)
         # keep the device tensor alive until its copy has run: the VM's allocator may hand its memory on otherwise
         self._queue.append((ids, n, (host, event)))
 
@@ -134,7 +135,7 @@ class TokenFetcher:
         if slot is None:
             return [int(t) for t in ids.numpy().reshape(-1)]
         host, event = slot
-        self._cuda("cudaEventSynchronize", event)
+        event.synchronize()
         return list((ctypes.c_int32 * n).from_address(host.value))
 
     def forget(self) -> None:
@@ -146,12 +147,9 @@ class TokenFetcher:
         if self._cuda is None:
             return
         self._queue.clear()
-        cuda, self._cuda, slots, self._slots = self._cuda, None, self._slots, []
-        for host, event in slots:
-            if event.value:
-                cuda("cudaEventDestroy", event)
-            if host.value:
-                cuda("cudaFreeHost", host)
+        cuda, self._cuda, slots, self._slots, self._events = self._cuda, None, self._slots, [], []
+        for host in slots:
+            cuda("cudaFreeHost", host)
 
     def __del__(self) -> None:
         try:
