@@ -1,0 +1,87 @@
+"""SASS instruction counts of the q4f16_1 decode GEMVs of the Llama-3-8B shape (no GPU needed), with the default
+unpacking and with MLCC_Q4_ONE_SHIFT=1; and a bit-exact numpy check of the one-shift arithmetic for all 16 codes.
+
+    pip download --no-deps nvidia-cuda-cuobjdump -d /tmp/w && python -m zipfile -e /tmp/w/*.whl /tmp/w/x
+    python bench/gemv_sass.py --cuobjdump /tmp/w/x/nvidia/cu13/bin/cuobjdump     # needs nvcc
+
+Session 8 (this 2-core dev machine, nvcc 13, sm_90a): bench/results/README.md, issue 4 session 8.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import re
+import subprocess
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+SHAPES = {"qkv": (6144, 4096, "none", True), "o": (4096, 4096, "add", False), "gate_up": (14336, 4096, "swiglu", True),
+          "down": (4096, 14336, "add", False)}
+COUNTED = ("HFMA2", "HADD2", "LOP3", "SHF", "PRMT")
+
+
+def one_shift_is_exact() -> bool:
+    """code - 7 from the masked halves: 1024 + c minus 1031 (codes 0/4, 2/6) and (1024 + 16c) / 16 - 71 with one
+    rounding (codes 1/5, 3/7), in fp16, as the two CUDA helpers compute it."""
+    def half(bits: int) -> float:
+        return float(np.array([bits], np.uint16).view(np.float16)[0])
+
+    sixteenth, bias16 = half(0x2C00), half(0xD470)
+    return all(np.float16(half(0x6400 | c) - 1031.0) == c - 7
+               and np.float16(half(0x6400 | (c << 4)) * sixteenth + bias16) == c - 7 for c in range(16))
+
+
+def kernel_source(one_shift: bool) -> str:
+    import tvm
+
+    from mlcc.schedules import cuda_pdl
+    from mlcc.schedules.cuda_gemv import GemvShape, make_gemv
+    from mlcc.targets import get_target
+    from mlcc.targets.toolchains import toolchain_for
+
+    os.environ["MLCC_Q4_ONE_SHIFT"] = "1" if one_shift else "0"
+    target = get_target("cuda").tvm_target()
+    shapes = {n: GemvShape(rows, k, epi, (1, 1, rows) if epi == "add" else (), norm_eps=1e-5 if norm else None)
+              for n, (rows, k, epi, norm) in SHAPES.items()}
+    with target, toolchain_for("cuda"):
+        mod = tvm.IRModule({n: make_gemv(s, pdl=True).with_attr("global_symbol", n) for n, s in shapes.items()})
+        ex = tvm.compile(mod, target, tir_pipeline=cuda_pdl.tir_pipeline_for(target))
+    (cuda,) = [m for m in ex.mod.imports if m.kind == "cuda"]
+    return cuda.inspect_source()
+
+
+def sass_counts(src: str, cuobjdump: str, work: Path) -> dict[str, dict[str, int]]:
+    (work / "k.cu").write_text(src)
+    built = subprocess.run(["nvcc", "-arch=sm_90a", "-cubin", "-Xptxas", "-v", "-o", str(work / "k.cubin"),
+                            str(work / "k.cu")], check=True, capture_output=True, text=True)
+    registers = dict(re.findall(r"Compiling entry function '(\w+?)_kernel'.*?Used (\d+) registers",
+                                built.stdout + built.stderr, re.S))
+    sass = subprocess.run([cuobjdump, "-sass", str(work / "k.cubin")], check=True, capture_output=True,
+                          text=True).stdout
+    out = {}
+    for func in re.split(r"\n\s+Function : ", sass)[1:]:
+        name = func.split("\n", 1)[0].strip().removesuffix("_kernel")
+        ops = re.findall(r"/\*[0-9a-f]{4}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", func)
+        kinds = collections.Counter(op.split(".")[0] for op in ops)
+        out[name] = {"registers": int(registers[name]), "total": len(ops), **{k: kinds[k] for k in COUNTED}}
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--cuobjdump", required=True)
+    a = p.parse_args()
+    print("one-shift unpacking exact for all 16 codes:", one_shift_is_exact())
+    with tempfile.TemporaryDirectory() as d:
+        for one_shift in (False, True):
+            for name, c in sass_counts(kernel_source(one_shift), a.cuobjdump, Path(d)).items():
+                label = "one-shift" if one_shift else "default"
+                print(f"{label:9} {name:8} " + " ".join(f"{k} {v}" for k, v in c.items()))
+
+
+if __name__ == "__main__":
+    main()
