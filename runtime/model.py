@@ -70,7 +70,7 @@ def _register_graph_attention() -> None:
         builtin(kv_cache, layer_id, sm_scale, qkv, out)
         for kv, last, event, dev in list(_STEP_TAILS.values()):
             if layer_id == last and kv.same_as(kv_cache):
-                event.record(tvm_ffi.get_raw_stream(dev))  # captured into the graph: every replay records it
+                event.record(tvm_ffi.get_raw_stream(dev), in_graph=True)  # every replay records it
 
     tvm_ffi.register_global_func(artifact.GRAPH_ATTENTION, attention, override=True)
 

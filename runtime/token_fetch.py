@@ -20,6 +20,7 @@ log = logging.getLogger(__name__)
 _CUDA = 2                              # DLDeviceType.kDLCUDA
 _MEMCPY_DEVICE_TO_HOST = 2             # cudaMemcpyDeviceToHost
 _EVENT_DISABLE_TIMING = 2              # cudaEventDisableTiming
+_EVENT_RECORD_EXTERNAL = 1             # cudaEventRecordExternal
 _LEGACY_STREAM = 0                     # TVM launches kernels and CUDA graphs on the default stream
 
 
@@ -66,8 +67,14 @@ class CudaEvent:
         self._cuda, self.handle = cuda, ctypes.c_void_p()
         cuda("cudaEventCreateWithFlags", ctypes.byref(self.handle), ctypes.c_uint(_EVENT_DISABLE_TIMING))
 
-    def record(self, stream: int) -> None:
-        self._cuda("cudaEventRecord", self.handle, ctypes.c_void_p(stream))
+    def record(self, stream: int, in_graph: bool = False) -> None:
+        """in_graph: the record may happen under stream capture and must then be a node every replay runs. A plain
+        record under capture only orders the captured work: synchronize() on it fails (invalid argument, H200)."""
+        if in_graph:
+            self._cuda("cudaEventRecordWithFlags", self.handle, ctypes.c_void_p(stream),
+                       ctypes.c_uint(_EVENT_RECORD_EXTERNAL))
+        else:
+            self._cuda("cudaEventRecord", self.handle, ctypes.c_void_p(stream))
 
     def synchronize(self) -> None:
         self._cuda("cudaEventSynchronize", self.handle)
