@@ -89,8 +89,13 @@ def cmd_run(a) -> None:
             with _variant(v):
                 m = LoadedModel(libs / (v if (libs / v / model).is_dir() else "base") / model, weights="random")
             fetcher = TokenFetcher(m.dev)
-            check = {"argmax_ok": check_argmax(m), "graph": check_graph_decode(m),
-                     "pipelined": check_pipelined_decode(m, fetcher)}
+            try:
+                check = {"argmax_ok": check_argmax(m), "graph": check_graph_decode(m),
+                         "pipelined": check_pipelined_decode(m, fetcher)}
+            except Exception as e:  # noqa: BLE001 - one broken variant must not cost the call's other rows
+                print(model, v, "check raised:", repr(e), flush=True)
+                rows.append({"model": model, "variant": v, "error": f"check raised {e!r}: not timed"})
+                continue
             if ref is not None and f"{name}/{quant}/logits" in ref:
                 check.update(check_against_reference(m, ref, f"{name}/{quant}"))
             print(model, v, "check:", check, flush=True)

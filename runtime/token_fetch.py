@@ -21,6 +21,7 @@ _CUDA = 2                              # DLDeviceType.kDLCUDA
 _MEMCPY_DEVICE_TO_HOST = 2             # cudaMemcpyDeviceToHost
 _EVENT_DISABLE_TIMING = 2              # cudaEventDisableTiming
 _EVENT_RECORD_EXTERNAL = 1             # cudaEventRecordExternal
+_STREAM_CAPTURE_ACTIVE = 1             # cudaStreamCaptureStatusActive
 _LEGACY_STREAM = 0                     # TVM launches kernels and CUDA graphs on the default stream
 
 
@@ -68,9 +69,13 @@ class CudaEvent:
         cuda("cudaEventCreateWithFlags", ctypes.byref(self.handle), ctypes.c_uint(_EVENT_DISABLE_TIMING))
 
     def record(self, stream: int, in_graph: bool = False) -> None:
-        """in_graph: the record may happen under stream capture and must then be a node every replay runs. A plain
-        record under capture only orders the captured work: synchronize() on it fails (invalid argument, H200)."""
+        """in_graph: the record may happen under stream capture, where it must become a node every replay runs (a
+        plain record there only orders the captured work, and synchronize() on it fails); the external flag is
+        refused outside capture (H200: CUDA error 401), so the stream's capture state decides."""
+        status = ctypes.c_int(0)
         if in_graph:
+            self._cuda("cudaStreamIsCapturing", ctypes.c_void_p(stream), ctypes.byref(status))
+        if status.value == _STREAM_CAPTURE_ACTIVE:
             self._cuda("cudaEventRecordWithFlags", self.handle, ctypes.c_void_p(stream),
                        ctypes.c_uint(_EVENT_RECORD_EXTERNAL))
         else:
