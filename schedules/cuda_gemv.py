@@ -36,13 +36,13 @@ from . import cuda_pdl
 log = logging.getLogger(__name__)
 
 HELPER_NAME = "mlcc_q4x8_hfma2"
-# Not yet measured, off unless MLCC_Q4_ONE_SHIFT=1 at build time: the unpacking with one shift per word (10% fewer
-# SASS instructions in the 8B down_proj kernel; bench/results, issue 4 session 8)
+# The unpacking with one shift per word (10% fewer SASS instructions in the 8B down_proj kernel; H200 A/B session 9:
+# 8B +0.9%, Qwen2.5-0.5B +2.5%, SmolLM2 +2.2%). MLCC_Q4_ONE_SHIFT=0 at build time gives the two-shift helper.
 ONE_SHIFT_HELPER_NAME = "mlcc_q4x8_hfma2_s1"
 
 
 def q4_helper_name() -> str:
-    return ONE_SHIFT_HELPER_NAME if os.environ.get("MLCC_Q4_ONE_SHIFT", "0") == "1" else HELPER_NAME
+    return ONE_SHIFT_HELPER_NAME if os.environ.get("MLCC_Q4_ONE_SHIFT", "1") == "1" else HELPER_NAME
 
 # Device helpers, added to the CUDA source of any module that calls them (schedules/cuda_source.py).
 CUDA_HELPERS = r"""

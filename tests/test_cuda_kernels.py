@@ -15,7 +15,7 @@ from mlcc.compiler.quantize import get_quantization, group_dequantize, group_qua
 from mlcc.compiler.weights import load_source
 from mlcc.schedules import cuda_pdl
 from mlcc.schedules.cuda_decode_attention import _decode_kernel_shape, make_split_decode, split_decode_attention_pass
-from mlcc.schedules.cuda_gemv import (F16_HELPER_NAME, HELPER_NAME, ONE_SHIFT_HELPER_NAME, GemvShape,
+from mlcc.schedules.cuda_gemv import (F16_HELPER_NAME, HELPER_NAME, ONE_SHIFT_HELPER_NAME, GemvShape, q4_helper_name,
                                       decode_gemv_pass, fuse_decode_gemvs, make_gemv, match_gemv)
 from mlcc.targets import get_target
 
@@ -186,7 +186,7 @@ def test_cuda_library_source_carries_the_helpers_and_compiles(hf_models, tmp_pat
     called = set(re.findall(r"\b(mlcc_\w+)\(", src))
     defined = re.findall(r"__device__ __forceinline__ [\w ]+?\b(mlcc_\w+)\(", src)
     assert called <= set(defined) and len(defined) == len(set(defined)), called - set(defined)
-    helper = HELPER_NAME if quant == "q4f16_1" else F16_HELPER_NAME
+    helper = q4_helper_name() if quant == "q4f16_1" else F16_HELPER_NAME
     assert src.count(f"{helper}(") > 10                                 # the decode GEMVs call it
     assert "argmax_partial_kernel" in src and "argmax_merge_kernel" in src
     assert "part_md" in src  # split-KV decode attention
@@ -362,8 +362,8 @@ def test_gemv_kernel_matches_numpy_on_the_gpu(n, k, epilogue, norm, weights, pdl
 @pytest.mark.parametrize("n,k,epilogue,norm", [(4096, 14336, "add", False), (14336, 4096, "swiglu", True),
                                                (320, 64, "cast", False)])
 def test_one_shift_q4_unpacking_matches_numpy_on_the_gpu(monkeypatch, n, k, epilogue, norm):
-    """The unpacking with one shift per word (MLCC_Q4_ONE_SHIFT=1, not yet measured) computes the same GEMV."""
-    monkeypatch.setenv("MLCC_Q4_ONE_SHIFT", "1")
+    """The two-shift unpacking (MLCC_Q4_ONE_SHIFT=0; one shift per word is the default) computes the same GEMV."""
+    monkeypatch.setenv("MLCC_Q4_ONE_SHIFT", "0")
     test_gemv_kernel_matches_numpy_on_the_gpu(n, k, epilogue, norm, "q4f16_1", True)
 
 
