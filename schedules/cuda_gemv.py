@@ -41,6 +41,16 @@ HELPER_NAME = "mlcc_q4x8_hfma2"
 ONE_SHIFT_HELPER_NAME = "mlcc_q4x8_hfma2_s1"
 
 
+# Not yet measured, off unless MLCC_Q4_INT8_X=1 at build time: q4 GEMVs take x quantized to int8 (a scale per 32
+# values, absmax/127, as llama.cpp's q8_1 activations) and multiply with DP4A: ~26 SASS instructions per row and
+# 32 codes instead of ~72, for the ALU-bound q4 kernels. Changes the arithmetic (x rounded to 8 bits).
+A8_HELPER_NAME = "mlcc_q4x32_dp4a"
+
+
+def q4_activations() -> str:
+    return "int8" if os.environ.get("MLCC_Q4_INT8_X", "0") == "1" else "float16"
+
+
 def q4_helper_name() -> str:
     return ONE_SHIFT_HELPER_NAME if os.environ.get("MLCC_Q4_ONE_SHIFT", "1") == "1" else HELPER_NAME
 
@@ -88,6 +98,47 @@ __device__ __forceinline__ unsigned mlcc_q4x8_hfma2_s1(unsigned w, unsigned x01,
               mlcc_u2h(__byte_perm(x23, x67, 0x7632)), a);
   return mlcc_h2u(a);
 }
+// sum over the 32 codes of a group (4 words) of code * x, x as int8 in the order the unpacking gives them:
+// xe_c = x[8c], x[8c+2], x[8c+4], x[8c+6] and xo_c = the odd ones. The odd codes are masked in place (16 * code,
+// unsigned bytes), so their sum is 16x and is shifted back once (exact)
+__device__ __forceinline__ int mlcc_dp4a_us(unsigned a, unsigned b, int c) {
+  int d;
+  asm("dp4a.u32.s32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+  return d;
+}
+__device__ __forceinline__ int mlcc_q4x32_dp4a(unsigned w0, unsigned w1, unsigned w2, unsigned w3,
+                                               unsigned xe0, unsigned xo0, unsigned xe1, unsigned xo1,
+                                               unsigned xe2, unsigned xo2, unsigned xe3, unsigned xo3) {
+  int ie = __dp4a((int)(w0 & 0x0F0F0F0Fu), (int)xe0, 0);
+  int io = mlcc_dp4a_us(w0 & 0xF0F0F0F0u, xo0, 0);
+  ie = __dp4a((int)(w1 & 0x0F0F0F0Fu), (int)xe1, ie);
+  io = mlcc_dp4a_us(w1 & 0xF0F0F0F0u, xo1, io);
+  ie = __dp4a((int)(w2 & 0x0F0F0F0Fu), (int)xe2, ie);
+  io = mlcc_dp4a_us(w2 & 0xF0F0F0F0u, xo2, io);
+  ie = __dp4a((int)(w3 & 0x0F0F0F0Fu), (int)xe3, ie);
+  io = mlcc_dp4a_us(w3 & 0xF0F0F0F0u, xo3, io);
+  return ie + (io >> 4);
+}
+__device__ __forceinline__ float mlcc_h2_amax(unsigned y) {
+  const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&y));
+  return fmaxf(fabsf(f.x), fabsf(f.y));
+}
+__device__ __forceinline__ unsigned mlcc_q8_byte(float v, float inv) {
+  return (unsigned)(__float2int_rn(v * inv) & 0xFF);
+}
+// int8(x * inv) of the low (odd = 0) or high (odd = 1) halves of 4 fp16 pairs, packed in order
+__device__ __forceinline__ unsigned mlcc_q8_pack4(unsigned y0, unsigned y1, unsigned y2, unsigned y3, float inv,
+                                                  int odd) {
+  const float2 f0 = __half22float2(*reinterpret_cast<const __half2*>(&y0));
+  const float2 f1 = __half22float2(*reinterpret_cast<const __half2*>(&y1));
+  const float2 f2 = __half22float2(*reinterpret_cast<const __half2*>(&y2));
+  const float2 f3 = __half22float2(*reinterpret_cast<const __half2*>(&y3));
+  return odd ? mlcc_q8_byte(f0.y, inv) | mlcc_q8_byte(f1.y, inv) << 8 | mlcc_q8_byte(f2.y, inv) << 16 |
+                   mlcc_q8_byte(f3.y, inv) << 24
+             : mlcc_q8_byte(f0.x, inv) | mlcc_q8_byte(f1.x, inv) << 8 | mlcc_q8_byte(f2.x, inv) << 16 |
+                   mlcc_q8_byte(f3.x, inv) << 24;
+}
+__device__ __forceinline__ int mlcc_q8_sum4(unsigned q) { return __dp4a((int)q, 0x01010101, 0); }
 __device__ __forceinline__ float mlcc_h2_sum(unsigned acc) {
   const half2 a = mlcc_u2h(acc);
   return __low2float(a) + __high2float(a);
@@ -104,6 +155,7 @@ class GemvShape:
     out_dtype: str = "float16"
     weights: str = "q4f16_1"  # | "float16"
     norm_eps: float | None = None  # RMSNorm prologue: x is the un-normalized input, with the norm weight after it
+    activations: str = "float16"  # | "int8": q4 weights only, x quantized per 32 values inside the kernel (DP4A)
 
     @property
     def unit(self) -> int:
@@ -197,7 +249,8 @@ def make_gemv(shape: GemvShape, warps_wanted: int = _WARPS_WANTED, pdl: bool = F
     swiglu = epi == "swiglu"
     n_w = 2 * n if swiglu else n  # weight rows
     units = k // shape.unit
-    x_words = shape.unit // 2  # 32-bit words of x per unit
+    a8 = q4 and shape.activations == "int8"
+    x_words = 8 if a8 else shape.unit // 2  # 32-bit words of x per unit (int8 x: 32 bytes, fp16 x: 64)
     lanes, rows_w, row_warps, ksplit = config or launch_config(n_w, units, warps_wanted, shape.weights)
     # a swiglu thread owns `rows` output rows: weight rows r (gate) and r + n (up) of each
     rows = max(1, rows_w // 2) if swiglu else rows_w
@@ -222,9 +275,10 @@ def make_gemv(shape: GemvShape, warps_wanted: int = _WARPS_WANTED, pdl: bool = F
     defer = norm and not q4
     q4_helper = q4_helper_name()
     n_acc = rows_w + defer  # the accumulators a thread reduces: its rows [, the sum of x²]
-    staged = norm and q4
+    staged = norm and q4 or a8
     threads = warps * 32
-    stage_words = -(-(k // 2) // threads) if staged else 1  # 32-bit words of x a thread stages
+    stage_words = -(-(k // 2) // threads) if staged and not a8 else 1  # 32-bit words of x a thread stages
+    stage_items = -(-(k // 8) // threads) if a8 else 1  # int8 x: runs of 8 values (4 words) a thread quantizes
 
     def row_of(bx, ty, tx, r):
         return bx * rows_per_block + (ty // ksplit * slots + tx // lanes) * rows + r
@@ -253,8 +307,16 @@ def make_gemv(shape: GemvShape, warps_wanted: int = _WARPS_WANTED, pdl: bool = F
                     wl[slot(it), r, v] = T.uint32(0x77777777 if q4 else 0)
 
     @T.macro
-    def accumulate(sf, wl, xl, accf, acc, bx, ty, tx, it):
-        if q4:
+    def accumulate(sf, wl, xl, accf, acc, gmf, gmi, bx, ty, tx, it):
+        if a8:
+            for r in T.unroll(rows_w):
+                if row_of(bx, ty, tx, r % rows) < n:
+                    accf[r] = accf[r] + T.Cast("float32", T.call_pure_extern(
+                        "int32", A8_HELPER_NAME, wl[slot(it), r, 0], wl[slot(it), r, 1], wl[slot(it), r, 2],
+                        wl[slot(it), r, 3], xl[0], xl[1], xl[2], xl[3], xl[4], xl[5], xl[6], xl[7])
+                        - gmi[unit_of(it, ty, tx)]) * (gmf[unit_of(it, ty, tx)] * T.Cast(
+                            "float32", sf[wrow_of(bx, ty, tx, r) * groups + unit_of(it, ty, tx)]))
+        elif q4:
             for r in T.unroll(rows_w):
                 acc[r] = T.uint32(0)
             for c in T.unroll(4):
@@ -271,15 +333,8 @@ def make_gemv(shape: GemvShape, warps_wanted: int = _WARPS_WANTED, pdl: bool = F
                     accf[r] = T.call_pure_extern("float32", F16_HELPER_NAME, wl[slot(it), r, c], xl[c], accf[r])
 
     @T.macro
-    def stage_normalized_x(xw, gw, xs, xr, rs, ssred, ty, tx):
-        # the block's threads read x once (into registers), sum its squares across the block, then write it
-        # rescaled to shared memory for every warp: one read of x per block and two barriers
-        rs[0] = T.float32(0)
-        for j in T.unroll(stage_words):
-            xr[j] = T.uint32(0)
-            if ty * 32 + tx + j * threads < k // 2:
-                xr[j] = xw[ty * 32 + tx + j * threads]
-            rs[0] = rs[0] + T.call_pure_extern("float32", "mlcc_h2_sumsq", xr[j])
+    def block_rsqrt(rs, ssred, ty, tx):
+        # rs[0]: this thread's share of the sum of x² in, 1/rms(x) of the whole block out (one barrier)
         for o in T.unroll(5):
             rs[0] = rs[0] + T.call_pure_extern("float32", "__shfl_xor_sync", T.uint32(0xFFFFFFFF), rs[0], 1 << o, 32)
         if tx == 0:
@@ -289,6 +344,64 @@ def make_gemv(shape: GemvShape, warps_wanted: int = _WARPS_WANTED, pdl: bool = F
         for j in T.unroll(warps):
             rs[0] = rs[0] + ssred[j, 0]
         rs[0] = T.rsqrt(rs[0] / T.float32(k) + T.float32(eps))
+
+    @T.macro
+    def stage_quantized_x(xw, gw, xs, gmf, gmi, xr, rs, am, sq, ssred, ty, tx):
+        # int8 x: each thread reads runs of 8 values (16 bytes), normalizes them (RMSNorm prologue), and writes them
+        # quantized with their group's scale (absmax over the 4 threads of a group of 32) as the even and odd words
+        # the DP4A unpacking pairs with the codes; per group the scale and 7 x the sum of its int8 values (the
+        # codes' offset of 7, subtracted once per group)
+        rs[0] = T.float32(0)
+        for j in T.unroll(stage_items):
+            for v in T.unroll(4):
+                xr[j * 4 + v] = T.uint32(0)
+            if ty * 32 + tx + j * threads < k // 8:
+                for v in T.vectorized(4):
+                    xr[j * 4 + v] = xw[(ty * 32 + tx + j * threads) * 4 + v]
+            if norm:
+                for v in T.unroll(4):
+                    rs[0] = rs[0] + T.call_pure_extern("float32", "mlcc_h2_sumsq", xr[j * 4 + v])
+        if norm:
+            block_rsqrt(rs, ssred, ty, tx)
+            for j in T.unroll(stage_items):
+                if ty * 32 + tx + j * threads < k // 8:
+                    for v in T.unroll(4):
+                        xr[j * 4 + v] = T.call_pure_extern("uint32", NORM_HELPER_NAME, xr[j * 4 + v],
+                                                           gw[(ty * 32 + tx + j * threads) * 4 + v], rs[0])
+        for j in T.unroll(stage_items):
+            am[0] = T.float32(0)
+            for v in T.unroll(4):
+                am[0] = T.max(am[0], T.call_pure_extern("float32", "mlcc_h2_amax", xr[j * 4 + v]))
+            for o in T.unroll(2):
+                am[0] = T.max(am[0], T.call_pure_extern("float32", "__shfl_xor_sync", T.uint32(0xFFFFFFFF), am[0],
+                                                        1 << o, 32))
+            rs[0] = T.if_then_else(am[0] > T.float32(0), T.float32(127) / am[0], T.float32(0))
+            for h in T.unroll(2):
+                sq[h] = T.call_pure_extern("int32", "mlcc_q8_pack4", xr[j * 4], xr[j * 4 + 1], xr[j * 4 + 2],
+                                           xr[j * 4 + 3], rs[0], h)
+            sq[2] = T.call_pure_extern("int32", "mlcc_q8_sum4", T.Cast("uint32", sq[0])) + \
+                T.call_pure_extern("int32", "mlcc_q8_sum4", T.Cast("uint32", sq[1]))
+            for o in T.unroll(2):
+                sq[2] = sq[2] + T.call_pure_extern("int32", "__shfl_xor_sync", T.uint32(0xFFFFFFFF), sq[2], 1 << o, 32)
+            if ty * 32 + tx + j * threads < k // 8:
+                for h in T.unroll(2):
+                    xs[(ty * 32 + tx + j * threads) * 2 + h] = T.Cast("uint32", sq[h])
+                if (ty * 32 + tx + j * threads) % 4 == 0:
+                    gmf[(ty * 32 + tx + j * threads) // 4] = am[0] / T.float32(127)
+                    gmi[(ty * 32 + tx + j * threads) // 4] = sq[2] * 7
+        T.evaluate(T.tvm_storage_sync("shared"))
+
+    @T.macro
+    def stage_normalized_x(xw, gw, xs, xr, rs, ssred, ty, tx):
+        # the block's threads read x once (into registers), sum its squares across the block, then write it
+        # rescaled to shared memory for every warp: one read of x per block and two barriers
+        rs[0] = T.float32(0)
+        for j in T.unroll(stage_words):
+            xr[j] = T.uint32(0)
+            if ty * 32 + tx + j * threads < k // 2:
+                xr[j] = xw[ty * 32 + tx + j * threads]
+            rs[0] = rs[0] + T.call_pure_extern("float32", "mlcc_h2_sumsq", xr[j])
+        block_rsqrt(rs, ssred, ty, tx)
         for j in T.unroll(stage_words):
             if ty * 32 + tx + j * threads < k // 2:
                 xs[ty * 32 + tx + j * threads] = T.call_pure_extern(
@@ -315,8 +428,14 @@ def make_gemv(shape: GemvShape, warps_wanted: int = _WARPS_WANTED, pdl: bool = F
                         red = T.sblock_alloc_buffer((warps, slots, n_acc), "float32", scope="shared")
                         rs = T.sblock_alloc_buffer((1,), "float32", scope="local")
                         ssred = T.sblock_alloc_buffer((warps, slots), "float32", scope="shared")
-                        xs = T.sblock_alloc_buffer((k // 2 if staged else 1,), "uint32", scope="shared")
-                        xr = T.sblock_alloc_buffer((stage_words,), "uint32", scope="local")
+                        xs = T.sblock_alloc_buffer((k // 4 if a8 else k // 2 if staged else 1,), "uint32",
+                                                   scope="shared")
+                        xr = T.sblock_alloc_buffer((stage_items * 4 if a8 else stage_words,), "uint32",
+                                                   scope="local")
+                        gmf = T.sblock_alloc_buffer((groups if a8 else 1,), "float32", scope="shared")
+                        gmi = T.sblock_alloc_buffer((groups if a8 else 1,), "int32", scope="shared")
+                        am = T.sblock_alloc_buffer((1,), "float32", scope="local")
+                        sq = T.sblock_alloc_buffer((3,), "int32", scope="local")
                         for r in T.unroll(n_acc):
                             accf[r] = T.float32(0)
                         # the first weights do not depend on the previous kernel: with PDL they load while it
@@ -327,7 +446,9 @@ def make_gemv(shape: GemvShape, warps_wanted: int = _WARPS_WANTED, pdl: bool = F
                         if pdl:
                             T.evaluate(T.call_extern("void", cuda_pdl.WAIT))
                             T.evaluate(T.call_extern("void", cuda_pdl.LAUNCH_DEPENDENTS))
-                        if staged:
+                        if a8:
+                            stage_quantized_x(xw, gw, xs, gmf, gmi, xr, rs, am, sq, ssred, ty, tx)
+                        elif staged:
                             stage_normalized_x(xw, gw, xs, xr, rs, ssred, ty, tx)
                         for it in T.unroll(iters):
                             if unit_of(it, ty, tx) < units:
@@ -343,7 +464,7 @@ def make_gemv(shape: GemvShape, warps_wanted: int = _WARPS_WANTED, pdl: bool = F
                                                                    gw[unit_of(it, ty, tx) * x_words + c])
                                 if it >= pre:
                                     load_weights(ww, wl, bx, ty, tx, it)
-                                accumulate(sf, wl, xl, accf, acc, bx, ty, tx, it)
+                                accumulate(sf, wl, xl, accf, acc, gmf, gmi, bx, ty, tx, it)
                         for r in T.unroll(n_acc):
                             for o in T.unroll(5):
                                 if (1 << o) < lanes:
@@ -475,7 +596,8 @@ def match_gemv(func) -> GemvShape | None:
     expected = [x, w] + ([s] if s is not None else []) + ([res] if res is not None else []) + [out]
     if len(func.params) != len(expected) or not all(p.same_as(e) for p, e in zip(func.params, expected)):
         return None
-    return GemvShape(n, k, epilogue, _static_ints(res.shape) if res is not None else (), str(out.dtype), weights)
+    return GemvShape(n, k, epilogue, _static_ints(res.shape) if res is not None else (), str(out.dtype), weights,
+                     activations=q4_activations() if weights == "q4f16_1" else "float16")
 
 
 def _reads_row_major(block, w) -> bool:
@@ -639,7 +761,8 @@ def fuse_decode_gemvs(mod: tvm.ir.IRModule) -> tvm.ir.IRModule:
         shape = gemv_shape(mod, gemv.args[0]) if gemv is not None else None
         if shape is None or shape.epilogue != "none" or shape.n != 2 * swiglus[call.args[0].name_hint]:
             return None
-        return GemvShape(shape.n // 2, shape.k, "swiglu", weights=shape.weights), gemv.args[1]
+        return GemvShape(shape.n // 2, shape.k, "swiglu", weights=shape.weights,
+                         activations=shape.activations), gemv.args[1]
 
     mod = run(mod, swiglu_call) if swiglus else mod
     norms = prim_funcs(mod, match_rms_norm)
