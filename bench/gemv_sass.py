@@ -1,10 +1,11 @@
-"""SASS instruction counts of the q4f16_1 decode GEMVs of the Llama-3-8B shape (no GPU needed), with the default
-unpacking and with MLCC_Q4_ONE_SHIFT=1; and a bit-exact numpy check of the one-shift arithmetic for all 16 codes.
+"""SASS instruction counts of the q4f16_1 decode GEMVs of the Llama-3-8B shape (no GPU needed): the two-shift
+unpacking (MLCC_Q4_ONE_SHIFT=0), the default one-shift unpacking, and x quantized to int8 with DP4A
+(MLCC_Q4_INT8_X=1); and a bit-exact numpy check of the one-shift arithmetic for all 16 codes.
 
     pip download --no-deps nvidia-cuda-cuobjdump -d /tmp/w && python -m zipfile -e /tmp/w/*.whl /tmp/w/x
     python bench/gemv_sass.py --cuobjdump /tmp/w/x/nvidia/cu13/bin/cuobjdump     # needs nvcc
 
-Session 8 (this 2-core dev machine, nvcc 13, sm_90a): bench/results/README.md, issue 4 session 8.
+Sessions 8 and 9 (this 2-core dev machine, nvcc 13, sm_90a): bench/results/README.md, issue 4.
 """
 
 from __future__ import annotations
@@ -21,7 +22,10 @@ import numpy as np
 
 SHAPES = {"qkv": (6144, 4096, "none", True), "o": (4096, 4096, "add", False), "gate_up": (14336, 4096, "swiglu", True),
           "down": (4096, 14336, "add", False)}
-COUNTED = ("HFMA2", "HADD2", "LOP3", "SHF", "PRMT")
+COUNTED = ("HFMA2", "HADD2", "LOP3", "SHF", "PRMT", "IDP", "LDS", "LDG")
+VARIANTS = {"two-shift": {"MLCC_Q4_ONE_SHIFT": "0", "MLCC_Q4_INT8_X": "0"},
+            "one-shift": {"MLCC_Q4_ONE_SHIFT": "1", "MLCC_Q4_INT8_X": "0"},
+            "int8-x": {"MLCC_Q4_ONE_SHIFT": "1", "MLCC_Q4_INT8_X": "1"}}
 
 
 def one_shift_is_exact() -> bool:
@@ -35,17 +39,18 @@ def one_shift_is_exact() -> bool:
                and np.float16(half(0x6400 | (c << 4)) * sixteenth + bias16) == c - 7 for c in range(16))
 
 
-def kernel_source(one_shift: bool) -> str:
+def kernel_source(variant: str) -> str:
     import tvm
 
     from mlcc.schedules import cuda_pdl
-    from mlcc.schedules.cuda_gemv import GemvShape, make_gemv
+    from mlcc.schedules.cuda_gemv import GemvShape, make_gemv, q4_activations
     from mlcc.targets import get_target
     from mlcc.targets.toolchains import toolchain_for
 
-    os.environ["MLCC_Q4_ONE_SHIFT"] = "1" if one_shift else "0"
+    os.environ.update(VARIANTS[variant])
     target = get_target("cuda").tvm_target()
-    shapes = {n: GemvShape(rows, k, epi, (1, 1, rows) if epi == "add" else (), norm_eps=1e-5 if norm else None)
+    shapes = {n: GemvShape(rows, k, epi, (1, 1, rows) if epi == "add" else (), norm_eps=1e-5 if norm else None,
+                           activations=q4_activations())
               for n, (rows, k, epi, norm) in SHAPES.items()}
     with target, toolchain_for("cuda"):
         mod = tvm.IRModule({n: make_gemv(s, pdl=True).with_attr("global_symbol", n) for n, s in shapes.items()})
@@ -77,10 +82,9 @@ def main() -> None:
     a = p.parse_args()
     print("one-shift unpacking exact for all 16 codes:", one_shift_is_exact())
     with tempfile.TemporaryDirectory() as d:
-        for one_shift in (False, True):
-            for name, c in sass_counts(kernel_source(one_shift), a.cuobjdump, Path(d)).items():
-                label = "one-shift" if one_shift else "default"
-                print(f"{label:9} {name:8} " + " ".join(f"{k} {v}" for k, v in c.items()))
+        for variant in VARIANTS:
+            for name, c in sass_counts(kernel_source(variant), a.cuobjdump, Path(d)).items():
+                print(f"{variant:9} {name:8} " + " ".join(f"{k} {v}" for k, v in c.items()))
 
 
 if __name__ == "__main__":
