@@ -245,6 +245,38 @@ def test_pipelined_decode_matches_the_synchronous_loop(engine, pipelined_engine)
     _wait_for_free_pages(pipelined_engine)  # the finish event goes out before the worker removes the sequence
 
 
+def test_pipelined_decode_queues_a_step_only_after_the_previous_steps_tail(engine, pipelined_engine, monkeypatch):
+    """With a step tail (on CUDA: an event after the step's last KV-cache read, runtime.model), step k's KV-cache
+    metadata must not be queued before step k-1 has passed it (TVM copies it into one buffer); the ids are still
+    handed out in order and equal the synchronous loop's."""
+    model, log = pipelined_engine.model, []
+    queue = model.decode_fed_back
+
+    class Tail:
+        def __init__(self, step):
+            self.step = step
+
+        def synchronize(self):
+            log.append(("passed", self.step))
+
+    def decode_fed_back(seq_id, ids):
+        step = sum(1 for e in log if e[0] == "queued")
+        log.append(("queued", step))
+        out = queue(seq_id, ids)
+        model.step_tail = Tail(step)
+        return out
+
+    monkeypatch.setattr(model, "decode_fed_back", decode_fed_back)
+    want = engine.completions.create(prompt="two two", max_tokens=12, temperature=0)
+    got = pipelined_engine.completions.create(prompt="two two", max_tokens=12, temperature=0)
+    assert got.choices[0].text == want.choices[0].text
+    steps = sum(1 for e in log if e[0] == "queued")
+    assert steps >= 10
+    # every step after the first is queued right after its predecessor's tail was waited for, and only then
+    assert log[:2 * steps - 1] == [e for k in range(steps) for e in ((("passed", k - 1),) if k else ()) + (("queued", k),)]
+    _wait_for_free_pages(pipelined_engine)
+
+
 def test_pipelined_sampling_draws_what_the_synchronous_path_draws(engine, pipelined_engine):
     """Seeded temperature/top-p sampling: the same uniform stream, drawn one a step, gives the same text."""
     for seed in (1, 7):
