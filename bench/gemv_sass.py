@@ -39,6 +39,21 @@ def one_shift_is_exact() -> bool:
                and np.float16(half(0x6400 | (c << 4)) * sixteenth + bias16) == c - 7 for c in range(16))
 
 
+def int8_rounding_is_exact(amaxes=(2.0 ** -9, 0.01, 0.37, 1.0, 3.5, 100.0, 65504.0)) -> bool:
+    """mlcc_q8x32's fast branch: for every fp16 x with |x| <= absmax, the low byte of fp16(x * inv + 1536) (one
+    rounding, as HFMA2) is round-half-even(x * inv) as int8, inv = fp16(127 / absmax)."""
+    every = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16).view(np.float16)
+    every = every[np.isfinite(every)].astype(np.float64)
+    for amax in amaxes:
+        x = every[np.abs(every) <= amax]
+        inv = np.float64(np.float16(np.float32(127) / np.float32(amax)))
+        fused = (x * inv + 1536.0).astype(np.float16).view(np.uint16)
+        want = np.rint(x * inv)
+        if np.abs(want).max() > 127 or not np.array_equal((fused & 0xFF).astype(np.uint8).view(np.int8), want):
+            return False
+    return True
+
+
 def kernel_source(variant: str) -> str:
     import tvm
 
@@ -81,6 +96,7 @@ def main() -> None:
     p.add_argument("--cuobjdump", required=True)
     a = p.parse_args()
     print("one-shift unpacking exact for all 16 codes:", one_shift_is_exact())
+    print("int8 rounding of x through fp16 + 1536 exact for every fp16 x:", int8_rounding_is_exact())
     with tempfile.TemporaryDirectory() as d:
         for variant in VARIANTS:
             for name, c in sass_counts(kernel_source(variant), a.cuobjdump, Path(d)).items():

@@ -41,9 +41,9 @@ HELPER_NAME = "mlcc_q4x8_hfma2"
 ONE_SHIFT_HELPER_NAME = "mlcc_q4x8_hfma2_s1"
 
 
-# Not yet measured, off unless MLCC_Q4_INT8_X=1 at build time: q4 GEMVs take x quantized to int8 (a scale per 32
-# values, absmax/127, as llama.cpp's q8_1 activations) and multiply with DP4A: ~26 SASS instructions per row and
-# 32 codes instead of ~72, for the ALU-bound q4 kernels. Changes the arithmetic (x rounded to 8 bits).
+# Not yet measured, off unless MLCC_Q4_INT8_X=1 at build time: q4 GEMVs quantize each 32-value group of x they load
+# to int8 (absmax/127, as llama.cpp's q8_1 activations), once per thread for all its rows, and multiply with DP4A.
+# Changes the arithmetic (x rounded to 8 bits).
 A8_HELPER_NAME = "mlcc_q4x32_dp4a"
 
 
@@ -119,26 +119,43 @@ __device__ __forceinline__ int mlcc_q4x32_dp4a(unsigned w0, unsigned w1, unsigne
   io = mlcc_dp4a_us(w3 & 0xF0F0F0F0u, xo3, io);
   return ie + (io >> 4);
 }
-__device__ __forceinline__ float mlcc_h2_amax(unsigned y) {
-  const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&y));
-  return fmaxf(fabsf(f.x), fabsf(f.y));
+// 32 fp16 values (16 words, natural order) to int8 with one scale: q in the order the DP4A unpacking pairs them with
+// the codes (xe_c, xo_c for c = 0..3), *d such that x ~ q * d, *s7 = 7 * sum(q). Groups with absmax >= 2^-9 round in
+// fp16 (x * inv + 1536 holds round(x * inv) in its low mantissa byte, as two's complement); smaller ones, where
+// 127 / absmax would overflow fp16, in fp32
+__device__ __forceinline__ void mlcc_q8x32(const unsigned* x, unsigned* q, float* d, int* s7) {
+  half2 m = __habs2(mlcc_u2h(x[0]));
+#pragma unroll
+  for (int i = 1; i < 16; ++i) m = __hmax2(m, __habs2(mlcc_u2h(x[i])));
+  const float amax = fmaxf(__low2float(m), __high2float(m));
+  unsigned r[16];
+  if (amax >= 0.001953125f) {
+    const half inv = __float2half_rn(127.0f / amax);
+    const half2 inv2 = __half2half2(inv);
+    const half2 magic = mlcc_u2h(0x66006600u);  // 1536 in both halves
+#pragma unroll
+    for (int i = 0; i < 16; ++i) r[i] = mlcc_h2u(__hfma2(mlcc_u2h(x[i]), inv2, magic));
+    *d = 1.0f / __half2float(inv);
+  } else {
+    const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+#pragma unroll
+    for (int i = 0; i < 16; ++i) {
+      const float2 f = __half22float2(mlcc_u2h(x[i]));
+      r[i] = (unsigned)(__float2int_rn(f.x * inv) & 0xFF) | (unsigned)(__float2int_rn(f.y * inv) & 0xFF) << 16;
+    }
+    *d = amax / 127.0f;
+  }
+  int s = 0;
+#pragma unroll
+  for (int c = 0; c < 4; ++c) {
+    const unsigned t1 = __byte_perm(r[4 * c], r[4 * c + 1], 0x6420);      // x[8c], x[8c+1], x[8c+2], x[8c+3]
+    const unsigned t2 = __byte_perm(r[4 * c + 2], r[4 * c + 3], 0x6420);
+    q[2 * c] = __byte_perm(t1, t2, 0x6420);                               // the even ones
+    q[2 * c + 1] = __byte_perm(t1, t2, 0x7531);                           // the odd ones
+    s = __dp4a((int)q[2 * c], 0x01010101, __dp4a((int)q[2 * c + 1], 0x01010101, s));
+  }
+  *s7 = 7 * s;
 }
-__device__ __forceinline__ unsigned mlcc_q8_byte(float v, float inv) {
-  return (unsigned)(__float2int_rn(v * inv) & 0xFF);
-}
-// int8(x * inv) of the low (odd = 0) or high (odd = 1) halves of 4 fp16 pairs, packed in order
-__device__ __forceinline__ unsigned mlcc_q8_pack4(unsigned y0, unsigned y1, unsigned y2, unsigned y3, float inv,
-                                                  int odd) {
-  const float2 f0 = __half22float2(*reinterpret_cast<const __half2*>(&y0));
-  const float2 f1 = __half22float2(*reinterpret_cast<const __half2*>(&y1));
-  const float2 f2 = __half22float2(*reinterpret_cast<const __half2*>(&y2));
-  const float2 f3 = __half22float2(*reinterpret_cast<const __half2*>(&y3));
-  return odd ? mlcc_q8_byte(f0.y, inv) | mlcc_q8_byte(f1.y, inv) << 8 | mlcc_q8_byte(f2.y, inv) << 16 |
-                   mlcc_q8_byte(f3.y, inv) << 24
-             : mlcc_q8_byte(f0.x, inv) | mlcc_q8_byte(f1.x, inv) << 8 | mlcc_q8_byte(f2.x, inv) << 16 |
-                   mlcc_q8_byte(f3.x, inv) << 24;
-}
-__device__ __forceinline__ int mlcc_q8_sum4(unsigned q) { return __dp4a((int)q, 0x01010101, 0); }
 __device__ __forceinline__ float mlcc_h2_sum(unsigned acc) {
   const half2 a = mlcc_u2h(acc);
   return __low2float(a) + __high2float(a);
@@ -250,7 +267,7 @@ def make_gemv(shape: GemvShape, warps_wanted: int = _WARPS_WANTED, pdl: bool = F
     n_w = 2 * n if swiglu else n  # weight rows
     units = k // shape.unit
     a8 = q4 and shape.activations == "int8"
-    x_words = 8 if a8 else shape.unit // 2  # 32-bit words of x per unit (int8 x: 32 bytes, fp16 x: 64)
+    x_words = shape.unit // 2  # 32-bit words of x per unit
     lanes, rows_w, row_warps, ksplit = config or launch_config(n_w, units, warps_wanted, shape.weights)
     # a swiglu thread owns `rows` output rows: weight rows r (gate) and r + n (up) of each
     rows = max(1, rows_w // 2) if swiglu else rows_w
@@ -275,10 +292,9 @@ def make_gemv(shape: GemvShape, warps_wanted: int = _WARPS_WANTED, pdl: bool = F
     defer = norm and not q4
     q4_helper = q4_helper_name()
     n_acc = rows_w + defer  # the accumulators a thread reduces: its rows [, the sum of x²]
-    staged = norm and q4 or a8
+    staged = norm and q4
     threads = warps * 32
-    stage_words = -(-(k // 2) // threads) if staged and not a8 else 1  # 32-bit words of x a thread stages
-    stage_items = -(-(k // 8) // threads) if a8 else 1  # int8 x: runs of 8 values (4 words) a thread quantizes
+    stage_words = -(-(k // 2) // threads) if staged else 1  # 32-bit words of x a thread stages
 
     def row_of(bx, ty, tx, r):
         return bx * rows_per_block + (ty // ksplit * slots + tx // lanes) * rows + r
@@ -307,15 +323,17 @@ def make_gemv(shape: GemvShape, warps_wanted: int = _WARPS_WANTED, pdl: bool = F
                     wl[slot(it), r, v] = T.uint32(0x77777777 if q4 else 0)
 
     @T.macro
-    def accumulate(sf, wl, xl, accf, acc, gmf, gmi, bx, ty, tx, it):
+    def accumulate(sf, wl, xl, accf, acc, xq, qd, qs, bx, ty, tx, it):
         if a8:
+            T.evaluate(T.call_extern("void", "mlcc_q8x32", T.address_of(xl[0]), T.address_of(xq[0]),
+                                     T.address_of(qd[0]), T.address_of(qs[0])))
             for r in T.unroll(rows_w):
                 if row_of(bx, ty, tx, r % rows) < n:
                     accf[r] = accf[r] + T.Cast("float32", T.call_pure_extern(
                         "int32", A8_HELPER_NAME, wl[slot(it), r, 0], wl[slot(it), r, 1], wl[slot(it), r, 2],
-                        wl[slot(it), r, 3], xl[0], xl[1], xl[2], xl[3], xl[4], xl[5], xl[6], xl[7])
-                        - gmi[unit_of(it, ty, tx)]) * (gmf[unit_of(it, ty, tx)] * T.Cast(
-                            "float32", sf[wrow_of(bx, ty, tx, r) * groups + unit_of(it, ty, tx)]))
+                        wl[slot(it), r, 3], xq[0], xq[1], xq[2], xq[3], xq[4], xq[5], xq[6], xq[7])
+                        - qs[0]) * (qd[0] * T.Cast("float32", sf[wrow_of(bx, ty, tx, r) * groups
+                                                                  + unit_of(it, ty, tx)]))
         elif q4:
             for r in T.unroll(rows_w):
                 acc[r] = T.uint32(0)
@@ -344,52 +362,6 @@ def make_gemv(shape: GemvShape, warps_wanted: int = _WARPS_WANTED, pdl: bool = F
         for j in T.unroll(warps):
             rs[0] = rs[0] + ssred[j, 0]
         rs[0] = T.rsqrt(rs[0] / T.float32(k) + T.float32(eps))
-
-    @T.macro
-    def stage_quantized_x(xw, gw, xs, gmf, gmi, xr, rs, am, sq, ssred, ty, tx):
-        # int8 x: each thread reads runs of 8 values (16 bytes), normalizes them (RMSNorm prologue), and writes them
-        # quantized with their group's scale (absmax over the 4 threads of a group of 32) as the even and odd words
-        # the DP4A unpacking pairs with the codes; per group the scale and 7 x the sum of its int8 values (the
-        # codes' offset of 7, subtracted once per group)
-        rs[0] = T.float32(0)
-        for j in T.unroll(stage_items):
-            for v in T.unroll(4):
-                xr[j * 4 + v] = T.uint32(0)
-            if ty * 32 + tx + j * threads < k // 8:
-                for v in T.vectorized(4):
-                    xr[j * 4 + v] = xw[(ty * 32 + tx + j * threads) * 4 + v]
-            if norm:
-                for v in T.unroll(4):
-                    rs[0] = rs[0] + T.call_pure_extern("float32", "mlcc_h2_sumsq", xr[j * 4 + v])
-        if norm:
-            block_rsqrt(rs, ssred, ty, tx)
-            for j in T.unroll(stage_items):
-                if ty * 32 + tx + j * threads < k // 8:
-                    for v in T.unroll(4):
-                        xr[j * 4 + v] = T.call_pure_extern("uint32", NORM_HELPER_NAME, xr[j * 4 + v],
-                                                           gw[(ty * 32 + tx + j * threads) * 4 + v], rs[0])
-        for j in T.unroll(stage_items):
-            am[0] = T.float32(0)
-            for v in T.unroll(4):
-                am[0] = T.max(am[0], T.call_pure_extern("float32", "mlcc_h2_amax", xr[j * 4 + v]))
-            for o in T.unroll(2):
-                am[0] = T.max(am[0], T.call_pure_extern("float32", "__shfl_xor_sync", T.uint32(0xFFFFFFFF), am[0],
-                                                        1 << o, 32))
-            rs[0] = T.if_then_else(am[0] > T.float32(0), T.float32(127) / am[0], T.float32(0))
-            for h in T.unroll(2):
-                sq[h] = T.call_pure_extern("int32", "mlcc_q8_pack4", xr[j * 4], xr[j * 4 + 1], xr[j * 4 + 2],
-                                           xr[j * 4 + 3], rs[0], h)
-            sq[2] = T.call_pure_extern("int32", "mlcc_q8_sum4", T.Cast("uint32", sq[0])) + \
-                T.call_pure_extern("int32", "mlcc_q8_sum4", T.Cast("uint32", sq[1]))
-            for o in T.unroll(2):
-                sq[2] = sq[2] + T.call_pure_extern("int32", "__shfl_xor_sync", T.uint32(0xFFFFFFFF), sq[2], 1 << o, 32)
-            if ty * 32 + tx + j * threads < k // 8:
-                for h in T.unroll(2):
-                    xs[(ty * 32 + tx + j * threads) * 2 + h] = T.Cast("uint32", sq[h])
-                if (ty * 32 + tx + j * threads) % 4 == 0:
-                    gmf[(ty * 32 + tx + j * threads) // 4] = am[0] / T.float32(127)
-                    gmi[(ty * 32 + tx + j * threads) // 4] = sq[2] * 7
-        T.evaluate(T.tvm_storage_sync("shared"))
 
     @T.macro
     def stage_normalized_x(xw, gw, xs, xr, rs, ssred, ty, tx):
@@ -428,14 +400,11 @@ def make_gemv(shape: GemvShape, warps_wanted: int = _WARPS_WANTED, pdl: bool = F
                         red = T.sblock_alloc_buffer((warps, slots, n_acc), "float32", scope="shared")
                         rs = T.sblock_alloc_buffer((1,), "float32", scope="local")
                         ssred = T.sblock_alloc_buffer((warps, slots), "float32", scope="shared")
-                        xs = T.sblock_alloc_buffer((k // 4 if a8 else k // 2 if staged else 1,), "uint32",
-                                                   scope="shared")
-                        xr = T.sblock_alloc_buffer((stage_items * 4 if a8 else stage_words,), "uint32",
-                                                   scope="local")
-                        gmf = T.sblock_alloc_buffer((groups if a8 else 1,), "float32", scope="shared")
-                        gmi = T.sblock_alloc_buffer((groups if a8 else 1,), "int32", scope="shared")
-                        am = T.sblock_alloc_buffer((1,), "float32", scope="local")
-                        sq = T.sblock_alloc_buffer((3,), "int32", scope="local")
+                        xs = T.sblock_alloc_buffer((k // 2 if staged else 1,), "uint32", scope="shared")
+                        xr = T.sblock_alloc_buffer((stage_words,), "uint32", scope="local")
+                        xq = T.sblock_alloc_buffer((8,), "uint32", scope="local")  # int8 x (a8)
+                        qd = T.sblock_alloc_buffer((1,), "float32", scope="local")
+                        qs = T.sblock_alloc_buffer((1,), "int32", scope="local")
                         for r in T.unroll(n_acc):
                             accf[r] = T.float32(0)
                         # the first weights do not depend on the previous kernel: with PDL they load while it
@@ -446,9 +415,7 @@ def make_gemv(shape: GemvShape, warps_wanted: int = _WARPS_WANTED, pdl: bool = F
                         if pdl:
                             T.evaluate(T.call_extern("void", cuda_pdl.WAIT))
                             T.evaluate(T.call_extern("void", cuda_pdl.LAUNCH_DEPENDENTS))
-                        if a8:
-                            stage_quantized_x(xw, gw, xs, gmf, gmi, xr, rs, am, sq, ssred, ty, tx)
-                        elif staged:
+                        if staged:
                             stage_normalized_x(xw, gw, xs, xr, rs, ssred, ty, tx)
                         for it in T.unroll(iters):
                             if unit_of(it, ty, tx) < units:
@@ -464,7 +431,7 @@ def make_gemv(shape: GemvShape, warps_wanted: int = _WARPS_WANTED, pdl: bool = F
                                                                    gw[unit_of(it, ty, tx) * x_words + c])
                                 if it >= pre:
                                     load_weights(ww, wl, bx, ty, tx, it)
-                                accumulate(sf, wl, xl, accf, acc, gmf, gmi, bx, ty, tx, it)
+                                accumulate(sf, wl, xl, accf, acc, xq, qd, qs, bx, ty, tx, it)
                         for r in T.unroll(n_acc):
                             for o in T.unroll(5):
                                 if (1 << o) < lanes:

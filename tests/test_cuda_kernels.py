@@ -328,6 +328,8 @@ def test_gemv_kernel_matches_numpy_on_the_gpu(n, k, epilogue, norm, weights, pdl
         w = w.astype(np.float16)
         weight_args = [w]
     x = rng.standard_normal((1, 1, k)).astype(np.float16)
+    if activations == "int8" and not norm:
+        x[..., 32:64] *= np.float16(1e-4)  # a group below 2^-9: the int8 kernels' float32 branch
     res = rng.standard_normal((1, 1, n)).astype(np.float16)
     out_dtype = "float32" if epilogue == "cast" else "float16"
     shape = GemvShape(n, k, epilogue, (1, 1, n) if epilogue == "add" else (), out_dtype, weights,
@@ -370,11 +372,22 @@ def test_gemv_kernel_matches_numpy_on_the_gpu(n, k, epilogue, norm, weights, pdl
 
 
 def _int8_activations(x16: np.ndarray) -> np.ndarray:
-    """x as the int8 GEMVs see it: per 32 values, round(x * 127 / absmax) * absmax / 127, in float32."""
+    """x as the int8 GEMVs see it (mlcc_q8x32): per 32 values, absmax >= 2^-9: q = round(x * fp16(127 / absmax)) (the
+    product is exact in float64, rounded once as the kernel's fp16 FMA does), x ~ q / that fp16; smaller groups in
+    float32: q = round(x * (127 / absmax)), x ~ q * absmax / 127."""
     x = x16.astype(np.float32).reshape(-1, 32)
     amax = np.abs(x).max(axis=1, keepdims=True)
-    inv = np.where(amax > 0, np.float32(127) / np.where(amax > 0, amax, 1), np.float32(0)).astype(np.float32)
-    return (np.rint(x * inv) * (amax / np.float32(127))).reshape(-1)
+    out = np.zeros_like(x)
+    for g in range(len(x)):
+        a = amax[g, 0]
+        if a >= np.float32(2.0 ** -9):
+            inv = np.float16(np.float32(127) / a)
+            q = np.rint(x[g].astype(np.float64) * np.float64(inv))
+            out[g] = q * (np.float32(1) / np.float32(inv))
+        elif a > 0:
+            q = np.rint((x[g] * (np.float32(127) / a)).astype(np.float32))
+            out[g] = q * (a / np.float32(127))
+    return out.reshape(-1)
 
 
 @pytest.mark.gpu
