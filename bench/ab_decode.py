@@ -12,8 +12,7 @@ one CUDA graph per step), timed with the engine's pipelined loop (runtime.decode
 library timed with the synchronous loop (decode, argmax, read the id, repeat; every variant before session 8);
 "tail" = base's library, pipelined with the next step's KV metadata queued after the previous step's last
 attention instead of its end (MLCC_STEP_TAIL=1, runtime.model); "one-shift" = a build whose q4 GEMVs unpack with
-one shift per word (MLCC_Q4_ONE_SHIFT=1, schedules/cuda_gemv.py; the default since session 9, as is "tail");
-"int8-x" = a build whose q4 GEMVs quantize x to int8 per 32 values and multiply with DP4A (MLCC_Q4_INT8_X=1); "no-graph" = the same library with plain decode
+one shift per word (MLCC_Q4_ONE_SHIFT=1, schedules/cuda_gemv.py; the default since session 9, as is "tail"); "no-graph" = the same library with plain decode
 (MLCC_DECODE_GRAPH=0 at load: every kernel launched by the VM); "no-pdl" = a build without programmatic dependent launch (MLCC_CUDA_PDL=0);
 "splits16" = a build whose split-KV decode attention cuts every context into 16 chunks whatever the number of KV
 heads (session 4's choice; MLCC_DECODE_SPLITS=16);
@@ -42,9 +41,9 @@ from cli import build_and_run
 from decode import (MODELS, check_against_reference, check_argmax, check_graph_decode, check_pipelined_decode,
                     decode_steps)
 
-VARIANTS = ("base", "sync", "tail", "one-shift", "int8-x", "no-graph", "no-pdl", "splits16", "attn-s5")
-BUILT = ("base", "one-shift", "int8-x", "no-pdl", "splits16", "attn-s5")   # the others load base's library
-ENV = {"tail": {"MLCC_STEP_TAIL": "1"}, "one-shift": {"MLCC_Q4_ONE_SHIFT": "1"}, "int8-x": {"MLCC_Q4_INT8_X": "1"}, "no-pdl": {"MLCC_CUDA_PDL": "0"},
+VARIANTS = ("base", "sync", "tail", "one-shift", "no-graph", "no-pdl", "splits16", "attn-s5")
+BUILT = ("base", "one-shift", "no-pdl", "splits16", "attn-s5")   # the others load base's library
+ENV = {"tail": {"MLCC_STEP_TAIL": "1"}, "one-shift": {"MLCC_Q4_ONE_SHIFT": "1"}, "no-pdl": {"MLCC_CUDA_PDL": "0"},
        "no-graph": {"MLCC_DECODE_GRAPH": "0"}, "splits16": {"MLCC_DECODE_SPLITS": "16"}, "attn-s5": {"MLCC_DECODE_TOKENS": "4"}}
 
 

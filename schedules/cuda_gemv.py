@@ -41,16 +41,6 @@ HELPER_NAME = "mlcc_q4x8_hfma2"
 ONE_SHIFT_HELPER_NAME = "mlcc_q4x8_hfma2_s1"
 
 
-# Not yet measured, off unless MLCC_Q4_INT8_X=1 at build time: q4 GEMVs quantize each 32-value group of x they load
-# to int8 (absmax/127, as llama.cpp's q8_1 activations), once per thread for all its rows, and multiply with DP4A.
-# Changes the arithmetic (x rounded to 8 bits).
-A8_HELPER_NAME = "mlcc_q4x32_dp4a"
-
-
-def q4_activations() -> str:
-    return "int8" if os.environ.get("MLCC_Q4_INT8_X", "0") == "1" else "float16"
-
-
 def q4_helper_name() -> str:
     return ONE_SHIFT_HELPER_NAME if os.environ.get("MLCC_Q4_ONE_SHIFT", "1") == "1" else HELPER_NAME
 
@@ -98,64 +88,6 @@ __device__ __forceinline__ unsigned mlcc_q4x8_hfma2_s1(unsigned w, unsigned x01,
               mlcc_u2h(__byte_perm(x23, x67, 0x7632)), a);
   return mlcc_h2u(a);
 }
-// sum over the 32 codes of a group (4 words) of code * x, x as int8 in the order the unpacking gives them:
-// xe_c = x[8c], x[8c+2], x[8c+4], x[8c+6] and xo_c = the odd ones. The odd codes are masked in place (16 * code,
-// unsigned bytes), so their sum is 16x and is shifted back once (exact)
-__device__ __forceinline__ int mlcc_dp4a_us(unsigned a, unsigned b, int c) {
-  int d;
-  asm("dp4a.u32.s32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
-  return d;
-}
-__device__ __forceinline__ int mlcc_q4x32_dp4a(unsigned w0, unsigned w1, unsigned w2, unsigned w3,
-                                               unsigned xe0, unsigned xo0, unsigned xe1, unsigned xo1,
-                                               unsigned xe2, unsigned xo2, unsigned xe3, unsigned xo3) {
-  int ie = __dp4a((int)(w0 & 0x0F0F0F0Fu), (int)xe0, 0);
-  int io = mlcc_dp4a_us(w0 & 0xF0F0F0F0u, xo0, 0);
-  ie = __dp4a((int)(w1 & 0x0F0F0F0Fu), (int)xe1, ie);
-  io = mlcc_dp4a_us(w1 & 0xF0F0F0F0u, xo1, io);
-  ie = __dp4a((int)(w2 & 0x0F0F0F0Fu), (int)xe2, ie);
-  io = mlcc_dp4a_us(w2 & 0xF0F0F0F0u, xo2, io);
-  ie = __dp4a((int)(w3 & 0x0F0F0F0Fu), (int)xe3, ie);
-  io = mlcc_dp4a_us(w3 & 0xF0F0F0F0u, xo3, io);
-  return ie + (io >> 4);
-}
-// 32 fp16 values (16 words, natural order) to int8 with one scale: q in the order the DP4A unpacking pairs them with
-// the codes (xe_c, xo_c for c = 0..3), *d such that x ~ q * d, *s7 = 7 * sum(q). Groups with absmax >= 2^-9 round in
-// fp16 (x * inv + 1536 holds round(x * inv) in its low mantissa byte, as two's complement); smaller ones, where
-// 127 / absmax would overflow fp16, in fp32
-__device__ __forceinline__ void mlcc_q8x32(const unsigned* x, unsigned* q, float* d, int* s7) {
-  half2 m = __habs2(mlcc_u2h(x[0]));
-#pragma unroll
-  for (int i = 1; i < 16; ++i) m = __hmax2(m, __habs2(mlcc_u2h(x[i])));
-  const float amax = fmaxf(__low2float(m), __high2float(m));
-  unsigned r[16];
-  if (amax >= 0.001953125f) {
-    const half inv = __float2half_rn(127.0f / amax);
-    const half2 inv2 = __half2half2(inv);
-    const half2 magic = mlcc_u2h(0x66006600u);  // 1536 in both halves
-#pragma unroll
-    for (int i = 0; i < 16; ++i) r[i] = mlcc_h2u(__hfma2(mlcc_u2h(x[i]), inv2, magic));
-    *d = 1.0f / __half2float(inv);
-  } else {
-    const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
-#pragma unroll
-    for (int i = 0; i < 16; ++i) {
-      const float2 f = __half22float2(mlcc_u2h(x[i]));
-      r[i] = (unsigned)(__float2int_rn(f.x * inv) & 0xFF) | (unsigned)(__float2int_rn(f.y * inv) & 0xFF) << 16;
-    }
-    *d = amax / 127.0f;
-  }
-  int s = 0;
-#pragma unroll
-  for (int c = 0; c < 4; ++c) {
-    const unsigned t1 = __byte_perm(r[4 * c], r[4 * c + 1], 0x6420);      // x[8c], x[8c+1], x[8c+2], x[8c+3]
-    const unsigned t2 = __byte_perm(r[4 * c + 2], r[4 * c + 3], 0x6420);
-    q[2 * c] = __byte_perm(t1, t2, 0x6420);                               // the even ones
-    q[2 * c + 1] = __byte_perm(t1, t2, 0x7531);                           // the odd ones
-    s = __dp4a((int)q[2 * c], 0x01010101, __dp4a((int)q[2 * c + 1], 0x01010101, s));
-  }
-  *s7 = 7 * s;
-}
 __device__ __forceinline__ float mlcc_h2_sum(unsigned acc) {
   const half2 a = mlcc_u2h(acc);
   return __low2float(a) + __high2float(a);
@@ -172,7 +104,6 @@ class GemvShape:
     out_dtype: str = "float16"
     weights: str = "q4f16_1"  # | "float16"
     norm_eps: float | None = None  # RMSNorm prologue: x is the un-normalized input, with the norm weight after it
-    activations: str = "float16"  # | "int8": q4 weights only, x quantized per 32 values inside the kernel (DP4A)
 
     @property
     def unit(self) -> int:
@@ -266,7 +197,6 @@ def make_gemv(shape: GemvShape, warps_wanted: int = _WARPS_WANTED, pdl: bool = F
     swiglu = epi == "swiglu"
     n_w = 2 * n if swiglu else n  # weight rows
     units = k // shape.unit
-    a8 = q4 and shape.activations == "int8"
     x_words = shape.unit // 2  # 32-bit words of x per unit
     lanes, rows_w, row_warps, ksplit = config or launch_config(n_w, units, warps_wanted, shape.weights)
     # a swiglu thread owns `rows` output rows: weight rows r (gate) and r + n (up) of each
@@ -323,18 +253,8 @@ def make_gemv(shape: GemvShape, warps_wanted: int = _WARPS_WANTED, pdl: bool = F
                     wl[slot(it), r, v] = T.uint32(0x77777777 if q4 else 0)
 
     @T.macro
-    def accumulate(sf, wl, xl, accf, acc, xq, qd, qs, bx, ty, tx, it):
-        if a8:
-            T.evaluate(T.call_extern("void", "mlcc_q8x32", T.address_of(xl[0]), T.address_of(xq[0]),
-                                     T.address_of(qd[0]), T.address_of(qs[0])))
-            for r in T.unroll(rows_w):
-                if row_of(bx, ty, tx, r % rows) < n:
-                    accf[r] = accf[r] + T.Cast("float32", T.call_pure_extern(
-                        "int32", A8_HELPER_NAME, wl[slot(it), r, 0], wl[slot(it), r, 1], wl[slot(it), r, 2],
-                        wl[slot(it), r, 3], xq[0], xq[1], xq[2], xq[3], xq[4], xq[5], xq[6], xq[7])
-                        - qs[0]) * (qd[0] * T.Cast("float32", sf[wrow_of(bx, ty, tx, r) * groups
-                                                                  + unit_of(it, ty, tx)]))
-        elif q4:
+    def accumulate(sf, wl, xl, accf, acc, bx, ty, tx, it):
+        if q4:
             for r in T.unroll(rows_w):
                 acc[r] = T.uint32(0)
             for c in T.unroll(4):
@@ -351,19 +271,6 @@ def make_gemv(shape: GemvShape, warps_wanted: int = _WARPS_WANTED, pdl: bool = F
                     accf[r] = T.call_pure_extern("float32", F16_HELPER_NAME, wl[slot(it), r, c], xl[c], accf[r])
 
     @T.macro
-    def block_rsqrt(rs, ssred, ty, tx):
-        # rs[0]: this thread's share of the sum of x² in, 1/rms(x) of the whole block out (one barrier)
-        for o in T.unroll(5):
-            rs[0] = rs[0] + T.call_pure_extern("float32", "__shfl_xor_sync", T.uint32(0xFFFFFFFF), rs[0], 1 << o, 32)
-        if tx == 0:
-            ssred[ty, 0] = rs[0]
-        T.evaluate(T.tvm_storage_sync("shared"))
-        rs[0] = T.float32(0)
-        for j in T.unroll(warps):
-            rs[0] = rs[0] + ssred[j, 0]
-        rs[0] = T.rsqrt(rs[0] / T.float32(k) + T.float32(eps))
-
-    @T.macro
     def stage_normalized_x(xw, gw, xs, xr, rs, ssred, ty, tx):
         # the block's threads read x once (into registers), sum its squares across the block, then write it
         # rescaled to shared memory for every warp: one read of x per block and two barriers
@@ -373,7 +280,15 @@ def make_gemv(shape: GemvShape, warps_wanted: int = _WARPS_WANTED, pdl: bool = F
             if ty * 32 + tx + j * threads < k // 2:
                 xr[j] = xw[ty * 32 + tx + j * threads]
             rs[0] = rs[0] + T.call_pure_extern("float32", "mlcc_h2_sumsq", xr[j])
-        block_rsqrt(rs, ssred, ty, tx)
+        for o in T.unroll(5):
+            rs[0] = rs[0] + T.call_pure_extern("float32", "__shfl_xor_sync", T.uint32(0xFFFFFFFF), rs[0], 1 << o, 32)
+        if tx == 0:
+            ssred[ty, 0] = rs[0]
+        T.evaluate(T.tvm_storage_sync("shared"))
+        rs[0] = T.float32(0)
+        for j in T.unroll(warps):
+            rs[0] = rs[0] + ssred[j, 0]
+        rs[0] = T.rsqrt(rs[0] / T.float32(k) + T.float32(eps))
         for j in T.unroll(stage_words):
             if ty * 32 + tx + j * threads < k // 2:
                 xs[ty * 32 + tx + j * threads] = T.call_pure_extern(
@@ -402,9 +317,6 @@ def make_gemv(shape: GemvShape, warps_wanted: int = _WARPS_WANTED, pdl: bool = F
                         ssred = T.sblock_alloc_buffer((warps, slots), "float32", scope="shared")
                         xs = T.sblock_alloc_buffer((k // 2 if staged else 1,), "uint32", scope="shared")
                         xr = T.sblock_alloc_buffer((stage_words,), "uint32", scope="local")
-                        xq = T.sblock_alloc_buffer((8,), "uint32", scope="local")  # int8 x (a8)
-                        qd = T.sblock_alloc_buffer((1,), "float32", scope="local")
-                        qs = T.sblock_alloc_buffer((1,), "int32", scope="local")
                         for r in T.unroll(n_acc):
                             accf[r] = T.float32(0)
                         # the first weights do not depend on the previous kernel: with PDL they load while it
@@ -431,7 +343,7 @@ def make_gemv(shape: GemvShape, warps_wanted: int = _WARPS_WANTED, pdl: bool = F
                                                                    gw[unit_of(it, ty, tx) * x_words + c])
                                 if it >= pre:
                                     load_weights(ww, wl, bx, ty, tx, it)
-                                accumulate(sf, wl, xl, accf, acc, xq, qd, qs, bx, ty, tx, it)
+                                accumulate(sf, wl, xl, accf, acc, bx, ty, tx, it)
                         for r in T.unroll(n_acc):
                             for o in T.unroll(5):
                                 if (1 << o) < lanes:
@@ -563,8 +475,7 @@ def match_gemv(func) -> GemvShape | None:
     expected = [x, w] + ([s] if s is not None else []) + ([res] if res is not None else []) + [out]
     if len(func.params) != len(expected) or not all(p.same_as(e) for p, e in zip(func.params, expected)):
         return None
-    return GemvShape(n, k, epilogue, _static_ints(res.shape) if res is not None else (), str(out.dtype), weights,
-                     activations=q4_activations() if weights == "q4f16_1" else "float16")
+    return GemvShape(n, k, epilogue, _static_ints(res.shape) if res is not None else (), str(out.dtype), weights)
 
 
 def _reads_row_major(block, w) -> bool:
@@ -728,8 +639,7 @@ def fuse_decode_gemvs(mod: tvm.ir.IRModule) -> tvm.ir.IRModule:
         shape = gemv_shape(mod, gemv.args[0]) if gemv is not None else None
         if shape is None or shape.epilogue != "none" or shape.n != 2 * swiglus[call.args[0].name_hint]:
             return None
-        return GemvShape(shape.n // 2, shape.k, "swiglu", weights=shape.weights,
-                         activations=shape.activations), gemv.args[1]
+        return GemvShape(shape.n // 2, shape.k, "swiglu", weights=shape.weights), gemv.args[1]
 
     mod = run(mod, swiglu_call) if swiglus else mod
     norms = prim_funcs(mod, match_rms_norm)
