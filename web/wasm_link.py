@@ -19,7 +19,7 @@ def export_wasm(executable: Any, out_path: Path) -> None:
     home = build_runtime()
 
     def fcompile(output: str, objects: list[str], options: list[str] | None = None) -> None:
-        # create_tvmjs_wasm finds the runtime bitcode under $TVM_HOME/web/dist/wasm and runs emcc with os.environ
+        # create_tvmjs_wasm finds the runtime (*.bc names) under $TVM_HOME/web/dist/wasm and runs emcc with os.environ
         with mock.patch.dict(os.environ, {**emcc_env(), "TVM_HOME": str(home)}):
             emcc.create_tvmjs_wasm(output, objects, options)
 

@@ -2,8 +2,8 @@
 
 The wheel ships `tvm/web/emcc/*.cc`, `src/runtime` and `include`; apache-tvm-ffi ships `src/ffi`. A few support
 headers are missing from the wheel; `runtime/tvm_support/` holds our own versions. Sources are staged into a build
-folder (so their relative includes resolve), compiled once to LLVM bitcode with emscripten, and cached per
-TVM/emscripten version. Model wasm files link against this bitcode.
+folder (so their relative includes resolve), compiled once to wasm objects with emscripten, and cached per
+TVM/emscripten version. Model wasm files link against these objects.
 """
 
 from __future__ import annotations
@@ -19,6 +19,9 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 RUNTIME_SOURCES = ("wasm_runtime", "tvmjs_support", "webgpu_runtime")
+# Compiled wasm objects under TVM's .bc names (emcc reads either by content): as LLVM bitcode, every model link ran
+# link-time codegen over the whole runtime again (~110 s of a tiny model's 115 s webgpu build on 2 cores)
+RUNTIME_FORMAT = "wasm-object"
 SUPPORT_DIR = Path(__file__).resolve().parents[1] / "runtime" / "tvm_support"
 
 
@@ -57,7 +60,7 @@ def _fingerprint() -> str:
     import tvm_ffi
 
     h = hashlib.sha256()
-    h.update(f"{tvm.__version__}|{tvm_ffi.__version__}|{emcc_version()}".encode())
+    h.update(f"{tvm.__version__}|{tvm_ffi.__version__}|{emcc_version()}|{RUNTIME_FORMAT}".encode())
     for p in sorted(SUPPORT_DIR.rglob("*.h")):
         h.update(p.read_bytes())
     return h.hexdigest()[:16]
@@ -90,7 +93,7 @@ def _compile_one(root: Path, name: str, out: Path) -> None:
     flags = [f"-I{root}", f"-I{root}/include", f"-I{root}/3rdparty/tvm-ffi/include",
              f"-I{root}/3rdparty/tvm-ffi/3rdparty/dlpack/include", f"-I{root}/3rdparty/compiler-rt",
              "-O3", "-std=c++17", "-Wno-ignored-attributes"]
-    cmd = [emcc_path(), *flags, "-emit-llvm", "-c", "-o", str(out), str(root / "web" / "emcc" / f"{name}.cc")]
+    cmd = [emcc_path(), *flags, "-c", "-o", str(out), str(root / "web" / "emcc" / f"{name}.cc")]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=emcc_env())
     if proc.returncode != 0:
         raise WasmToolchainError(f"building the TVM wasm runtime failed in {name}.cc:\n{proc.stderr[-6000:]}")
