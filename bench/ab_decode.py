@@ -10,9 +10,10 @@ variants without a folder load base's library). To compare against another commi
 ...` (PYTHONPATH wins over the editable install), then rename its `base` folder (session 7: bench/issue4_s7_h200.sh). "base" = the default build (batch-1 decode through decode_graph,
 one CUDA graph per step), timed with the engine's pipelined loop (runtime.decode_pipeline); "sync" = the same
 library timed with the synchronous loop (decode, argmax, read the id, repeat; every variant before session 8);
-"tail" = base's library, pipelined with the next step's KV metadata queued after the previous step's last
-attention instead of its end (MLCC_STEP_TAIL=1, runtime.model); "one-shift" = a build whose q4 GEMVs unpack with
-one shift per word (MLCC_Q4_ONE_SHIFT=1, schedules/cuda_gemv.py; the default since session 9, as is "tail"); "no-graph" = the same library with plain decode
+"no-tail" = base's library, pipelined with the next step's KV metadata queued only after the previous step's end
+instead of its last attention (MLCC_STEP_TAIL=0, runtime.model); "two-shift" = a build whose q4 GEMVs unpack with
+three shifts per word instead of one (MLCC_Q4_ONE_SHIFT=0, schedules/cuda_gemv.py) — session 9 measured the other
+way round, as "tail" and "one-shift" against a base without them (bench/issue4_s9_h200.sh at 6859041); "no-graph" = the same library with plain decode
 (MLCC_DECODE_GRAPH=0 at load: every kernel launched by the VM); "no-pdl" = a build without programmatic dependent launch (MLCC_CUDA_PDL=0);
 "splits16" = a build whose split-KV decode attention cuts every context into 16 chunks whatever the number of KV
 heads (session 4's choice; MLCC_DECODE_SPLITS=16);
@@ -41,9 +42,9 @@ from cli import build_and_run
 from decode import (MODELS, check_against_reference, check_argmax, check_graph_decode, check_pipelined_decode,
                     decode_steps)
 
-VARIANTS = ("base", "sync", "tail", "one-shift", "no-graph", "no-pdl", "splits16", "attn-s5")
-BUILT = ("base", "one-shift", "no-pdl", "splits16", "attn-s5")   # the others load base's library
-ENV = {"tail": {"MLCC_STEP_TAIL": "1"}, "one-shift": {"MLCC_Q4_ONE_SHIFT": "1"}, "no-pdl": {"MLCC_CUDA_PDL": "0"},
+VARIANTS = ("base", "sync", "no-tail", "two-shift", "no-graph", "no-pdl", "splits16", "attn-s5")
+BUILT = ("base", "two-shift", "no-pdl", "splits16", "attn-s5")   # the others load base's library
+ENV = {"no-tail": {"MLCC_STEP_TAIL": "0"}, "two-shift": {"MLCC_Q4_ONE_SHIFT": "0"}, "no-pdl": {"MLCC_CUDA_PDL": "0"},
        "no-graph": {"MLCC_DECODE_GRAPH": "0"}, "splits16": {"MLCC_DECODE_SPLITS": "16"}, "attn-s5": {"MLCC_DECODE_TOKENS": "4"}}
 
 

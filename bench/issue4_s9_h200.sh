@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
-# Issue 4, next session (NOT RUN YET: written after session 8's device budget was spent). One A/B call, four shapes:
+# Issue 4, session 9, call 3 (run at 6859041, when tail and one-shift were still off by default; results
+# bench/results/ab_decode_h200_tail_oneshift_s9.json). Since cd76ce6 both are the default, so the same comparison is
+# now base against ab_decode's "no-tail" / "two-shift" variants. One A/B call, four shapes:
 #   base      the default build, pipelined loop (waits for the previous step's end before queuing the next one)
 #   tail      base's library, the next step's KV metadata queued once the previous step has passed its last
 #             attention (MLCC_STEP_TAIL=1, runtime.model)

@@ -251,6 +251,7 @@ def test_pipelined_decode_queues_a_step_only_after_the_previous_steps_tail(engin
     handed out in order and equal the synchronous loop's."""
     model, log = pipelined_engine.model, []
     queue = model.decode_fed_back
+    monkeypatch.setattr(model, "step_tail", None)  # restored after the test: the engine is shared by the module
 
     class Tail:
         def __init__(self, step):

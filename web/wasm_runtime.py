@@ -105,11 +105,14 @@ def build_runtime(force: bool = False) -> Path:
 
     home = runtime_dir()
     dist = home / "web" / "dist" / "wasm"
-    if not force and all((dist / f"{n}.bc").exists() for n in RUNTIME_SOURCES):
-        return home
-    with cache_lock(home):
-        if force or not all((dist / f"{n}.bc").exists() for n in RUNTIME_SOURCES):
-            _build_runtime(home, dist)
+
+    def built() -> bool:
+        return not force and all((dist / f"{n}.bc").exists() for n in RUNTIME_SOURCES)
+
+    if not built():
+        with cache_lock(home):
+            if not built():  # another process may have built it while this one waited
+                _build_runtime(home, dist)
     return home
 
 
