@@ -37,6 +37,16 @@ def configs(n: int, units: int):
         yield lanes, rows, row_warps, ksplit, pre
 
 
+def tc_configs(n: int, k: int):
+    """(row warps, warps splitting K, steps preloaded, variant) for the tensor-core q4 kernel (cuda_gemv_tc)."""
+    chunks = -(-(k // 32) // 4)
+    for row_warps, ksplit, pre in itertools.product((1, 2, 4), (1, 2, 4, 8), (1, 2, 4)):
+        iters = -(-chunks // ksplit)
+        if row_warps * ksplit > 16 or ksplit > chunks or pre > iters or row_warps * ksplit < 2:
+            continue
+        yield row_warps, ksplit, pre, "sub"
+
+
 def _quant(weights: str) -> str:
     return "q4f16_1" if weights == "q4f16_1" else "q0f16"
 
@@ -61,7 +71,22 @@ def cmd_build(a) -> None:
         n, k = SHAPES[name]
         shape = GemvShape(n, k, "none", weights=a.weights)
         funcs, entries = {}, []
-        for cfg in configs(n, k // shape.unit):
+        if a.tc:
+            # the tensor-core kernel's configurations next to the CUDA-core kernel as the model builds it now
+            from mlcc.schedules.cuda_gemv_tc import make_gemv_tc, tc_launch_config
+
+            cur = launch_config(n, k // shape.unit)
+            funcs[f"{name}__cur"] = make_gemv(shape, pdl=True).with_attr("global_symbol", f"{name}__cur")
+            entries.append({"func": f"{name}__cur", "config": ["cuda-core", *cur, 1], "current": True})
+            default = tc_launch_config(-(-n // 16), -(-(k // 32) // 4))
+            cfgs = list(tc_configs(n, k)) + [(*default, 1, "bias"), (*default, 2, "bias")]
+            for cfg in cfgs:
+                fname = f"{name}__tc_" + "_".join(map(str, cfg))
+                funcs[fname] = make_gemv_tc(shape, pdl=True, config=cfg[:2], preload=cfg[2], variant=cfg[3]) \
+                    .with_attr("global_symbol", fname)
+                entries.append({"func": fname, "config": ["tc", *cfg], "current": False,
+                                "tc_default": cfg[:2] == default})
+        for cfg in ([] if a.tc else configs(n, k // shape.unit)):
             fname = f"{name}__" + "_".join(map(str, cfg))
             funcs[fname] = make_gemv(shape, pdl=True, config=cfg[:4], preload=cfg[4]).with_attr("global_symbol", fname)
             entries.append({"func": fname, "config": cfg,
@@ -129,11 +154,13 @@ def cmd_run(a) -> None:
     bad = [r for r in rows if not r["check_ok"]]
     print(f"{len(rows)} kernels timed, {len(bad)} wrong", flush=True)
     Path(a.out).mkdir(parents=True, exist_ok=True)
-    (Path(a.out) / f"gemv_sweep_{quant}.json").write_text(json.dumps(rows, indent=1))
+    tag = "_tc" if any(r["config"][0] == "tc" for r in rows if isinstance(r["config"], list)) else ""
+    (Path(a.out) / f"gemv_sweep_{quant}{tag}.json").write_text(json.dumps(rows, indent=1))
 
 
 def _configure(b, r) -> None:
     b.add_argument("--weights", choices=("q4f16_1", "float16"), default="q4f16_1")
+    b.add_argument("--tc", action="store_true", help="q4f16_1: the tensor-core kernel's configurations (cuda_gemv_tc)")
     r.add_argument("--graph", action="store_true",
                    help="time from a CUDA graph of the calls (gemv_kernels.time_graph); us_queued keeps the other")
 

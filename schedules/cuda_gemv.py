@@ -44,6 +44,15 @@ ONE_SHIFT_HELPER_NAME = "mlcc_q4x8_hfma2_s1"
 def q4_helper_name() -> str:
     return ONE_SHIFT_HELPER_NAME if os.environ.get("MLCC_Q4_ONE_SHIFT", "1") == "1" else HELPER_NAME
 
+
+def q4_kernel() -> str:
+    """Which q4f16_1 decode GEMV the model gets: "tc" (tensor cores, cuda_gemv_tc) or "cuda-core" (this module's
+    HFMA2 kernel); MLCC_Q4_KERNEL at build time."""
+    kernel = os.environ.get("MLCC_Q4_KERNEL", "cuda-core")
+    if kernel not in ("tc", "cuda-core"):
+        raise ValueError(f"MLCC_Q4_KERNEL={kernel!r}: use 'tc' or 'cuda-core'")
+    return kernel
+
 # Device helpers, added to the CUDA source of any module that calls them (schedules/cuda_source.py).
 CUDA_HELPERS = r"""
 #include <cuda_fp16.h>
@@ -192,6 +201,11 @@ def make_gemv(shape: GemvShape, warps_wanted: int = _WARPS_WANTED, pdl: bool = F
     registers."""
     from tvm.script import tirx as T
 
+    if shape.weights == "q4f16_1" and config is None and preload == 1 and q4_kernel() == "tc":
+        from .cuda_gemv_tc import make_gemv_tc, supports
+
+        if supports(shape):
+            return make_gemv_tc(shape, pdl=pdl)
     n, k, epi = shape.n, shape.k, shape.epilogue
     q4 = shape.weights == "q4f16_1"
     swiglu = epi == "swiglu"

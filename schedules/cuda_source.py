@@ -11,9 +11,10 @@ _DEFINED = re.compile(r"__device__\s+__forceinline__\s+[\w\s*]+?\b(\w+)\s*\(")
 
 def _helper_groups() -> list[str]:
     """The helper sources; each is added whole where the code calls any function it defines."""
-    from . import cuda_gemv, cuda_pdl
+    from . import cuda_gemv, cuda_gemv_tc, cuda_pdl
 
-    return [cuda_gemv.CUDA_HELPERS, cuda_gemv.F16_HELPERS, cuda_gemv.NORM_HELPERS, cuda_pdl.CUDA_HELPERS]
+    return [cuda_gemv.CUDA_HELPERS, cuda_gemv.F16_HELPERS, cuda_gemv.NORM_HELPERS, cuda_gemv_tc.CUDA_HELPERS,
+            cuda_pdl.CUDA_HELPERS]
 
 
 def _marker(name: str) -> str:

@@ -304,14 +304,17 @@ def test_pipelined_decode_matches_the_synchronous_loop_on_the_gpu(hf_models, tmp
     assert runs[0] == runs[1] and len(set(runs[0])) > 1
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("pdl", [False, True])
-@pytest.mark.parametrize("weights", ["q4f16_1", "float16"])
-@pytest.mark.parametrize("n,k,epilogue,norm", [
+GEMV_CASES = [
     (4096, 4096, "add", False), (1000, 896, "none", False), (320, 64, "cast", False), (4096, 14336, "add", False),
     (4864, 896, "swiglu", False), (128, 64, "swiglu", False),
     (6144, 4096, "none", True), (1000, 896, "add", True), (320, 64, "cast", True), (14336, 4096, "swiglu", True),
-    (1536, 576, "swiglu", True)])
+    (1536, 576, "swiglu", True), (1000, 4000, "add", False), (8, 4096, "cast", True)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("pdl", [False, True])
+@pytest.mark.parametrize("weights", ["q4f16_1", "float16"])
+@pytest.mark.parametrize("n,k,epilogue,norm", GEMV_CASES)
 def test_gemv_kernel_matches_numpy_on_the_gpu(n, k, epilogue, norm, weights, pdl):
     from mlcc.targets.toolchains import toolchain_for
 
@@ -365,6 +368,38 @@ def test_one_shift_q4_unpacking_matches_numpy_on_the_gpu(monkeypatch, n, k, epil
     """The two-shift unpacking (MLCC_Q4_ONE_SHIFT=0; one shift per word is the default) computes the same GEMV."""
     monkeypatch.setenv("MLCC_Q4_ONE_SHIFT", "0")
     test_gemv_kernel_matches_numpy_on_the_gpu(n, k, epilogue, norm, "q4f16_1", True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", ["sub", "bias"])
+@pytest.mark.parametrize("n,k,epilogue,norm", GEMV_CASES)
+def test_tensor_core_q4_gemv_matches_numpy_on_the_gpu(monkeypatch, n, k, epilogue, norm, variant):
+    """The tensor-core q4 kernel (MLCC_Q4_KERNEL=tc; codes as fp16 subnormals or 1024 + code) on every shape the
+    CUDA-core kernel is tested on: row tails, partial chunks of four groups, K split unevenly, every epilogue."""
+    monkeypatch.setenv("MLCC_Q4_KERNEL", "tc")
+    monkeypatch.setenv("MLCC_Q4_TC_VARIANT", variant)
+    test_gemv_kernel_matches_numpy_on_the_gpu(n, k, epilogue, norm, "q4f16_1", True)
+
+
+def test_tensor_core_q4_gemv_is_used_and_compiles(monkeypatch, tmp_path):
+    from mlcc.schedules.cuda_gemv_tc import STEP_HELPERS
+    from mlcc.targets.toolchains import toolchain_for
+
+    monkeypatch.setenv("MLCC_Q4_KERNEL", "tc")
+    target = get_target("cuda").tvm_target()
+    with target, toolchain_for("cuda"):
+        kernel = make_gemv(GemvShape(1536, 576, "swiglu", norm_eps=1e-5)).with_attr("global_symbol", "main")
+        lib = tvm.compile(tvm.IRModule({"main": kernel}), target)
+    (cuda,) = [m for m in lib.mod.imports if m.kind == "cuda"]
+    src = cuda.inspect_source()
+    assert f"{STEP_HELPERS['sub']}(" in src.split("extern \"C\" __global__", 1)[1]
+    nvcc = shutil.which("nvcc")
+    if nvcc is None:
+        return
+    (tmp_path / "k.cu").write_text(src)
+    r = subprocess.run([nvcc, "-arch=sm_90", "-cubin", "-o", str(tmp_path / "k.cubin"), str(tmp_path / "k.cu")],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-2000:]
 
 
 def test_one_shift_q4_unpacking_is_called_and_compiles(monkeypatch, tmp_path):
