@@ -45,12 +45,23 @@ def q4_helper_name() -> str:
     return ONE_SHIFT_HELPER_NAME if os.environ.get("MLCC_Q4_ONE_SHIFT", "1") == "1" else HELPER_NAME
 
 
-def q4_kernel() -> str:
-    """Which q4f16_1 decode GEMV the model gets: "tc" (tensor cores, cuda_gemv_tc) or "cuda-core" (this module's
-    HFMA2 kernel); MLCC_Q4_KERNEL at build time."""
-    kernel = os.environ.get("MLCC_Q4_KERNEL", "cuda-core")
-    if kernel not in ("tc", "cuda-core"):
-        raise ValueError(f"MLCC_Q4_KERNEL={kernel!r}: use 'tc' or 'cuda-core'")
+# The tensor-core kernel (cuda_gemv_tc) is faster where a projection is short and its time mostly latency (H200
+# sweep, session 10, 8B shapes with weights from DRAM: qkv 5.6 vs 6.5 us, o 4.8 vs 6.0 us), slower on long ones
+# (gate_up 19.7 vs 19.3 us, down 13.6 vs 11.1 us: its per-block staging of x and two mma chains per step cost more
+# there than the unpacking it saves). "auto" takes it up to this many bytes of codes.
+TC_MAX_CODE_BYTES = 16 << 20
+
+
+def q4_kernel(shape: GemvShape | None = None) -> str:
+    """Which q4f16_1 decode GEMV a projection gets: "tc" (tensor cores, cuda_gemv_tc) or "cuda-core" (this
+    module's HFMA2 kernel). MLCC_Q4_KERNEL at build time: "auto" (default: tc for projections up to
+    TC_MAX_CODE_BYTES of codes), "tc" or "cuda-core" for every projection."""
+    kernel = os.environ.get("MLCC_Q4_KERNEL", "auto")
+    if kernel not in ("auto", "tc", "cuda-core"):
+        raise ValueError(f"MLCC_Q4_KERNEL={kernel!r}: use 'auto', 'tc' or 'cuda-core'")
+    if kernel == "auto":
+        n_w = 2 * shape.n if shape is not None and shape.epilogue == "swiglu" else getattr(shape, "n", 0)
+        return "tc" if shape is not None and n_w * shape.k // 2 <= TC_MAX_CODE_BYTES else "cuda-core"
     return kernel
 
 # Device helpers, added to the CUDA source of any module that calls them (schedules/cuda_source.py).
@@ -201,7 +212,7 @@ def make_gemv(shape: GemvShape, warps_wanted: int = _WARPS_WANTED, pdl: bool = F
     registers."""
     from tvm.script import tirx as T
 
-    if shape.weights == "q4f16_1" and config is None and preload == 1 and q4_kernel() == "tc":
+    if shape.weights == "q4f16_1" and config is None and preload == 1 and q4_kernel(shape) == "tc":
         from .cuda_gemv_tc import make_gemv_tc, supports
 
         if supports(shape):

@@ -14,6 +14,7 @@ from mlcc.compiler.pipeline import fusion_passes
 from mlcc.compiler.quantize import get_quantization, group_dequantize, group_quantize
 from mlcc.compiler.weights import load_source
 from mlcc.schedules import cuda_pdl
+from mlcc.schedules.cuda_gemv_tc import STEP_HELPERS, variant_default
 from mlcc.schedules.cuda_decode_attention import _decode_kernel_shape, make_split_decode, split_decode_attention_pass
 from mlcc.schedules.cuda_gemv import (F16_HELPER_NAME, HELPER_NAME, ONE_SHIFT_HELPER_NAME, GemvShape, q4_helper_name,
                                       decode_gemv_pass, fuse_decode_gemvs, make_gemv, match_gemv)
@@ -40,7 +41,8 @@ def test_every_decode_projection_and_only_those_get_the_q4_kernel(hf_models):
     assert {s.out_dtype for s in matched if s.epilogue == "cast"} == {"float32"}
     with get_target("cuda").tvm_target():
         after = decode_gemv_pass(mod)
-    ours = [f for f in _prim_funcs(after).values() if HELPER_NAME in f.script()]
+    # (the tiny test models' projections are all short enough for the tensor-core kernel under MLCC_Q4_KERNEL=auto)
+    ours = [f for f in _prim_funcs(after).values() if HELPER_NAME in f.script() or "mlcc_q4tc_step_" in f.script()]
     assert len(ours) == len(matched)
     assert all(f.attrs["tirx.is_scheduled"] for f in ours)
 
@@ -186,8 +188,8 @@ def test_cuda_library_source_carries_the_helpers_and_compiles(hf_models, tmp_pat
     called = set(re.findall(r"\b(mlcc_\w+)\(", src))
     defined = re.findall(r"__device__ __forceinline__ [\w ]+?\b(mlcc_\w+)\(", src)
     assert called <= set(defined) and len(defined) == len(set(defined)), called - set(defined)
-    helper = q4_helper_name() if quant == "q4f16_1" else F16_HELPER_NAME
-    assert src.count(f"{helper}(") > 10                                 # the decode GEMVs call it
+    helper = STEP_HELPERS[variant_default()] if quant == "q4f16_1" else F16_HELPER_NAME  # tiny: all tensor-core
+    assert src.count(f"{helper}(") > 4                                  # the decode GEMVs call it
     assert "argmax_partial_kernel" in src and "argmax_merge_kernel" in src
     assert "part_md" in src  # split-KV decode attention
     assert src.count("void mlcc_pdl_wait()") == 1 and src.count("mlcc_pdl_wait();") > 10  # every kernel waits
@@ -367,6 +369,15 @@ def test_gemv_kernel_matches_numpy_on_the_gpu(n, k, epilogue, norm, weights, pdl
 def test_one_shift_q4_unpacking_matches_numpy_on_the_gpu(monkeypatch, n, k, epilogue, norm):
     """The two-shift unpacking (MLCC_Q4_ONE_SHIFT=0; one shift per word is the default) computes the same GEMV."""
     monkeypatch.setenv("MLCC_Q4_ONE_SHIFT", "0")
+    monkeypatch.setenv("MLCC_Q4_KERNEL", "cuda-core")
+    test_gemv_kernel_matches_numpy_on_the_gpu(n, k, epilogue, norm, "q4f16_1", True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n,k,epilogue,norm", GEMV_CASES)
+def test_cuda_core_q4_gemv_matches_numpy_on_the_gpu(monkeypatch, n, k, epilogue, norm):
+    """MLCC_Q4_KERNEL=auto gives the short projections the tensor-core kernel: the CUDA-core one on every shape."""
+    monkeypatch.setenv("MLCC_Q4_KERNEL", "cuda-core")
     test_gemv_kernel_matches_numpy_on_the_gpu(n, k, epilogue, norm, "q4f16_1", True)
 
 
@@ -382,7 +393,6 @@ def test_tensor_core_q4_gemv_matches_numpy_on_the_gpu(monkeypatch, n, k, epilogu
 
 
 def test_tensor_core_q4_gemv_is_used_and_compiles(monkeypatch, tmp_path):
-    from mlcc.schedules.cuda_gemv_tc import STEP_HELPERS
     from mlcc.targets.toolchains import toolchain_for
 
     monkeypatch.setenv("MLCC_Q4_KERNEL", "tc")
@@ -406,6 +416,7 @@ def test_one_shift_q4_unpacking_is_called_and_compiles(monkeypatch, tmp_path):
     from mlcc.targets.toolchains import toolchain_for
 
     monkeypatch.setenv("MLCC_Q4_ONE_SHIFT", "1")
+    monkeypatch.setenv("MLCC_Q4_KERNEL", "cuda-core")
     target = get_target("cuda").tvm_target()
     with target, toolchain_for("cuda"):
         kernel = make_gemv(GemvShape(4096, 14336, "add", (1, 1, 4096))).with_attr("global_symbol", "main")
