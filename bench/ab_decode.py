@@ -15,8 +15,9 @@ instead of its last attention (MLCC_STEP_TAIL=0, runtime.model); "two-shift" = a
 three shifts per word instead of one (MLCC_Q4_ONE_SHIFT=0, schedules/cuda_gemv.py) — session 9 measured the other
 way round, as "tail" and "one-shift" against a base without them (bench/issue4_s9_h200.sh at 6859041); "no-graph" = the same library with plain decode
 (MLCC_DECODE_GRAPH=0 at load: every kernel launched by the VM); "no-pdl" = a build without programmatic dependent launch (MLCC_CUDA_PDL=0);
-"cuda-core" = a build whose q4 GEMVs all use the CUDA-core kernel (MLCC_Q4_KERNEL=cuda-core; since session 10
-the short ones use the tensor-core kernel, schedules/cuda_gemv_tc.py); "splits16" = a build whose split-KV decode attention cuts every context into 16 chunks whatever the number of KV
+"cuda-core" = a build whose q4 GEMVs all use the CUDA-core kernel (MLCC_Q4_KERNEL=cuda-core, the default
+again after session 10, whose base built with MLCC_Q4_KERNEL=auto: the tensor-core kernel of schedules/cuda_gemv_tc.py
+for the short projections); "tc-auto" = such a build; "splits16" = a build whose split-KV decode attention cuts every context into 16 chunks whatever the number of KV
 heads (session 4's choice; MLCC_DECODE_SPLITS=16);
 "attn-s5": session 5's decode attention (4 tokens per step). Session 6's cross-kernel L2 prefetch variants
 ("no-prefetch", "pf12", "pf40", "pf-end", "pf-all") and "attn-128" (now the default) were built from commit 45fdaf2,
@@ -43,9 +44,9 @@ from cli import build_and_run
 from decode import (MODELS, check_against_reference, check_argmax, check_graph_decode, check_pipelined_decode,
                     decode_steps)
 
-VARIANTS = ("base", "sync", "no-tail", "two-shift", "cuda-core", "no-graph", "no-pdl", "splits16", "attn-s5")
-BUILT = ("base", "two-shift", "cuda-core", "no-pdl", "splits16", "attn-s5")   # the others load base's library
-ENV = {"cuda-core": {"MLCC_Q4_KERNEL": "cuda-core"}, "no-tail": {"MLCC_STEP_TAIL": "0"}, "two-shift": {"MLCC_Q4_ONE_SHIFT": "0"}, "no-pdl": {"MLCC_CUDA_PDL": "0"},
+VARIANTS = ("base", "sync", "no-tail", "two-shift", "cuda-core", "tc-auto", "no-graph", "no-pdl", "splits16", "attn-s5")
+BUILT = ("base", "two-shift", "cuda-core", "tc-auto", "no-pdl", "splits16", "attn-s5")   # the others load base's library
+ENV = {"cuda-core": {"MLCC_Q4_KERNEL": "cuda-core"}, "tc-auto": {"MLCC_Q4_KERNEL": "auto"}, "no-tail": {"MLCC_STEP_TAIL": "0"}, "two-shift": {"MLCC_Q4_ONE_SHIFT": "0"}, "no-pdl": {"MLCC_CUDA_PDL": "0"},
        "no-graph": {"MLCC_DECODE_GRAPH": "0"}, "splits16": {"MLCC_DECODE_SPLITS": "16"}, "attn-s5": {"MLCC_DECODE_TOKENS": "4"}}
 
 

@@ -45,20 +45,21 @@ def q4_helper_name() -> str:
     return ONE_SHIFT_HELPER_NAME if os.environ.get("MLCC_Q4_ONE_SHIFT", "1") == "1" else HELPER_NAME
 
 
-# The tensor-core kernel (cuda_gemv_tc) is faster where a projection is short and its time mostly latency (H200
-# sweep, session 10, 8B shapes with weights from DRAM: qkv 5.6 vs 6.5 us, o 4.8 vs 6.0 us), slower on long ones
-# (gate_up 19.7 vs 19.3 us, down 13.6 vs 11.1 us: its per-block staging of x and two mma chains per step cost more
-# there than the unpacking it saves). "auto" takes it up to this many bytes of codes.
+# The tensor-core kernel (cuda_gemv_tc) is faster on short projections in isolation (H200 sweep, session 10, 8B
+# shapes, weights from DRAM: qkv 5.6 vs 6.5 us, o 4.8 vs 6.0 us) and slower on long ones (gate_up 19.7 vs 19.3 us,
+# down 13.6 vs 11.1 us). In the model it did not pay: "auto" (tensor cores up to TC_MAX_CODE_BYTES of codes) against
+# the CUDA-core kernel everywhere, interleaved A/B: 8B 541 vs 545 tok/s, Qwen2.5-0.5B 1289 vs 1446, SmolLM2 1304
+# vs 1443 (bench/results/ab_decode_h200_tc_auto_rejected_s10.json). So the default stays "cuda-core".
 TC_MAX_CODE_BYTES = 16 << 20
 
 
 def q4_kernel(shape: GemvShape | None = None) -> str:
-    """Which q4f16_1 decode GEMV a projection gets: "tc" (tensor cores, cuda_gemv_tc) or "cuda-core" (this
-    module's HFMA2 kernel). MLCC_Q4_KERNEL at build time: "auto" (default: tc for projections up to
-    TC_MAX_CODE_BYTES of codes), "tc" or "cuda-core" for every projection."""
-    kernel = os.environ.get("MLCC_Q4_KERNEL", "auto")
+    """Which q4f16_1 decode GEMV a projection gets: "cuda-core" (this module's HFMA2 kernel, the default) or "tc"
+    (tensor cores, cuda_gemv_tc). MLCC_Q4_KERNEL at build time: "cuda-core", "tc" for every projection, or "auto"
+    (tc for projections up to TC_MAX_CODE_BYTES of codes)."""
+    kernel = os.environ.get("MLCC_Q4_KERNEL", "cuda-core")
     if kernel not in ("auto", "tc", "cuda-core"):
-        raise ValueError(f"MLCC_Q4_KERNEL={kernel!r}: use 'auto', 'tc' or 'cuda-core'")
+        raise ValueError(f"MLCC_Q4_KERNEL={kernel!r}: use 'cuda-core', 'tc' or 'auto'")
     if kernel == "auto":
         n_w = 2 * shape.n if shape is not None and shape.epilogue == "swiglu" else getattr(shape, "n", 0)
         return "tc" if shape is not None and n_w * shape.k // 2 <= TC_MAX_CODE_BYTES else "cuda-core"

@@ -14,7 +14,7 @@ from mlcc.compiler.pipeline import fusion_passes
 from mlcc.compiler.quantize import get_quantization, group_dequantize, group_quantize
 from mlcc.compiler.weights import load_source
 from mlcc.schedules import cuda_pdl
-from mlcc.schedules.cuda_gemv_tc import STEP_HELPERS, variant_default
+from mlcc.schedules.cuda_gemv_tc import STEP_HELPERS
 from mlcc.schedules.cuda_decode_attention import _decode_kernel_shape, make_split_decode, split_decode_attention_pass
 from mlcc.schedules.cuda_gemv import (F16_HELPER_NAME, HELPER_NAME, ONE_SHIFT_HELPER_NAME, GemvShape, q4_helper_name,
                                       decode_gemv_pass, fuse_decode_gemvs, make_gemv, match_gemv)
@@ -41,8 +41,7 @@ def test_every_decode_projection_and_only_those_get_the_q4_kernel(hf_models):
     assert {s.out_dtype for s in matched if s.epilogue == "cast"} == {"float32"}
     with get_target("cuda").tvm_target():
         after = decode_gemv_pass(mod)
-    # (the tiny test models' projections are all short enough for the tensor-core kernel under MLCC_Q4_KERNEL=auto)
-    ours = [f for f in _prim_funcs(after).values() if HELPER_NAME in f.script() or "mlcc_q4tc_step_" in f.script()]
+    ours = [f for f in _prim_funcs(after).values() if HELPER_NAME in f.script()]
     assert len(ours) == len(matched)
     assert all(f.attrs["tirx.is_scheduled"] for f in ours)
 
@@ -188,8 +187,8 @@ def test_cuda_library_source_carries_the_helpers_and_compiles(hf_models, tmp_pat
     called = set(re.findall(r"\b(mlcc_\w+)\(", src))
     defined = re.findall(r"__device__ __forceinline__ [\w ]+?\b(mlcc_\w+)\(", src)
     assert called <= set(defined) and len(defined) == len(set(defined)), called - set(defined)
-    helper = STEP_HELPERS[variant_default()] if quant == "q4f16_1" else F16_HELPER_NAME  # tiny: all tensor-core
-    assert src.count(f"{helper}(") > 4                                  # the decode GEMVs call it
+    helper = q4_helper_name() if quant == "q4f16_1" else F16_HELPER_NAME
+    assert src.count(f"{helper}(") > 10                                 # the decode GEMVs call it
     assert "argmax_partial_kernel" in src and "argmax_merge_kernel" in src
     assert "part_md" in src  # split-KV decode attention
     assert src.count("void mlcc_pdl_wait()") == 1 and src.count("mlcc_pdl_wait();") > 10  # every kernel waits
@@ -376,7 +375,7 @@ def test_one_shift_q4_unpacking_matches_numpy_on_the_gpu(monkeypatch, n, k, epil
 @pytest.mark.gpu
 @pytest.mark.parametrize("n,k,epilogue,norm", GEMV_CASES)
 def test_cuda_core_q4_gemv_matches_numpy_on_the_gpu(monkeypatch, n, k, epilogue, norm):
-    """MLCC_Q4_KERNEL=auto gives the short projections the tensor-core kernel: the CUDA-core one on every shape."""
+    """The CUDA-core kernel on every shape, whatever MLCC_Q4_KERNEL the environment sets."""
     monkeypatch.setenv("MLCC_Q4_KERNEL", "cuda-core")
     test_gemv_kernel_matches_numpy_on_the_gpu(n, k, epilogue, norm, "q4f16_1", True)
 
@@ -390,6 +389,19 @@ def test_tensor_core_q4_gemv_matches_numpy_on_the_gpu(monkeypatch, n, k, epilogu
     monkeypatch.setenv("MLCC_Q4_KERNEL", "tc")
     monkeypatch.setenv("MLCC_Q4_TC_VARIANT", variant)
     test_gemv_kernel_matches_numpy_on_the_gpu(n, k, epilogue, norm, "q4f16_1", True)
+
+
+def test_q4_kernel_choice_follows_mlcc_q4_kernel(monkeypatch):
+    from mlcc.schedules.cuda_gemv import q4_kernel
+
+    short, long_ = GemvShape(4096, 4096, "add", (1, 1, 4096)), GemvShape(14336, 4096, "swiglu")
+    monkeypatch.delenv("MLCC_Q4_KERNEL", raising=False)
+    assert q4_kernel(short) == q4_kernel(long_) == "cuda-core"
+    monkeypatch.setenv("MLCC_Q4_KERNEL", "auto")
+    assert (q4_kernel(short), q4_kernel(long_)) == ("tc", "cuda-core")  # 8 MiB vs 56 MiB of codes
+    monkeypatch.setenv("MLCC_Q4_KERNEL", "tensor")
+    with pytest.raises(ValueError, match="MLCC_Q4_KERNEL='tensor'"):
+        q4_kernel(short)
 
 
 def test_tensor_core_q4_gemv_is_used_and_compiles(monkeypatch, tmp_path):
