@@ -1,5 +1,5 @@
 """SASS instruction counts of the q4f16_1 decode GEMVs of the Llama-3-8B shape (no GPU needed): the two-shift
-unpacking (MLCC_Q4_ONE_SHIFT=0) and the default one-shift unpacking; and a bit-exact numpy check of the one-shift
+unpacking (MLCC_Q4_ONE_SHIFT=0), the default one-shift unpacking and the tensor-core kernel (MLCC_Q4_KERNEL=tc); and a bit-exact numpy check of the one-shift
 arithmetic for all 16 codes. (Session 9 also counted two int8-activation designs with this script, then removed
 them: bench/results/README.md, issue 4 session 9.)
 
@@ -23,8 +23,10 @@ import numpy as np
 
 SHAPES = {"qkv": (6144, 4096, "none", True), "o": (4096, 4096, "add", False), "gate_up": (14336, 4096, "swiglu", True),
           "down": (4096, 14336, "add", False)}
-COUNTED = ("HFMA2", "HADD2", "LOP3", "SHF", "PRMT", "LDS", "LDG")
-VARIANTS = {"two-shift": {"MLCC_Q4_ONE_SHIFT": "0"}, "one-shift": {"MLCC_Q4_ONE_SHIFT": "1"}}
+COUNTED = ("HFMA2", "HADD2", "HMMA", "LOP3", "SHF", "PRMT", "LDS", "LDG")
+VARIANTS = {"two-shift": {"MLCC_Q4_ONE_SHIFT": "0", "MLCC_Q4_KERNEL": "cuda-core"},
+            "one-shift": {"MLCC_Q4_ONE_SHIFT": "1", "MLCC_Q4_KERNEL": "cuda-core"},
+            "tensor-core": {"MLCC_Q4_KERNEL": "tc"}}  # session 10: schedules/cuda_gemv_tc.py
 
 
 def one_shift_is_exact() -> bool:
@@ -82,7 +84,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as d:
         for variant in VARIANTS:
             for name, c in sass_counts(kernel_source(variant), a.cuobjdump, Path(d)).items():
-                print(f"{variant:9} {name:8} " + " ".join(f"{k} {v}" for k, v in c.items()))
+                print(f"{variant:11} {name:8} " + " ".join(f"{k} {v}" for k, v in c.items()), flush=True)
 
 
 if __name__ == "__main__":

@@ -19,8 +19,14 @@ LOP3 (AND), and the products, the zero point and the sums over the group are the
   for the zero point, instead of a subtraction per pair of codes.
 
 Per warp and 1 KB of weights: 2 LDG.128, 8 x (SHF + 4 LOP3), 16 HMMA, 4 LDS.128 of x (one lane per column), and
-the scale epilogue (4 FFMA on the 16 lanes that hold real columns). Accumulation is fp32 throughout (the CUDA-core
-kernel sums a group's 32 products in fp16).
+the scale epilogue (2 FFMA pairs). Accumulation is fp32 throughout (the CUDA-core kernel sums a group's 32 products
+in fp16): max relative error 3e-4 against 6-8e-4 on the 8B shapes.
+
+Measured (H200, session 10, bench/results/README.md): ~45% fewer SASS instructions per byte than the CUDA-core
+kernel; in isolation faster on the short 8B projections (qkv 5.6 vs 6.5 us, o 4.8-5.4 vs 6.0) and slower on the
+long ones (gate_up, down), but in the model not faster (8B) or 10% slower (small models, whose projections are a
+few us and pay for the staging barrier and the mma chains). So it is opt-in: MLCC_Q4_KERNEL=tc or auto
+(cuda_gemv.q4_kernel).
 """
 
 from __future__ import annotations
