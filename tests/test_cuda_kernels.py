@@ -404,17 +404,17 @@ def test_q4_kernel_choice_follows_mlcc_q4_kernel(monkeypatch):
         q4_kernel(short)
 
 
-def test_tensor_core_q4_gemv_is_used_and_compiles(monkeypatch, tmp_path):
+def _assert_kernel_calls_and_compiles(shape: GemvShape, helper: str, tmp_path) -> None:
+    """The kernel make_gemv builds for `shape` calls `helper`, and nvcc (where present) compiles its source."""
     from mlcc.targets.toolchains import toolchain_for
 
-    monkeypatch.setenv("MLCC_Q4_KERNEL", "tc")
     target = get_target("cuda").tvm_target()
     with target, toolchain_for("cuda"):
-        kernel = make_gemv(GemvShape(1536, 576, "swiglu", norm_eps=1e-5)).with_attr("global_symbol", "main")
+        kernel = make_gemv(shape).with_attr("global_symbol", "main")
         lib = tvm.compile(tvm.IRModule({"main": kernel}), target)
     (cuda,) = [m for m in lib.mod.imports if m.kind == "cuda"]
     src = cuda.inspect_source()
-    assert f"{STEP_HELPERS['sub']}(" in src.split("extern \"C\" __global__", 1)[1]
+    assert f"{helper}(" in src.split("extern \"C\" __global__", 1)[1]  # the kernel calls it
     nvcc = shutil.which("nvcc")
     if nvcc is None:
         return
@@ -422,27 +422,17 @@ def test_tensor_core_q4_gemv_is_used_and_compiles(monkeypatch, tmp_path):
     r = subprocess.run([nvcc, "-arch=sm_90", "-cubin", "-o", str(tmp_path / "k.cubin"), str(tmp_path / "k.cu")],
                        capture_output=True, text=True)
     assert r.returncode == 0, r.stderr[-2000:]
+
+
+def test_tensor_core_q4_gemv_is_used_and_compiles(monkeypatch, tmp_path):
+    monkeypatch.setenv("MLCC_Q4_KERNEL", "tc")
+    _assert_kernel_calls_and_compiles(GemvShape(1536, 576, "swiglu", norm_eps=1e-5), STEP_HELPERS["sub"], tmp_path)
 
 
 def test_one_shift_q4_unpacking_is_called_and_compiles(monkeypatch, tmp_path):
-    from mlcc.targets.toolchains import toolchain_for
-
     monkeypatch.setenv("MLCC_Q4_ONE_SHIFT", "1")
     monkeypatch.setenv("MLCC_Q4_KERNEL", "cuda-core")
-    target = get_target("cuda").tvm_target()
-    with target, toolchain_for("cuda"):
-        kernel = make_gemv(GemvShape(4096, 14336, "add", (1, 1, 4096))).with_attr("global_symbol", "main")
-        lib = tvm.compile(tvm.IRModule({"main": kernel}), target)
-    (cuda,) = [m for m in lib.mod.imports if m.kind == "cuda"]
-    src = cuda.inspect_source()
-    assert f"{ONE_SHIFT_HELPER_NAME}(" in src.split("extern \"C\" __global__", 1)[1]  # the kernel calls it
-    nvcc = shutil.which("nvcc")
-    if nvcc is None:
-        return
-    (tmp_path / "k.cu").write_text(src)
-    r = subprocess.run([nvcc, "-arch=sm_90", "-cubin", "-o", str(tmp_path / "k.cubin"), str(tmp_path / "k.cu")],
-                       capture_output=True, text=True)
-    assert r.returncode == 0, r.stderr[-2000:]
+    _assert_kernel_calls_and_compiles(GemvShape(4096, 14336, "add", (1, 1, 4096)), ONE_SHIFT_HELPER_NAME, tmp_path)
 
 
 @pytest.mark.gpu
