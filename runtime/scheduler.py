@@ -100,9 +100,12 @@ class Request:
         self.emitted = upto
         if delta or token_id is not None:
             self.sink(Event("delta", text=delta, token_id=token_id))
-        if final:
-            self.sink(Event("finish", finish_reason=self.finish_reason, prompt_tokens=len(self.prompt_ids),
-                            completion_tokens=len(self.output_ids)))
+        # the "finish" event comes from close(), after the scheduler has released the request's KV pages: a caller
+        # that sees its request end sees its pages free
+
+    def close(self) -> None:
+        self.sink(Event("finish", finish_reason=self.finish_reason, prompt_tokens=len(self.prompt_ids),
+                        completion_tokens=len(self.output_ids)))
 
 
 class Scheduler:
@@ -230,6 +233,8 @@ class Scheduler:
                 self._free_seq_ids.append(r.seq_id)
         if error is not None:
             r.sink(Event("error", error=error))
+        elif r.finish_reason is not None and not r.cancelled:
+            r.close()
 
     def step(self) -> None:
         for r in [r for r in self.active if r.cancelled]:
