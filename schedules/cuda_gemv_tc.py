@@ -31,15 +31,12 @@ few us and pay for the staging barrier and the mma chains). So it is opt-in: MLC
 
 from __future__ import annotations
 
-import logging
 import os
 
 import tvm
 
 from . import cuda_pdl
 from .cuda_gemv import NORM_HELPER_NAME, GemvShape, _silu_times
-
-log = logging.getLogger(__name__)
 
 STEP_HELPERS = {"sub": "mlcc_q4tc_step_sub", "bias": "mlcc_q4tc_step_bias"}
 # what the fp32 sums are multiplied by at the end: the subnormal codes are q * 2^-24
@@ -170,9 +167,9 @@ def make_gemv_tc(shape: GemvShape, pdl: bool = False, config: tuple[int, int] | 
     sq_iters = -(-(k // 2) // threads)
     wwords = k // 8  # uint32 words of codes per row
 
-    # guards only where the shape needs them: rows past n (last tile), groups past k / 32 (last chunk), chunks past
-    # the last (K split unevenly); the 8B shapes need none, so their loads are unconditional
-    rows_exact = n % out_rows == 0
+    # guards only where the shape needs them: groups past k / 32 (last chunk), chunks past the last (K split
+    # unevenly); rows past n are clamped into the matrix and not written. The 8B shapes need none, so their loads are
+    # unconditional
     groups_exact = groups % _GROUPS_PER_STEP == 0
     chunks_exact = chunks % ksplit == 0
     scale_pairs = groups % 2 == 0  # a lane's two scales of a row are one aligned 32-bit word
