@@ -53,7 +53,7 @@ def q4_helper_name() -> str:
 TC_MAX_CODE_BYTES = 16 << 20
 
 
-def q4_kernel(shape: GemvShape | None = None) -> str:
+def q4_kernel(shape: GemvShape) -> str:
     """Which q4f16_1 decode GEMV a projection gets: "cuda-core" (this module's HFMA2 kernel, the default) or "tc"
     (tensor cores, cuda_gemv_tc). MLCC_Q4_KERNEL at build time: "cuda-core", "tc" for every projection, or "auto"
     (tc for projections up to TC_MAX_CODE_BYTES of codes)."""
@@ -61,8 +61,8 @@ def q4_kernel(shape: GemvShape | None = None) -> str:
     if kernel not in ("auto", "tc", "cuda-core"):
         raise ValueError(f"MLCC_Q4_KERNEL={kernel!r}: use 'cuda-core', 'tc' or 'auto'")
     if kernel == "auto":
-        n_w = 2 * shape.n if shape is not None and shape.epilogue == "swiglu" else getattr(shape, "n", 0)
-        return "tc" if shape is not None and n_w * shape.k // 2 <= TC_MAX_CODE_BYTES else "cuda-core"
+        n_w = 2 * shape.n if shape.epilogue == "swiglu" else shape.n
+        return "tc" if n_w * shape.k // 2 <= TC_MAX_CODE_BYTES else "cuda-core"
     return kernel
 
 # Device helpers, added to the CUDA source of any module that calls them (schedules/cuda_source.py).
@@ -296,6 +296,8 @@ def make_gemv(shape: GemvShape, warps_wanted: int = _WARPS_WANTED, pdl: bool = F
                 for r in T.unroll(rows_w):
                     accf[r] = T.call_pure_extern("float32", F16_HELPER_NAME, wl[slot(it), r, c], xl[c], accf[r])
 
+    block_rms = block_rsqrt_macro(warps, k, eps)
+
     @T.macro
     def stage_normalized_x(xw, gw, xs, xr, rs, ssred, ty, tx):
         # the block's threads read x once (into registers), sum its squares across the block, then write it
@@ -306,15 +308,7 @@ def make_gemv(shape: GemvShape, warps_wanted: int = _WARPS_WANTED, pdl: bool = F
             if ty * 32 + tx + j * threads < k // 2:
                 xr[j] = xw[ty * 32 + tx + j * threads]
             rs[0] = rs[0] + T.call_pure_extern("float32", "mlcc_h2_sumsq", xr[j])
-        for o in T.unroll(5):
-            rs[0] = rs[0] + T.call_pure_extern("float32", "__shfl_xor_sync", T.uint32(0xFFFFFFFF), rs[0], 1 << o, 32)
-        if tx == 0:
-            ssred[ty, 0] = rs[0]
-        T.evaluate(T.tvm_storage_sync("shared"))
-        rs[0] = T.float32(0)
-        for j in T.unroll(warps):
-            rs[0] = rs[0] + ssred[j, 0]
-        rs[0] = T.rsqrt(rs[0] / T.float32(k) + T.float32(eps))
+        block_rms(rs, ssred, ty, tx)
         for j in T.unroll(stage_words):
             if ty * 32 + tx + j * threads < k // 2:
                 xs[ty * 32 + tx + j * threads] = T.call_pure_extern(
@@ -415,6 +409,27 @@ def make_gemv(shape: GemvShape, warps_wanted: int = _WARPS_WANTED, pdl: bool = F
     params = [x_p] + [g_p] * norm + [w_p] + [s_p] * q4 + [res_p] * add + [out_p]
     func = tvm.tirx.PrimFunc(params, full.body, attrs=full.attrs)
     return func
+
+
+def block_rsqrt_macro(warps: int, k: int, eps: float):
+    """A TIR macro (rs, ssred, ty, tx): rs[0] holds this thread's share of the sum of x² over k values; afterwards
+    every thread's rs[0] is 1 / sqrt(mean(x²) + eps) over the whole block (a warp butterfly, then one barrier
+    through ssred, shared float32 of shape (warps, >= 1))."""
+    from tvm.script import tirx as T
+
+    @T.macro
+    def block_rsqrt(rs, ssred, ty, tx):
+        for o in T.unroll(5):
+            rs[0] = rs[0] + T.call_pure_extern("float32", "__shfl_xor_sync", T.uint32(0xFFFFFFFF), rs[0], 1 << o, 32)
+        if tx == 0:
+            ssred[ty, 0] = rs[0]
+        T.evaluate(T.tvm_storage_sync("shared"))
+        rs[0] = T.float32(0)
+        for j in T.unroll(warps):
+            rs[0] = rs[0] + ssred[j, 0]
+        rs[0] = T.rsqrt(rs[0] / T.float32(k) + T.float32(eps))
+
+    return block_rsqrt
 
 
 def _silu_times(gate, up):

@@ -36,7 +36,7 @@ import os
 import tvm
 
 from . import cuda_pdl
-from .cuda_gemv import NORM_HELPER_NAME, GemvShape, _silu_times
+from .cuda_gemv import NORM_HELPER_NAME, GemvShape, _silu_times, block_rsqrt_macro
 
 STEP_HELPERS = {"sub": "mlcc_q4tc_step_sub", "bias": "mlcc_q4tc_step_bias"}
 # what the fp32 sums are multiplied by at the end: the subnormal codes are q * 2^-24
@@ -224,6 +224,8 @@ def make_gemv_tc(shape: GemvShape, pdl: bool = False, config: tuple[int, int] | 
                 for v in T.vectorized(4):
                     wl[it % pre, 1, v] = T.uint32(0)
 
+    block_rms = block_rsqrt_macro(warps, k, eps)
+
     @T.macro
     def stage_x(xw, gw, xs, xr, rs, ssred, ty, tx):
         # x (rms-normalized when the norm is folded in) into shared memory as B words, once per block
@@ -232,16 +234,7 @@ def make_gemv_tc(shape: GemvShape, pdl: bool = False, config: tuple[int, int] | 
             for j in T.unroll(sq_iters):
                 if ty * 32 + tx + j * threads < k // 2:
                     rs[0] = rs[0] + T.call_pure_extern("float32", "mlcc_h2_sumsq", xw[ty * 32 + tx + j * threads])
-            for o in T.unroll(5):
-                rs[0] = rs[0] + T.call_pure_extern("float32", "__shfl_xor_sync", T.uint32(0xFFFFFFFF), rs[0],
-                                                   1 << o, 32)
-            if tx == 0:
-                ssred[ty] = rs[0]
-            T.evaluate(T.tvm_storage_sync("shared"))
-            rs[0] = T.float32(0)
-            for j in T.unroll(warps):
-                rs[0] = rs[0] + ssred[j]
-            rs[0] = T.rsqrt(rs[0] / T.float32(k) + T.float32(eps))
+            block_rms(rs, ssred, ty, tx)
         for j in T.unroll(stage_iters):
             if ty * 32 + tx + j * threads < units8:
                 for v in T.vectorized(4):
@@ -309,7 +302,7 @@ def make_gemv_tc(shape: GemvShape, pdl: bool = False, config: tuple[int, int] | 
                         ib = T.sblock_alloc_buffer((6,), "int32", scope="local")
                         xr = T.sblock_alloc_buffer((4,), "uint32", scope="local")
                         rs = T.sblock_alloc_buffer((1,), "float32", scope="local")
-                        ssred = T.sblock_alloc_buffer((warps,), "float32", scope="shared")
+                        ssred = T.sblock_alloc_buffer((warps, 1), "float32", scope="shared")
                         red = T.sblock_alloc_buffer((warps, 8, 2), "float32", scope="shared")
                         xs = T.sblock_alloc_buffer((staged_units * 4 + 16,), "uint32", scope="shared")
                         accf[0] = T.float32(0)
