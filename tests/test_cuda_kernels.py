@@ -14,10 +14,10 @@ from mlcc.compiler.pipeline import fusion_passes
 from mlcc.compiler.quantize import get_quantization, group_dequantize, group_quantize
 from mlcc.compiler.weights import load_source
 from mlcc.schedules import cuda_pdl
-from mlcc.schedules.cuda_gemv_tc import STEP_HELPERS
 from mlcc.schedules.cuda_decode_attention import _decode_kernel_shape, make_split_decode, split_decode_attention_pass
 from mlcc.schedules.cuda_gemv import (F16_HELPER_NAME, HELPER_NAME, ONE_SHIFT_HELPER_NAME, GemvShape, q4_helper_name,
                                       decode_gemv_pass, fuse_decode_gemvs, make_gemv, match_gemv)
+from mlcc.schedules.cuda_gemv_tc import STEP_HELPERS
 from mlcc.targets import get_target
 
 # tiny llama of conftest: hidden 64, intermediate 128, 4 heads of 16 (2 kv heads), vocab 320
@@ -368,14 +368,6 @@ def test_gemv_kernel_matches_numpy_on_the_gpu(n, k, epilogue, norm, weights, pdl
 def test_one_shift_q4_unpacking_matches_numpy_on_the_gpu(monkeypatch, n, k, epilogue, norm):
     """The two-shift unpacking (MLCC_Q4_ONE_SHIFT=0; one shift per word is the default) computes the same GEMV."""
     monkeypatch.setenv("MLCC_Q4_ONE_SHIFT", "0")
-    monkeypatch.setenv("MLCC_Q4_KERNEL", "cuda-core")
-    test_gemv_kernel_matches_numpy_on_the_gpu(n, k, epilogue, norm, "q4f16_1", True)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("n,k,epilogue,norm", GEMV_CASES)
-def test_cuda_core_q4_gemv_matches_numpy_on_the_gpu(monkeypatch, n, k, epilogue, norm):
-    """The CUDA-core kernel on every shape, whatever MLCC_Q4_KERNEL the environment sets."""
     monkeypatch.setenv("MLCC_Q4_KERNEL", "cuda-core")
     test_gemv_kernel_matches_numpy_on_the_gpu(n, k, epilogue, norm, "q4f16_1", True)
 
