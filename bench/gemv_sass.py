@@ -59,6 +59,25 @@ def kernel_source(variant: str) -> str:
     return cuda.inspect_source()
 
 
+def units_per_thread(variant: str, name: str) -> float:
+    """16-byte units of codes (32 codes each) one thread streams in the kernel's default launch configuration (on
+    average: a CUDA-core thread's last iteration may be partial), to put the SASS totals per byte."""
+    from mlcc.schedules.cuda_gemv import launch_config
+    from mlcc.schedules.cuda_gemv_tc import tc_launch_config
+
+    rows, k, epi, _ = SHAPES[name]
+    groups = k // 32
+    if variant == "tensor-core":  # per step a lane streams one group of each of its two rows
+        chunks = -(-groups // 4)
+        _, ksplit = tc_launch_config(-(-rows // (8 if epi == "swiglu" else 16)), chunks)
+        return 2 * chunks / ksplit
+    n_w = 2 * rows if epi == "swiglu" else rows
+    lanes, rows_w, _, ksplit = launch_config(n_w, groups)
+    if epi == "swiglu":
+        rows_w = 2 * max(1, rows_w // 2)
+    return rows_w * groups / (lanes * ksplit)
+
+
 def sass_counts(src: str, cuobjdump: str, work: Path) -> dict[str, dict[str, int]]:
     (work / "k.cu").write_text(src)
     built = subprocess.run(["nvcc", "-arch=sm_90a", "-cubin", "-Xptxas", "-v", "-o", str(work / "k.cubin"),
@@ -84,7 +103,9 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as d:
         for variant in VARIANTS:
             for name, c in sass_counts(kernel_source(variant), a.cuobjdump, Path(d)).items():
-                print(f"{variant:11} {name:8} " + " ".join(f"{k} {v}" for k, v in c.items()), flush=True)
+                units = units_per_thread(variant, name)
+                print(f"{variant:11} {name:8} " + " ".join(f"{k} {v}" for k, v in c.items())
+                      + f" | per 16 B of codes: {c['total'] / units:.1f} ({units:g} units a thread)", flush=True)
 
 
 if __name__ == "__main__":
