@@ -1,9 +1,10 @@
 """Batch-1 q4f16_1 decode GEMV on the tensor cores (issue 4): `mma.sync.m16n8k16` with fp32 accumulation instead of
 HFMA2 chains, on MLC's unchanged weight layout.
 
-Why: the CUDA-core kernel (cuda_gemv) spends ~72 SASS instructions per 16 bytes of weights a thread streams (per
-pair of codes: LOP3 to unpack, HSUB2 for the zero point, HFMA2 for the product, plus the per-group fp16→fp32
-reduction), which keeps the q4 projections near 3 TB/s. Here a warp owns 16 weight rows and, per step, one 32-code
+Why it was built (sessions 8-9's hypothesis, which the measurements below refute): the CUDA-core kernel
+(cuda_gemv) spends 82-164 SASS instructions per 16 bytes of codes a thread streams (per pair of codes: LOP3 to
+unpack, HSUB2 for the zero point, HFMA2 for the product, plus the per-group fp16→fp32 reduction; bench/gemv_sass.py),
+which was taken to keep the q4 projections near 3 TB/s. Here a warp owns 16 weight rows and, per step, one 32-code
 group of each row for each of its four lane columns; per 32-bit word of codes a lane needs one shift and four
 LOP3 (AND), and the products, the zero point and the sums over the group are the tensor core's:
 
