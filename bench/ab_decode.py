@@ -19,7 +19,9 @@ way round, as "tail" and "one-shift" against a base without them (bench/issue4_s
 again after session 10, whose base built with MLCC_Q4_KERNEL=auto: the tensor-core kernel of schedules/cuda_gemv_tc.py
 for the short projections); "tc-auto" = such a build; "splits16" = a build whose split-KV decode attention cuts every context into 16 chunks whatever the number of KV
 heads (session 4's choice; MLCC_DECODE_SPLITS=16);
-"attn-s5": session 5's decode attention (4 tokens per step). Session 6's cross-kernel L2 prefetch variants
+"attn-s5": session 5's decode attention (4 tokens per step). Session 11's "bignorm" and "sweep11" (q4 kernels
+with an RMSNorm prologue given 4x the row warps per block; that plus the swept o/down configurations) were
+working-tree code, measured and dropped (bench/results README, session 11). Session 6's cross-kernel L2 prefetch variants
 ("no-prefetch", "pf12", "pf40", "pf-end", "pf-all") and "attn-128" (now the default) were built from commit 45fdaf2,
 where schedules/cuda_l2_prefetch.py still existed; bench/results README says what each was.
 `--fixed-context`: every round starts a new sequence from the same 128-token prompt, so rounds differ only in time

@@ -37,6 +37,19 @@ def configs(n: int, units: int):
         yield lanes, rows, row_warps, ksplit, pre
 
 
+def grid_configs(n: int, units: int):
+    """The current launch configuration with bigger blocks (row warps x1, x2, x4) and the grid capped at a few
+    multiples of the H200's 132 SMs (each block then loops over row blocks): the empty-kernel floor (session 11,
+    kernel_floor.py) grows with the number of blocks, ~0.7 us at 132 blocks to 1.8 us at 1056 and 5.6 us at 4224
+    with PDL, and the current rule launches 1000-1800 blocks per 8B projection."""
+    from mlcc.schedules.cuda_gemv import launch_config
+
+    lanes, rows, row_warps, ksplit = launch_config(n, units)
+    for mult, cap in itertools.product((1, 2, 4), (None, 132, 264, 396, 528, 792, 1056)):
+        if row_warps * mult * ksplit <= 16:
+            yield lanes, rows, row_warps * mult, ksplit, 1, cap
+
+
 def tc_configs(n: int, k: int):
     """(row warps, warps splitting K, steps preloaded, variant) for the tensor-core q4 kernel (cuda_gemv_tc)."""
     chunks = -(-(k // 32) // 4)
@@ -86,11 +99,14 @@ def cmd_build(a) -> None:
                     .with_attr("global_symbol", fname)
                 entries.append({"func": fname, "config": ["tc", *cfg], "current": False,
                                 "tc_default": cfg[:2] == default})
-        for cfg in ([] if a.tc else configs(n, k // shape.unit)):
+        swept = [] if a.tc else grid_configs(n, k // shape.unit) if a.grid else configs(n, k // shape.unit)
+        for cfg in swept:
             fname = f"{name}__" + "_".join(map(str, cfg))
-            funcs[fname] = make_gemv(shape, pdl=True, config=cfg[:4], preload=cfg[4]).with_attr("global_symbol", fname)
-            entries.append({"func": fname, "config": cfg,
-                            "current": cfg[:4] == launch_config(n, k // shape.unit, weights=a.weights) and cfg[4] == 1})
+            cap = cfg[5] if len(cfg) > 5 else None
+            funcs[fname] = make_gemv(shape, pdl=True, config=cfg[:4], preload=cfg[4], max_blocks=cap) \
+                .with_attr("global_symbol", fname)
+            entries.append({"func": fname, "config": cfg, "current": cfg[:4] == launch_config(
+                n, k // shape.unit, weights=a.weights) and cfg[4] == 1 and cap is None})
         if a.weights == "float16":
             # dlight's GEMV as q0f16 builds scheduled it before the hand kernel (PDL wait at its start, cuda_pdl)
             with target:
@@ -154,13 +170,15 @@ def cmd_run(a) -> None:
     bad = [r for r in rows if not r["check_ok"]]
     print(f"{len(rows)} kernels timed, {len(bad)} wrong", flush=True)
     Path(a.out).mkdir(parents=True, exist_ok=True)
-    tag = "_tc" if any(r["config"][0] == "tc" for r in rows if isinstance(r["config"], list)) else ""
+    tag = "_tc" if any(r["config"][0] == "tc" for r in rows if isinstance(r["config"], list)) else \
+        "_grid" if any(isinstance(r["config"], list) and len(r["config"]) > 5 for r in rows) else ""
     (Path(a.out) / f"gemv_sweep_{quant}{tag}.json").write_text(json.dumps(rows, indent=1))
 
 
 def _configure(b, r) -> None:
     b.add_argument("--weights", choices=("q4f16_1", "float16"), default="q4f16_1")
     b.add_argument("--tc", action="store_true", help="q4f16_1: the tensor-core kernel's configurations (cuda_gemv_tc)")
+    b.add_argument("--grid", action="store_true", help="the current configuration with bigger blocks and capped grids")
     r.add_argument("--graph", action="store_true",
                    help="time from a CUDA graph of the calls (gemv_kernels.time_graph); us_queued keeps the other")
 

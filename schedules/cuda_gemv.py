@@ -205,12 +205,13 @@ def launch_config(n: int, units: int, warps_wanted: int = _WARPS_WANTED,
 
 
 def make_gemv(shape: GemvShape, warps_wanted: int = _WARPS_WANTED, pdl: bool = False,
-              config: tuple[int, int, int, int] | None = None, preload: int = 1):
+              config: tuple[int, int, int, int] | None = None, preload: int = 1, max_blocks: int | None = None):
     """The hand-scheduled kernel for one projection, with the parameter order of TVM's fused function (for
     "swiglu": x, weights[, scales], out). `pdl`: place the programmatic-dependent-launch wait after the first weight
     loads (sm_90+, see cuda_pdl). `config` overrides launch_config (rows counted in weight rows); `preload`: how many
     of a thread's iterations load their weights before anything else (before the wait, with PDL), each in its own
-    registers."""
+    registers. `max_blocks`: launch at most that many blocks, each looping over the row blocks bx, bx + grid, ...
+    (only the first one's weights are preloaded)."""
     from tvm.script import tirx as T
 
     if shape.weights == "q4f16_1" and config is None and preload == 1 and q4_kernel(shape) == "tc":
@@ -234,6 +235,8 @@ def make_gemv(shape: GemvShape, warps_wanted: int = _WARPS_WANTED, pdl: bool = F
     iters = -(-units // (lanes * ksplit))
     pre = max(1, min(preload, iters))
     blocks = -(-n // rows_per_block)
+    grid = min(blocks, max_blocks or blocks)
+    rounds = -(-blocks // grid)  # row blocks per launched block
     r_shape = shape.residual_shape or (1, 1, n)
     out_dtype = shape.out_dtype
     groups = k // 32
@@ -315,6 +318,61 @@ def make_gemv(shape: GemvShape, warps_wanted: int = _WARPS_WANTED, pdl: bool = F
                     "uint32", NORM_HELPER_NAME, xr[j], gw[ty * 32 + tx + j * threads], rs[0])
         T.evaluate(T.tvm_storage_sync("shared"))
 
+    def later_load(it, vb):
+        # iterations past the preloaded ones load their weights in the loop, as do all of a later row block's
+        return it >= pre if rounds == 1 else tvm.tirx.Or(it >= pre, vb > 0)
+
+    @T.macro
+    def row_block(xw, gw, ww, sf, rf, out, xs, xl, wl, acc, accf, red, bx, vb, ty, tx):
+        for r in T.unroll(n_acc):
+            accf[r] = T.float32(0)
+        for it in T.unroll(iters):
+            if unit_of(it, ty, tx) < units:
+                for q in T.unroll(x_words // 4):
+                    for v in T.vectorized(4):
+                        xl[q * 4 + v] = (xs if staged else xw)[
+                            unit_of(it, ty, tx) * x_words + q * 4 + v]
+                if defer:
+                    for c in T.unroll(x_words):
+                        accf[rows_w] = accf[rows_w] + T.call_pure_extern("float32", "mlcc_h2_sumsq",
+                                                                         xl[c])
+                        xl[c] = T.call_pure_extern("uint32", "mlcc_h2_mul", xl[c],
+                                                   gw[unit_of(it, ty, tx) * x_words + c])
+                if later_load(it, vb):
+                    load_weights(ww, wl, bx, ty, tx, it)
+                accumulate(sf, wl, xl, accf, acc, bx, ty, tx, it)
+        for r in T.unroll(n_acc):
+            for o in T.unroll(5):
+                if (1 << o) < lanes:
+                    accf[r] = accf[r] + T.call_pure_extern(
+                        "float32", "__shfl_xor_sync", T.uint32(0xFFFFFFFF), accf[r], 1 << o, 32)
+        if ksplit > 1:
+            # the warps that split K meet in shared memory; the first of them finishes the rows
+            for r in T.unroll(n_acc):
+                if tx % lanes == 0:
+                    red[ty, tx // lanes, r] = accf[r]
+            T.evaluate(T.tvm_storage_sync("shared"))
+            if ty % ksplit == 0:
+                for r in T.unroll(n_acc):
+                    for j in T.unroll(ksplit - 1):
+                        accf[r] = accf[r] + red[ty + 1 + j, tx // lanes, r]
+        if defer:
+            for r in T.unroll(rows_w):
+                accf[r] = accf[r] * T.rsqrt(accf[rows_w] / T.float32(k) + T.float32(eps))
+        for r in T.unroll(rows):
+            if tx % lanes == 0 and ty % ksplit == 0 and row_of(bx, ty, tx, r) < n:
+                if epi == "add":
+                    out[0, 0, row_of(bx, ty, tx, r)] = T.Cast("float16", accf[r]) + rf[row_of(bx, ty, tx, r)]
+                elif swiglu:
+                    # silu(gate) * up from the fp16-rounded projections, as the unfused kernels
+                    out[0, 0, row_of(bx, ty, tx, r)] = T.Cast("float16", _silu_times(
+                        T.Cast("float32", T.Cast("float16", accf[r])),
+                        T.Cast("float32", T.Cast("float16", accf[r + rows]))))
+                else:
+                    out[0, 0, row_of(bx, ty, tx, r)] = T.Cast(out_dtype, T.Cast("float16", accf[r]))
+        if rounds > 1 and ksplit > 1:
+            T.evaluate(T.tvm_storage_sync("shared"))  # `red` is written again by the next row block
+
     @T.macro
     def body(x, g, w, s, res, out):
         xw = T.decl_buffer((k // 2,), "uint32", data=x.data)
@@ -322,7 +380,7 @@ def make_gemv(shape: GemvShape, warps_wanted: int = _WARPS_WANTED, pdl: bool = F
         ww = T.decl_buffer((n_w * units * 4,), "uint32", data=w.data)
         sf = T.decl_buffer((n_w * groups,), "float16", data=s.data)  # unread for float16 weights
         rf = T.decl_buffer((n,), "float16", data=res.data)  # unread unless epilogue == "add"
-        for bx in T.thread_binding(blocks, thread="blockIdx.x"):
+        for bx in T.thread_binding(grid, thread="blockIdx.x"):
             for ty in T.thread_binding(warps, thread="threadIdx.y"):
                 for tx in T.thread_binding(32, thread="threadIdx.x"):
                     with T.sblock("gemv"):
@@ -337,8 +395,6 @@ def make_gemv(shape: GemvShape, warps_wanted: int = _WARPS_WANTED, pdl: bool = F
                         ssred = T.sblock_alloc_buffer((warps, slots), "float32", scope="shared")
                         xs = T.sblock_alloc_buffer((k // 2 if staged else 1,), "uint32", scope="shared")
                         xr = T.sblock_alloc_buffer((stage_words,), "uint32", scope="local")
-                        for r in T.unroll(n_acc):
-                            accf[r] = T.float32(0)
                         # the first weights do not depend on the previous kernel: with PDL they load while it
                         # finishes (cuda_pdl), the activations only after the wait
                         for p in T.unroll(pre):
@@ -349,50 +405,13 @@ def make_gemv(shape: GemvShape, warps_wanted: int = _WARPS_WANTED, pdl: bool = F
                             T.evaluate(T.call_extern("void", cuda_pdl.LAUNCH_DEPENDENTS))
                         if staged:
                             stage_normalized_x(xw, gw, xs, xr, rs, ssred, ty, tx)
-                        for it in T.unroll(iters):
-                            if unit_of(it, ty, tx) < units:
-                                for q in T.unroll(x_words // 4):
-                                    for v in T.vectorized(4):
-                                        xl[q * 4 + v] = (xs if staged else xw)[
-                                            unit_of(it, ty, tx) * x_words + q * 4 + v]
-                                if defer:
-                                    for c in T.unroll(x_words):
-                                        accf[rows_w] = accf[rows_w] + T.call_pure_extern("float32", "mlcc_h2_sumsq",
-                                                                                         xl[c])
-                                        xl[c] = T.call_pure_extern("uint32", "mlcc_h2_mul", xl[c],
-                                                                   gw[unit_of(it, ty, tx) * x_words + c])
-                                if it >= pre:
-                                    load_weights(ww, wl, bx, ty, tx, it)
-                                accumulate(sf, wl, xl, accf, acc, bx, ty, tx, it)
-                        for r in T.unroll(n_acc):
-                            for o in T.unroll(5):
-                                if (1 << o) < lanes:
-                                    accf[r] = accf[r] + T.call_pure_extern(
-                                        "float32", "__shfl_xor_sync", T.uint32(0xFFFFFFFF), accf[r], 1 << o, 32)
-                        if ksplit > 1:
-                            # the warps that split K meet in shared memory; the first of them finishes the rows
-                            for r in T.unroll(n_acc):
-                                if tx % lanes == 0:
-                                    red[ty, tx // lanes, r] = accf[r]
-                            T.evaluate(T.tvm_storage_sync("shared"))
-                            if ty % ksplit == 0:
-                                for r in T.unroll(n_acc):
-                                    for j in T.unroll(ksplit - 1):
-                                        accf[r] = accf[r] + red[ty + 1 + j, tx // lanes, r]
-                        if defer:
-                            for r in T.unroll(rows_w):
-                                accf[r] = accf[r] * T.rsqrt(accf[rows_w] / T.float32(k) + T.float32(eps))
-                        for r in T.unroll(rows):
-                            if tx % lanes == 0 and ty % ksplit == 0 and row_of(bx, ty, tx, r) < n:
-                                if epi == "add":
-                                    out[0, 0, row_of(bx, ty, tx, r)] = T.Cast("float16", accf[r]) + rf[row_of(bx, ty, tx, r)]
-                                elif swiglu:
-                                    # silu(gate) * up from the fp16-rounded projections, as the unfused kernels
-                                    out[0, 0, row_of(bx, ty, tx, r)] = T.Cast("float16", _silu_times(
-                                        T.Cast("float32", T.Cast("float16", accf[r])),
-                                        T.Cast("float32", T.Cast("float16", accf[r + rows]))))
-                                else:
-                                    out[0, 0, row_of(bx, ty, tx, r)] = T.Cast(out_dtype, T.Cast("float16", accf[r]))
+                        if rounds == 1:
+                            row_block(xw, gw, ww, sf, rf, out, xs, xl, wl, acc, accf, red, bx, 0, ty, tx)
+                        else:
+                            for vb in T.serial(rounds):
+                                if vb * grid + bx < blocks:
+                                    row_block(xw, gw, ww, sf, rf, out, xs, xl, wl, acc, accf, red, vb * grid + bx,
+                                              vb, ty, tx)
 
     w_shape, w_dtype = ((n_w, k // 8), "uint32") if q4 else ((n_w, k), "float16")
     x_shape, g_shape, s_shape = (1, 1, k), (k,), (n_w, groups)

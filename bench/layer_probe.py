@@ -1,0 +1,330 @@
+"""Does one persistent kernel per layer beat one kernel per projection? (issue 4, session 11)
+
+The four q4f16_1 projections of a Llama-3-8B layer that follow each other without attention in between, chained the
+way a step runs them: o (4096 -> 4096), gate_up (4096 -> 28672), down (the first 14336 of those -> 4096), qkv
+(4096 -> 6144); each reads the previous one's output. Timed two ways, back to back over `--layers` layers of
+weights (>= 320 MB, so they come from DRAM) in one CUDA graph:
+
+  kernels     the model's decode GEMVs (schedules/cuda_gemv.make_gemv, default launch rule, PDL): 4 launches a layer
+  persistent  one launch a layer (_l1: inputs read through L1; _smem: staged in shared memory per block): 2 blocks per SM loop over the rows of each projection in turn, with a grid-wide
+              barrier between projections; before each barrier every warp issues the loads of its first rows of
+              the next projection (whose weights do not depend on the barrier), so DRAM keeps streaming through it
+
+Both are checked against numpy (every projection's output) before they are timed. The persistent kernel is a
+probe, not a model kernel: plain epilogues, no RMSNorm/SwiGLU, all its blocks must be resident at once (a grid of
+2 x SMs blocks of 256 threads), and its barrier state is one counter pair per launch slot.
+
+    python bench/layer_probe.py build --out .dev/probe      # here
+    python3 bench/layer_probe.py run --libs .dev/probe --out $OUT
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+from cli import build_and_run
+
+PROJ = {"o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336), "qkv": (6144, 4096)}
+CHAIN = ("o", "gate_up", "down", "qkv")
+SMS = 132
+BLOCKS = 2 * SMS
+WARPS = 8
+VARIANTS = ("persistent_l1", "persistent_smem")
+
+# a warp task: 4 rows x 4 loads of 16 B per lane for K = 4096, 1 row x 14 for K = 14336
+PROBE_SOURCE = r"""
+namespace mlcc_probe {
+constexpr int kWarps = 8;
+
+__device__ __forceinline__ void grid_barrier(unsigned* bar, unsigned nblocks) {
+  __syncthreads();
+  if (threadIdx.x == 0 && threadIdx.y == 0) {
+    volatile unsigned* gen = bar + 1;
+    const unsigned g = *gen;
+    __threadfence();
+    if (atomicAdd(bar, 1u) == nblocks - 1) {
+      bar[0] = 0;
+      __threadfence();
+      atomicAdd(bar + 1, 1u);
+    } else {
+      long long spins = 0;
+      while (*gen == g) {
+        if (++spins == (1ll << 30)) __trap();  // blocks not all resident: fail instead of hanging the device
+      }
+    }
+    __threadfence();
+  }
+  __syncthreads();
+}
+
+struct Proj { const uint4* w; const half* s; const half* x; half* y; int n; int k; };
+
+// a task = ROWS rows x the whole K (UPL 16-byte groups per lane per row: lane l streams groups l, l + 32, ...)
+template <int ROWS, int UPL>
+__device__ __forceinline__ void load_task(const Proj& p, int task, int lane, uint4 (&wb)[16], half (&sb)[16]) {
+  const int units = UPL * 32;
+#pragma unroll
+  for (int r = 0; r < ROWS; ++r) {
+    const size_t row = (size_t)task * ROWS + r;
+#pragma unroll
+    for (int u = 0; u < UPL; ++u) {
+      wb[r * UPL + u] = __ldg(p.w + row * units + u * 32 + lane);
+      sb[r * UPL + u] = p.s[row * units + u * 32 + lane];
+    }
+  }
+}
+
+template <int ROWS, int UPL>
+__device__ __forceinline__ void compute_task(const Proj& p, const half* x, int task, int lane, const uint4 (&wb)[16],
+                                             const half (&sb)[16]) {
+  float acc[ROWS];
+#pragma unroll
+  for (int r = 0; r < ROWS; ++r) acc[r] = 0.f;
+#pragma unroll
+  for (int u = 0; u < UPL; ++u) {
+    const uint4* xv = reinterpret_cast<const uint4*>(x) + (u * 32 + lane) * 4;
+    uint4 xq[4];
+#pragma unroll
+    for (int q = 0; q < 4; ++q) xq[q] = xv[q];
+    const unsigned* xl = reinterpret_cast<const unsigned*>(xq);
+#pragma unroll
+    for (int r = 0; r < ROWS; ++r) {
+      const uint4 w = wb[r * UPL + u];
+      unsigned h = 0;
+      h = mlcc_q4x8_hfma2_s1(w.x, xl[0], xl[1], xl[2], xl[3], h);
+      h = mlcc_q4x8_hfma2_s1(w.y, xl[4], xl[5], xl[6], xl[7], h);
+      h = mlcc_q4x8_hfma2_s1(w.z, xl[8], xl[9], xl[10], xl[11], h);
+      h = mlcc_q4x8_hfma2_s1(w.w, xl[12], xl[13], xl[14], xl[15], h);
+      acc[r] += mlcc_h2_sum(h) * __half2float(sb[r * UPL + u]);
+    }
+  }
+#pragma unroll
+  for (int r = 0; r < ROWS; ++r) {
+    float a = acc[r];
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) a += __shfl_xor_sync(0xffffffffu, a, o);
+    if (lane == 0) p.y[(size_t)task * ROWS + r] = __float2half(a);
+  }
+}
+
+template <int ROWS, int UPL>
+__device__ __forceinline__ void prefetch(const Proj& p, int warp, int lane, uint4 (&wb)[16], half (&sb)[16]) {
+  if (warp < p.n / ROWS) load_task<ROWS, UPL>(p, warp, lane, wb, sb);
+}
+
+// the rows of one projection, the first task's weights already in wb/sb. Its input was written by other blocks
+// before the barrier: read through L1 (no line of it was cached here earlier in this launch), or staged in shared
+// memory once per block through L2 (xs)
+template <int ROWS, int UPL>
+__device__ __forceinline__ void phase(const Proj& p, half* xs, int warp, int nwarps, int lane, uint4 (&wb)[16],
+                                      half (&sb)[16]) {
+  const half* x = p.x;
+  if (xs != nullptr) {
+    const int tid = threadIdx.y * 32 + threadIdx.x;
+    for (int i = tid; i < p.k / 8; i += kWarps * 32)
+      reinterpret_cast<uint4*>(xs)[i] = __ldcg(reinterpret_cast<const uint4*>(p.x) + i);
+    __syncthreads();
+    x = xs;
+  }
+  for (int t = warp; t < p.n / ROWS; t += nwarps) {
+    if (t != warp) load_task<ROWS, UPL>(p, t, lane, wb, sb);
+    compute_task<ROWS, UPL>(p, x, t, lane, wb, sb);
+  }
+  if (xs != nullptr) __syncthreads();  // xs is staged again by the next projection
+}
+
+template <bool STAGE>
+__device__ __forceinline__ void layer(
+    const void* x0, const void* wo, const void* so, const void* wgu, const void* sgu, const void* wd, const void* sd,
+    const void* wqkv, const void* sqkv, void* y1, void* y2, void* y3, void* y4, void* barp, int nblocks) {
+  __shared__ alignas(16) half xbuf[STAGE ? 14336 : 8];
+  half* xs = STAGE ? xbuf : nullptr;
+  const Proj o{(const uint4*)wo, (const half*)so, (const half*)x0, (half*)y1, 4096, 4096};
+  const Proj gu{(const uint4*)wgu, (const half*)sgu, (const half*)y1, (half*)y2, 28672, 4096};
+  const Proj d{(const uint4*)wd, (const half*)sd, (const half*)y2, (half*)y3, 4096, 14336};
+  const Proj qkv{(const uint4*)wqkv, (const half*)sqkv, (const half*)y3, (half*)y4, 6144, 4096};
+  unsigned* bar = (unsigned*)barp;
+  const int lane = threadIdx.x, warp = blockIdx.x * kWarps + threadIdx.y, nwarps = nblocks * kWarps;
+  uint4 wb[16];
+  half sb[16];
+  // each projection's first weights are requested before the wait (PDL) or barrier they do not depend on
+  prefetch<4, 4>(o, warp, lane, wb, sb);
+  mlcc_pdl_wait();
+  mlcc_pdl_launch_dependents();
+  phase<4, 4>(o, xs, warp, nwarps, lane, wb, sb);
+  prefetch<4, 4>(gu, warp, lane, wb, sb);
+  __threadfence();
+  grid_barrier(bar, nblocks);
+  phase<4, 4>(gu, xs, warp, nwarps, lane, wb, sb);
+  prefetch<1, 14>(d, warp, lane, wb, sb);
+  __threadfence();
+  grid_barrier(bar, nblocks);
+  phase<1, 14>(d, xs, warp, nwarps, lane, wb, sb);
+  prefetch<4, 4>(qkv, warp, lane, wb, sb);
+  __threadfence();
+  grid_barrier(bar, nblocks);
+  phase<4, 4>(qkv, xs, warp, nwarps, lane, wb, sb);
+}
+}  // namespace mlcc_probe
+
+#define MLCC_PROBE_ARGS const void* x0, const void* wo, const void* so, const void* wgu, const void* sgu, \
+    const void* wd, const void* sd, const void* wqkv, const void* sqkv, void* y1, void* y2, void* y3, void* y4, \
+    void* bar, int nblocks
+__device__ __forceinline__ void mlcc_probe_layer_l1(MLCC_PROBE_ARGS) {
+  mlcc_probe::layer<false>(x0, wo, so, wgu, sgu, wd, sd, wqkv, sqkv, y1, y2, y3, y4, bar, nblocks);
+}
+__device__ __forceinline__ void mlcc_probe_layer_smem(MLCC_PROBE_ARGS) {
+  mlcc_probe::layer<true>(x0, wo, so, wgu, sgu, wd, sd, wqkv, sqkv, y1, y2, y3, y4, bar, nblocks);
+}
+"""
+
+
+def _persistent_kernel(helper: str):
+    from tvm.script import tirx as T
+
+    from mlcc.schedules import cuda_pdl
+
+    def buf(name):
+        n, k = PROJ[name]
+        return (n, k // 8), (n, k // 32)
+
+    (wo, so), (wgu, sgu), (wd, sd), (wq, sq) = (buf(c) for c in CHAIN)
+
+    @T.prim_func(s_tir=True)
+    def layer(x0: T.Buffer((4096,), "float16"), Wo: T.Buffer(wo, "uint32"), So: T.Buffer(so, "float16"),
+              Wgu: T.Buffer(wgu, "uint32"), Sgu: T.Buffer(sgu, "float16"), Wd: T.Buffer(wd, "uint32"),
+              Sd: T.Buffer(sd, "float16"), Wq: T.Buffer(wq, "uint32"), Sq: T.Buffer(sq, "float16"),
+              y1: T.Buffer((4096,), "float16"), y2: T.Buffer((28672,), "float16"),
+              y3: T.Buffer((4096,), "float16"), y4: T.Buffer((6144,), "float16"), bar: T.Buffer((2,), "uint32")):
+        T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True})
+        for bx in T.thread_binding(BLOCKS, thread="blockIdx.x"):
+            for ty in T.thread_binding(WARPS, thread="threadIdx.y"):
+                for tx in T.thread_binding(32, thread="threadIdx.x"):
+                    with T.sblock("layer"):
+                        T.reads()
+                        T.writes()
+                        # (never true: names the PDL wait, which the helper places itself, so that cuda_pdl's
+                        # pass leaves the kernel's start alone)
+                        if bar[1] == T.uint32(0xFFFFFFFF):
+                            T.evaluate(T.call_extern("void", cuda_pdl.WAIT))
+                        T.evaluate(T.call_extern("void", helper, x0.data, Wo.data, So.data, Wgu.data,
+                                                 Sgu.data, Wd.data, Sd.data, Wq.data, Sq.data, y1.data, y2.data,
+                                                 y3.data, y4.data, bar.data, BLOCKS))
+
+    return layer
+
+
+def _with_probe_helpers():
+    """cuda_source adds a helper group where the generated code calls one of its functions: the probe's source
+    rides with the q4 helpers it calls."""
+    from mlcc.schedules import cuda_gemv, cuda_pdl, cuda_source
+
+    base = cuda_source._helper_groups
+
+    def groups():
+        return [cuda_pdl.CUDA_HELPERS] + [g + (PROBE_SOURCE if g is cuda_gemv.CUDA_HELPERS else "")
+                                          for g in base() if g is not cuda_pdl.CUDA_HELPERS]
+
+    cuda_source._helper_groups = groups
+
+
+def cmd_build(a) -> None:
+    import tvm
+
+    from mlcc.schedules.cuda_gemv import GemvShape, make_gemv
+    from mlcc.schedules.cuda_pdl import tir_pipeline_for
+    from mlcc.targets import get_target
+    from mlcc.targets.toolchains import toolchain_for
+
+    _with_probe_helpers()
+    target = get_target("cuda").tvm_target()
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    funcs = {c: make_gemv(GemvShape(*PROJ[c], "none"), pdl=True).with_attr("global_symbol", c) for c in CHAIN}
+    for v in VARIANTS:
+        funcs[v] = _persistent_kernel(f"mlcc_probe_layer_{v.split('_')[1]}").with_attr("global_symbol", v)
+    with target, toolchain_for("cuda"):
+        ex = tvm.compile(tvm.IRModule(funcs), target, tir_pipeline=tir_pipeline_for(target))
+    (cuda,) = [m for m in ex.mod.imports if m.kind == "cuda"]
+    (out / "probe.cu").write_text(cuda.inspect_source())
+    ex.export_library(str(out / "probe.so"))
+    print("built", sorted(funcs))
+
+
+def _quantized(rng, n: int, k: int):
+    codes = rng.integers(0, 16, size=(n, k), dtype=np.uint32)
+    scales = (rng.uniform(0.5, 1.5, size=(n, k // 32)) / np.sqrt(k) / 4).astype(np.float16)
+    packed = np.zeros((n, k // 8), np.uint32)
+    for j in range(8):
+        packed |= codes[:, j::8] << np.uint32(4 * j)
+    w = (codes.astype(np.float32) - 7) * np.repeat(scales.astype(np.float32), 32, axis=1)
+    return packed, scales, w
+
+
+def cmd_run(a) -> None:
+    import tvm
+
+    from gemv_kernels import time_graph
+    from mlcc.runtime.model import _load_backend_runtimes, _register_cuda_jit
+
+    _load_backend_runtimes("cuda")
+    _register_cuda_jit("sm_90a")
+    dev = tvm.cuda(0)
+    m = tvm.runtime.load_module(str(Path(a.libs) / "probe.so"))
+    rng = np.random.default_rng(0)
+    host = {c: _quantized(rng, *PROJ[c]) for c in CHAIN}
+    layer_bytes = sum(p.nbytes + s.nbytes for p, s, _ in host.values())
+    copies = max(2, -(-(320 << 20) // layer_bytes))
+    weights = [{c: [tvm.runtime.tensor(host[c][0], dev), tvm.runtime.tensor(host[c][1], dev)] for c in CHAIN}
+               for _ in range(copies)]
+    x0 = rng.standard_normal(4096).astype(np.float16)
+    # numpy: each projection from the previous one's fp16 output
+    want, x = {}, x0.astype(np.float32)
+    for c in CHAIN:
+        n, k = PROJ[c]
+        want[c] = (host[c][2] @ x[:k]).astype(np.float16).astype(np.float32)
+        x = want[c]
+    ys = {c: tvm.runtime.tensor(np.zeros(PROJ[c][0], np.float16), dev) for c in CHAIN}
+    xin = tvm.runtime.tensor(x0, dev)
+    bar = tvm.runtime.tensor(np.zeros(2, np.uint32), dev)
+
+    def kernels(ws):
+        prev = xin
+        for c in CHAIN:
+            n, k = PROJ[c]
+            src = prev if prev.shape[0] == k else prev._create_view((k,))
+            m[c](src._create_view((1, 1, k)), *ws[c], ys[c]._create_view((1, 1, n)))
+            prev = ys[c]
+
+    def persistent(name):
+        return lambda ws: m[name](xin, *(t for c in CHAIN for t in ws[c]), *(ys[c] for c in CHAIN), bar)
+
+    def errors():
+        return {c: float(np.abs(ys[c].numpy().astype(np.float32) - want[c]).max() / np.abs(want[c]).max())
+                for c in CHAIN}
+
+    rows = []
+    for name, f in [("kernels", kernels)] + [(v, persistent(v)) for v in VARIANTS]:
+        for y in ys.values():
+            y.copyfrom(np.zeros(y.shape, np.float16))
+        f(weights[0])
+        dev.sync()
+        errs = errors()
+        ok = all(e < 2e-2 for e in errs.values())
+        t = min(time_graph(lambda _x, ws, _o: f(ws), None, [[w] for w in weights], None, dev, calls=16 * copies)
+                for _ in range(3)) if ok else float("nan")
+        # every weight copy holds the same values: after hundreds of replays the outputs must still be right
+        ok = ok and all(e < 2e-2 for e in errors().values())
+        rows.append({"variant": name, "us_per_layer": t * 1e6, "max_rel_err": errs, "check_ok": ok,
+                     "layer_bytes": layer_bytes, "GB_s": layer_bytes / t / 1e9 if ok else None})
+        print(f"{name:10} {t * 1e6:7.2f} us per layer  {layer_bytes / t / 1e9 if ok else 0:6.0f} GB/s  "
+              f"max rel err {max(errs.values()):.1e} {'ok' if ok else 'WRONG'}", flush=True)
+    Path(a.out).mkdir(parents=True, exist_ok=True)
+    (Path(a.out) / "layer_probe.json").write_text(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    build_and_run(cmd_build, cmd_run)
