@@ -6,7 +6,9 @@ way a step runs them: o (4096 -> 4096), gate_up (4096 -> 28672), down (the first
 weights (>= 320 MB, so they come from DRAM) in one CUDA graph:
 
   kernels     the model's decode GEMVs (schedules/cuda_gemv.make_gemv, default launch rule, PDL): 4 launches a layer
-  persistent  one launch a layer (_l1: inputs read through L1; _smem: staged in shared memory per block): 2 blocks per SM loop over the rows of each projection in turn, with a grid-wide
+  persistent  one launch a layer (_l1: inputs read through L1; _smem: staged in shared memory per block; _pipe: as
+              _l1, each warp's rows streamed in chunks with two buffers, the next chunk loading while the current
+              one is multiplied): 2 blocks per SM (_pipe: 1) loop over the rows of each projection in turn, with a grid-wide
               barrier between projections; before each barrier every warp issues the loads of its first rows of
               the next projection (whose weights do not depend on the barrier), so DRAM keeps streaming through it
 
@@ -32,7 +34,8 @@ CHAIN = ("o", "gate_up", "down", "qkv")
 SMS = 132
 BLOCKS = 2 * SMS
 WARPS = 8
-VARIANTS = ("persistent_l1", "persistent_smem")
+# blocks launched: all must be resident at once (the grid barrier); _pipe needs 254 registers a thread: 1 block per SM
+VARIANTS = {"persistent_l1": BLOCKS, "persistent_smem": BLOCKS, "persistent_pipe": SMS}
 
 # a warp task: 4 rows x 4 loads of 16 B per lane for K = 4096, 1 row x 14 for K = 14336
 PROBE_SOURCE = r"""
@@ -52,7 +55,7 @@ __device__ __forceinline__ void grid_barrier(unsigned* bar, unsigned nblocks) {
     } else {
       long long spins = 0;
       while (*gen == g) {
-        if (++spins == (1ll << 30)) __trap();  // blocks not all resident: fail instead of hanging the device
+        if (++spins == (1ll << 22)) __trap();  // blocks not all resident: fail instead of hanging the device
       }
     }
     __threadfence();
@@ -61,6 +64,18 @@ __device__ __forceinline__ void grid_barrier(unsigned* bar, unsigned nblocks) {
 }
 
 struct Proj { const uint4* w; const half* s; const half* x; half* y; int n; int k; };
+// o -> gate_up -> down (the first 14336 of gate_up's outputs) -> qkv, and the barrier state
+struct Layer { Proj o, gu, d, qkv; unsigned* bar; int nblocks; };
+
+__device__ __forceinline__ Layer make_layer(
+    const void* x0, const void* wo, const void* so, const void* wgu, const void* sgu, const void* wd, const void* sd,
+    const void* wqkv, const void* sqkv, void* y1, void* y2, void* y3, void* y4, void* bar, int nblocks) {
+  return Layer{{(const uint4*)wo, (const half*)so, (const half*)x0, (half*)y1, 4096, 4096},
+               {(const uint4*)wgu, (const half*)sgu, (const half*)y1, (half*)y2, 28672, 4096},
+               {(const uint4*)wd, (const half*)sd, (const half*)y2, (half*)y3, 4096, 14336},
+               {(const uint4*)wqkv, (const half*)sqkv, (const half*)y3, (half*)y4, 6144, 4096},
+               (unsigned*)bar, nblocks};
+}
 
 // a task = ROWS rows x the whole K (UPL 16-byte groups per lane per row: lane l streams groups l, l + 32, ...)
 template <int ROWS, int UPL>
@@ -137,16 +152,12 @@ __device__ __forceinline__ void phase(const Proj& p, half* xs, int warp, int nwa
 }
 
 template <bool STAGE>
-__device__ __forceinline__ void layer(
-    const void* x0, const void* wo, const void* so, const void* wgu, const void* sgu, const void* wd, const void* sd,
-    const void* wqkv, const void* sqkv, void* y1, void* y2, void* y3, void* y4, void* barp, int nblocks) {
+__device__ __forceinline__ void layer(const Layer& L) {
   __shared__ alignas(16) half xbuf[STAGE ? 14336 : 8];
   half* xs = STAGE ? xbuf : nullptr;
-  const Proj o{(const uint4*)wo, (const half*)so, (const half*)x0, (half*)y1, 4096, 4096};
-  const Proj gu{(const uint4*)wgu, (const half*)sgu, (const half*)y1, (half*)y2, 28672, 4096};
-  const Proj d{(const uint4*)wd, (const half*)sd, (const half*)y2, (half*)y3, 4096, 14336};
-  const Proj qkv{(const uint4*)wqkv, (const half*)sqkv, (const half*)y3, (half*)y4, 6144, 4096};
-  unsigned* bar = (unsigned*)barp;
+  const Proj &o = L.o, &gu = L.gu, &d = L.d, &qkv = L.qkv;
+  unsigned* bar = L.bar;
+  const int nblocks = L.nblocks;
   const int lane = threadIdx.x, warp = blockIdx.x * kWarps + threadIdx.y, nwarps = nblocks * kWarps;
   uint4 wb[16];
   half sb[16];
@@ -168,21 +179,123 @@ __device__ __forceinline__ void layer(
   grid_barrier(bar, nblocks);
   phase<4, 4>(qkv, xs, warp, nwarps, lane, wb, sb);
 }
+
+// v2: a warp streams its tasks as a sequence of chunks (ROWS rows x CU 16-byte groups per lane), two chunk
+// buffers, so the next chunk's loads are in flight while the current one is multiplied
+struct Chunk { uint4 w[8]; half s[8]; };
+
+template <int ROWS, int CU, int CPT>
+__device__ __forceinline__ void load_chunk(const Proj& p, int t, int c, int lane, Chunk& b) {
+  const int units = CU * CPT * 32;
+#pragma unroll
+  for (int r = 0; r < ROWS; ++r) {
+    const size_t row = (size_t)t * ROWS + r;
+#pragma unroll
+    for (int u = 0; u < CU; ++u) {
+      const int unit = (c * CU + u) * 32 + lane;
+      b.w[r * CU + u] = __ldg(p.w + row * units + unit);
+      b.s[r * CU + u] = p.s[row * units + unit];
+    }
+  }
+}
+
+template <int ROWS, int CU, int CPT>
+__device__ __forceinline__ void compute_chunk(const Proj& p, int t, int c, int lane, const Chunk& b,
+                                              float (&acc)[2]) {
+#pragma unroll
+  for (int u = 0; u < CU; ++u) {
+    const uint4* xv = reinterpret_cast<const uint4*>(p.x) + ((c * CU + u) * 32 + lane) * 4;
+    uint4 xq[4];
+#pragma unroll
+    for (int q = 0; q < 4; ++q) xq[q] = xv[q];
+    const unsigned* xl = reinterpret_cast<const unsigned*>(xq);
+#pragma unroll
+    for (int r = 0; r < ROWS; ++r) {
+      const uint4 w = b.w[r * CU + u];
+      unsigned h = 0;
+      h = mlcc_q4x8_hfma2_s1(w.x, xl[0], xl[1], xl[2], xl[3], h);
+      h = mlcc_q4x8_hfma2_s1(w.y, xl[4], xl[5], xl[6], xl[7], h);
+      h = mlcc_q4x8_hfma2_s1(w.z, xl[8], xl[9], xl[10], xl[11], h);
+      h = mlcc_q4x8_hfma2_s1(w.w, xl[12], xl[13], xl[14], xl[15], h);
+      acc[r] += mlcc_h2_sum(h) * __half2float(b.s[r * CU + u]);
+    }
+  }
+  if (c == CPT - 1) {
+#pragma unroll
+    for (int r = 0; r < ROWS; ++r) {
+      float a = acc[r];
+#pragma unroll
+      for (int o = 16; o > 0; o >>= 1) a += __shfl_xor_sync(0xffffffffu, a, o);
+      if (lane == 0) p.y[(size_t)t * ROWS + r] = __float2half(a);
+      acc[r] = 0.f;
+    }
+  }
+}
+
+template <int ROWS, int CU, int CPT>
+__device__ __forceinline__ void prefetch2(const Proj& p, int warp, int lane, Chunk& a) {
+  if (warp < p.n / ROWS) load_chunk<ROWS, CU, CPT>(p, warp, 0, lane, a);
+}
+
+// chunk (warp, 0) is in a on entry; a is free on exit
+template <int ROWS, int CU, int CPT>
+__device__ __forceinline__ void phase2(const Proj& p, int warp, int nwarps, int lane, Chunk& a, Chunk& b) {
+  const int tasks = p.n / ROWS;
+  int t = warp, c = 0;
+  float acc[2] = {0.f, 0.f};
+  if (t >= tasks) return;
+  while (true) {
+    int t2 = c + 1 == CPT ? t + nwarps : t, c2 = c + 1 == CPT ? 0 : c + 1;
+    bool more = t2 < tasks;
+    if (more) load_chunk<ROWS, CU, CPT>(p, t2, c2, lane, b);
+    compute_chunk<ROWS, CU, CPT>(p, t, c, lane, a, acc);
+    if (!more) break;
+    t = t2; c = c2;
+    t2 = c + 1 == CPT ? t + nwarps : t; c2 = c + 1 == CPT ? 0 : c + 1;
+    more = t2 < tasks;
+    if (more) load_chunk<ROWS, CU, CPT>(p, t2, c2, lane, a);
+    compute_chunk<ROWS, CU, CPT>(p, t, c, lane, b, acc);
+    if (!more) break;
+    t = t2; c = c2;
+  }
+}
+
+__device__ __forceinline__ void layer_pipe(const Layer& L) {
+  const Proj &o = L.o, &gu = L.gu, &d = L.d, &qkv = L.qkv;
+  unsigned* bar = L.bar;
+  const int nblocks = L.nblocks;
+  const int lane = threadIdx.x, warp = blockIdx.x * kWarps + threadIdx.y, nwarps = nblocks * kWarps;
+  Chunk a, b;
+  prefetch2<2, 4, 1>(o, warp, lane, a);
+  mlcc_pdl_wait();
+  mlcc_pdl_launch_dependents();
+  phase2<2, 4, 1>(o, warp, nwarps, lane, a, b);
+  prefetch2<2, 4, 1>(gu, warp, lane, a);
+  __threadfence();
+  grid_barrier(bar, nblocks);
+  phase2<2, 4, 1>(gu, warp, nwarps, lane, a, b);
+  prefetch2<1, 7, 2>(d, warp, lane, a);
+  __threadfence();
+  grid_barrier(bar, nblocks);
+  phase2<1, 7, 2>(d, warp, nwarps, lane, a, b);
+  prefetch2<2, 4, 1>(qkv, warp, lane, a);
+  __threadfence();
+  grid_barrier(bar, nblocks);
+  phase2<2, 4, 1>(qkv, warp, nwarps, lane, a, b);
+}
 }  // namespace mlcc_probe
 
 #define MLCC_PROBE_ARGS const void* x0, const void* wo, const void* so, const void* wgu, const void* sgu, \
     const void* wd, const void* sd, const void* wqkv, const void* sqkv, void* y1, void* y2, void* y3, void* y4, \
     void* bar, int nblocks
-__device__ __forceinline__ void mlcc_probe_layer_l1(MLCC_PROBE_ARGS) {
-  mlcc_probe::layer<false>(x0, wo, so, wgu, sgu, wd, sd, wqkv, sqkv, y1, y2, y3, y4, bar, nblocks);
-}
-__device__ __forceinline__ void mlcc_probe_layer_smem(MLCC_PROBE_ARGS) {
-  mlcc_probe::layer<true>(x0, wo, so, wgu, sgu, wd, sd, wqkv, sqkv, y1, y2, y3, y4, bar, nblocks);
-}
+#define MLCC_PROBE_LAYER mlcc_probe::make_layer(x0, wo, so, wgu, sgu, wd, sd, wqkv, sqkv, y1, y2, y3, y4, bar, nblocks)
+__device__ __forceinline__ void mlcc_probe_layer_l1(MLCC_PROBE_ARGS) { mlcc_probe::layer<false>(MLCC_PROBE_LAYER); }
+__device__ __forceinline__ void mlcc_probe_layer_smem(MLCC_PROBE_ARGS) { mlcc_probe::layer<true>(MLCC_PROBE_LAYER); }
+__device__ __forceinline__ void mlcc_probe_layer_pipe(MLCC_PROBE_ARGS) { mlcc_probe::layer_pipe(MLCC_PROBE_LAYER); }
 """
 
 
-def _persistent_kernel(helper: str):
+def _persistent_kernel(helper: str, blocks: int):
     from tvm.script import tirx as T
 
     from mlcc.schedules import cuda_pdl
@@ -200,7 +313,7 @@ def _persistent_kernel(helper: str):
               y1: T.Buffer((4096,), "float16"), y2: T.Buffer((28672,), "float16"),
               y3: T.Buffer((4096,), "float16"), y4: T.Buffer((6144,), "float16"), bar: T.Buffer((2,), "uint32")):
         T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True})
-        for bx in T.thread_binding(BLOCKS, thread="blockIdx.x"):
+        for bx in T.thread_binding(blocks, thread="blockIdx.x"):
             for ty in T.thread_binding(WARPS, thread="threadIdx.y"):
                 for tx in T.thread_binding(32, thread="threadIdx.x"):
                     with T.sblock("layer"):
@@ -212,7 +325,7 @@ def _persistent_kernel(helper: str):
                             T.evaluate(T.call_extern("void", cuda_pdl.WAIT))
                         T.evaluate(T.call_extern("void", helper, x0.data, Wo.data, So.data, Wgu.data,
                                                  Sgu.data, Wd.data, Sd.data, Wq.data, Sq.data, y1.data, y2.data,
-                                                 y3.data, y4.data, bar.data, BLOCKS))
+                                                 y3.data, y4.data, bar.data, blocks))
 
     return layer
 
@@ -245,7 +358,7 @@ def cmd_build(a) -> None:
     out.mkdir(parents=True, exist_ok=True)
     funcs = {c: make_gemv(GemvShape(*PROJ[c], "none"), pdl=True).with_attr("global_symbol", c) for c in CHAIN}
     for v in VARIANTS:
-        funcs[v] = _persistent_kernel(f"mlcc_probe_layer_{v.split('_')[1]}").with_attr("global_symbol", v)
+        funcs[v] = _persistent_kernel(f"mlcc_probe_layer_{v.split('_')[1]}", VARIANTS[v]).with_attr("global_symbol", v)
     with target, toolchain_for("cuda"):
         ex = tvm.compile(tvm.IRModule(funcs), target, tir_pipeline=tir_pipeline_for(target))
     (cuda,) = [m for m in ex.mod.imports if m.kind == "cuda"]
@@ -318,7 +431,7 @@ def cmd_run(a) -> None:
                 for _ in range(3)) if ok else float("nan")
         # every weight copy holds the same values: after hundreds of replays the outputs must still be right
         ok = ok and all(e < 2e-2 for e in errors().values())
-        rows.append({"variant": name, "us_per_layer": t * 1e6, "max_rel_err": errs, "check_ok": ok,
+        rows.append({"variant": name, "blocks": VARIANTS.get(name), "us_per_layer": t * 1e6, "max_rel_err": errs, "check_ok": ok,
                      "layer_bytes": layer_bytes, "GB_s": layer_bytes / t / 1e9 if ok else None})
         print(f"{name:10} {t * 1e6:7.2f} us per layer  {layer_bytes / t / 1e9 if ok else 0:6.0f} GB/s  "
               f"max rel err {max(errs.values()):.1e} {'ok' if ok else 'WRONG'}", flush=True)
