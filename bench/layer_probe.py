@@ -12,7 +12,9 @@ weights (>= 320 MB, so they come from DRAM) in one CUDA graph:
               barrier between projections; before each barrier every warp issues the loads of its first rows of
               the next projection (whose weights do not depend on the barrier), so DRAM keeps streaming through it
 
-Both are checked against numpy (every projection's output) before they are timed. The persistent kernel is a
+Then each projection alone (weights rotated the same way): the model's kernel, and persistent_l1's loop for that
+projection with no barrier (`single_*`): where the persistent kernel loses, its streaming or its barriers.
+Everything is checked against numpy (every projection's output) before it is timed. The persistent kernel is a
 probe, not a model kernel: plain epilogues, no RMSNorm/SwiGLU, all its blocks must be resident at once (a grid of
 2 x SMs blocks of 256 threads), and its barrier state is one counter pair per launch slot.
 
@@ -292,6 +294,29 @@ __device__ __forceinline__ void layer_pipe(const Layer& L) {
 __device__ __forceinline__ void mlcc_probe_layer_l1(MLCC_PROBE_ARGS) { mlcc_probe::layer<false>(MLCC_PROBE_LAYER); }
 __device__ __forceinline__ void mlcc_probe_layer_smem(MLCC_PROBE_ARGS) { mlcc_probe::layer<true>(MLCC_PROBE_LAYER); }
 __device__ __forceinline__ void mlcc_probe_layer_pipe(MLCC_PROBE_ARGS) { mlcc_probe::layer_pipe(MLCC_PROBE_LAYER); }
+
+namespace mlcc_probe {
+// one projection alone, as persistent_l1 streams it (no barrier): what the barriers cost is the difference
+template <int ROWS, int UPL>
+__device__ __forceinline__ void single(const void* x, const void* w, const void* s, void* y, int n, int nblocks) {
+  const Proj p{(const uint4*)w, (const half*)s, (const half*)x, (half*)y, n, UPL * 32 * 32};
+  const int lane = threadIdx.x, warp = blockIdx.x * kWarps + threadIdx.y, nwarps = nblocks * kWarps;
+  uint4 wb[16];
+  half sb[16];
+  prefetch<ROWS, UPL>(p, warp, lane, wb, sb);
+  mlcc_pdl_wait();
+  mlcc_pdl_launch_dependents();
+  phase<ROWS, UPL>(p, nullptr, warp, nwarps, lane, wb, sb);
+}
+}  // namespace mlcc_probe
+__device__ __forceinline__ void mlcc_probe_single_k4096(const void* x, const void* w, const void* s, void* y, int n,
+                                                        int nblocks) {
+  mlcc_probe::single<4, 4>(x, w, s, y, n, nblocks);
+}
+__device__ __forceinline__ void mlcc_probe_single_k14336(const void* x, const void* w, const void* s, void* y, int n,
+                                                         int nblocks) {
+  mlcc_probe::single<1, 14>(x, w, s, y, n, nblocks);
+}
 """
 
 
@@ -330,6 +355,31 @@ def _persistent_kernel(helper: str, blocks: int):
     return layer
 
 
+def _single_kernel(name: str):
+    from tvm.script import tirx as T
+
+    from mlcc.schedules import cuda_pdl
+
+    n, k = PROJ[name]
+    helper = f"mlcc_probe_single_k{k}"
+
+    @T.prim_func(s_tir=True)
+    def single(x: T.Buffer((k,), "float16"), W: T.Buffer((n, k // 8), "uint32"), S: T.Buffer((n, k // 32), "float16"),
+               y: T.Buffer((n,), "float16"), bar: T.Buffer((2,), "uint32")):
+        T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True})
+        for bx in T.thread_binding(BLOCKS, thread="blockIdx.x"):
+            for ty in T.thread_binding(WARPS, thread="threadIdx.y"):
+                for tx in T.thread_binding(32, thread="threadIdx.x"):
+                    with T.sblock("single"):
+                        T.reads()
+                        T.writes()
+                        if bar[1] == T.uint32(0xFFFFFFFF):  # (never true: see _persistent_kernel)
+                            T.evaluate(T.call_extern("void", cuda_pdl.WAIT))
+                        T.evaluate(T.call_extern("void", helper, x.data, W.data, S.data, y.data, n, BLOCKS))
+
+    return single
+
+
 def _with_probe_helpers():
     """cuda_source adds a helper group where the generated code calls one of its functions: the probe's source
     rides with the q4 helpers it calls."""
@@ -357,6 +407,8 @@ def cmd_build(a) -> None:
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     funcs = {c: make_gemv(GemvShape(*PROJ[c], "none"), pdl=True).with_attr("global_symbol", c) for c in CHAIN}
+    for c in CHAIN:
+        funcs[f"single_{c}"] = _single_kernel(c).with_attr("global_symbol", f"single_{c}")
     for v in VARIANTS:
         funcs[v] = _persistent_kernel(f"mlcc_probe_layer_{v.split('_')[1]}", VARIANTS[v]).with_attr("global_symbol", v)
     with target, toolchain_for("cuda"):
@@ -395,9 +447,10 @@ def cmd_run(a) -> None:
                for _ in range(copies)]
     x0 = rng.standard_normal(4096).astype(np.float16)
     # numpy: each projection from the previous one's fp16 output
-    want, x = {}, x0.astype(np.float32)
+    want, x, inputs = {}, x0.astype(np.float32), {}
     for c in CHAIN:
         n, k = PROJ[c]
+        inputs[c] = x[:k].astype(np.float16)
         want[c] = (host[c][2] @ x[:k]).astype(np.float16).astype(np.float32)
         x = want[c]
     ys = {c: tvm.runtime.tensor(np.zeros(PROJ[c][0], np.float16), dev) for c in CHAIN}
@@ -435,6 +488,24 @@ def cmd_run(a) -> None:
                      "layer_bytes": layer_bytes, "GB_s": layer_bytes / t / 1e9 if ok else None})
         print(f"{name:10} {t * 1e6:7.2f} us per layer  {layer_bytes / t / 1e9 if ok else 0:6.0f} GB/s  "
               f"max rel err {max(errs.values()):.1e} {'ok' if ok else 'WRONG'}", flush=True)
+    # each projection alone: the model's kernel, and persistent_l1's loop without barriers (single_*)
+    for c in CHAIN:
+        n, k = PROJ[c]
+        cbytes = host[c][0].nbytes + host[c][1].nbytes
+        sets = [[tvm.runtime.tensor(host[c][0], dev), tvm.runtime.tensor(host[c][1], dev)]
+                for _ in range(max(2, -(-(320 << 20) // cbytes)))]
+        x_c, y_c = tvm.runtime.tensor(inputs[c], dev), tvm.runtime.tensor(np.zeros(n, np.float16), dev)
+        for name, f in ((c, lambda ws: m[c](x_c._create_view((1, 1, k)), *ws, y_c._create_view((1, 1, n)))),
+                        (f"single_{c}", lambda ws: m[f"single_{c}"](x_c, *ws, y_c, bar))):
+            y_c.copyfrom(np.zeros(n, np.float16))
+            f(sets[0])
+            err = float(np.abs(y_c.numpy().astype(np.float32) - want[c]).max() / np.abs(want[c]).max())
+            t = min(time_graph(lambda _x, ws, _o: f(ws), None, [[w] for w in sets], None, dev, calls=4 * len(sets))
+                    for _ in range(3)) if err < 2e-2 else float("nan")
+            rows.append({"variant": name, "projection": c, "us": t * 1e6, "max_rel_err": err, "check_ok": err < 2e-2,
+                         "bytes": cbytes, "GB_s": cbytes / t / 1e9})
+            print(f"{name:16} {t * 1e6:7.2f} us  {cbytes / t / 1e9:6.0f} GB/s  max rel err {err:.1e} "
+                  f"{'ok' if err < 2e-2 else 'WRONG'}", flush=True)
     Path(a.out).mkdir(parents=True, exist_ok=True)
     (Path(a.out) / "layer_probe.json").write_text(json.dumps(rows, indent=1))
 
