@@ -8,7 +8,8 @@ weights (>= 320 MB, so they come from DRAM) in one CUDA graph:
   kernels     the model's decode GEMVs (schedules/cuda_gemv.make_gemv, default launch rule, PDL): 4 launches a layer
   persistent  one launch a layer (_l1: inputs read through L1; _smem: staged in shared memory per block; _pipe: as
               _l1, each warp's rows streamed in chunks with two buffers, the next chunk loading while the current
-              one is multiplied): 2 blocks per SM (_pipe: 1) loop over the rows of each projection in turn, with a grid-wide
+              one is multiplied; _async: as _pipe, the chunks streamed by cp.async into a 3-stage ring in shared
+              memory instead of registers, 1 block of 16 warps per SM): 2 blocks of 8 warps per SM (_pipe: 1) loop over the rows of each projection in turn, with a grid-wide
               barrier between projections; before each barrier every warp issues the loads of its first rows of
               the next projection (whose weights do not depend on the barrier), so DRAM keeps streaming through it
 
@@ -36,8 +37,10 @@ CHAIN = ("o", "gate_up", "down", "qkv")
 SMS = 132
 BLOCKS = 2 * SMS
 WARPS = 8
-# blocks launched: all must be resident at once (the grid barrier); _pipe needs 254 registers a thread: 1 block per SM
-VARIANTS = {"persistent_l1": BLOCKS, "persistent_smem": BLOCKS, "persistent_pipe": SMS}
+# (blocks, warps per block): all blocks must be resident at once (the grid barrier); _pipe needs 254 registers a
+# thread (1 block of 8 warps per SM), _async 221 KB of shared memory per block of 16 warps
+VARIANTS = {"persistent_l1": (BLOCKS, WARPS), "persistent_smem": (BLOCKS, WARPS), "persistent_pipe": (SMS, WARPS),
+            "persistent_async": (SMS, 2 * WARPS)}
 
 # a warp task: 4 rows x 4 loads of 16 B per lane for K = 4096, 1 row x 14 for K = 14336
 PROBE_SOURCE = r"""
@@ -285,6 +288,134 @@ __device__ __forceinline__ void layer_pipe(const Layer& L) {
   grid_barrier(bar, nblocks);
   phase2<2, 4, 1>(qkv, warp, nwarps, lane, a, b);
 }
+
+// v3: the weights and scales of a warp's next chunks stream into a ring of shared-memory stages by cp.async, so the
+// loads in flight hold no registers (v2 needed 254 a thread for two chunks)
+constexpr int kStages = 3;
+constexpr int kChunkLoads = 8;  // 16-byte weight loads per lane per chunk
+constexpr int kStageBytes = kChunkLoads * 32 * 16 + kChunkLoads * 32 * 2;
+constexpr int kWarpRingBytes = kStages * kStageBytes;
+
+__device__ __forceinline__ void cp_async16(const void* smem, const void* gmem) {
+  const unsigned s = (unsigned)__cvta_generic_to_shared(smem);
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(gmem) : "memory");
+}
+__device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void cp_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory"); }
+
+struct Ring {
+  unsigned char* base;  // this warp's kStages stages: weights [kChunkLoads][32] uint4, then scales [kChunkLoads][32]
+  __device__ __forceinline__ uint4* w(int stage) const { return reinterpret_cast<uint4*>(base + stage * kStageBytes); }
+  __device__ __forceinline__ half* s(int stage) const {
+    return reinterpret_cast<half*>(base + stage * kStageBytes + kChunkLoads * 32 * 16);
+  }
+};
+
+// chunk q of this warp's sequence: task warp + (q / CPT) * nwarps, chunk q % CPT of it
+template <int ROWS, int CU, int CPT>
+__device__ __forceinline__ void issue(const Proj& p, int warp, int nwarps, int q, int lane, const Ring& ring) {
+  const int units = CU * CPT * 32, t = warp + (q / CPT) * nwarps, c = q % CPT, stage = q % kStages;
+  uint4* w = ring.w(stage);
+#pragma unroll
+  for (int r = 0; r < ROWS; ++r)
+#pragma unroll
+    for (int u = 0; u < CU; ++u)
+      cp_async16(w + (r * CU + u) * 32 + lane, p.w + ((size_t)t * ROWS + r) * units + (c * CU + u) * 32 + lane);
+  // the scales of (row r, group u) are 32 halves, 4 pieces of 16 bytes: lane l copies piece l % 4 of pair l / 4
+  const int pair = lane / 4, piece = lane % 4;
+  if (pair < ROWS * CU) {
+    const int r = pair / CU, u = pair % CU;
+    cp_async16(ring.s(stage) + pair * 32 + piece * 8,
+               p.s + ((size_t)t * ROWS + r) * units + (c * CU + u) * 32 + piece * 8);
+  }
+}
+
+template <int ROWS, int CPT>
+__device__ __forceinline__ int chunks_of(const Proj& p, int warp, int nwarps) {
+  const int tasks = p.n / ROWS;
+  return warp < tasks ? (tasks - warp + nwarps - 1) / nwarps * CPT : 0;
+}
+
+// the first kStages - 1 chunks, one commit group each (empty past the warp's last chunk)
+template <int ROWS, int CU, int CPT>
+__device__ __forceinline__ void prefetch3(const Proj& p, int warp, int nwarps, int lane, const Ring& ring) {
+  const int nq = chunks_of<ROWS, CPT>(p, warp, nwarps);
+#pragma unroll
+  for (int q = 0; q < kStages - 1; ++q) {
+    if (q < nq) issue<ROWS, CU, CPT>(p, warp, nwarps, q, lane, ring);
+    cp_commit();
+  }
+}
+
+template <int ROWS, int CU, int CPT>
+__device__ __forceinline__ void phase3(const Proj& p, int warp, int nwarps, int lane, const Ring& ring) {
+  const int nq = chunks_of<ROWS, CPT>(p, warp, nwarps);
+  float acc[2] = {0.f, 0.f};
+  for (int q = 0; q < nq; ++q) {
+    // chunk q + kStages - 1 goes into the stage chunk q - 1 used (every lane is past it: the __syncwarp below)
+    if (q + kStages - 1 < nq) issue<ROWS, CU, CPT>(p, warp, nwarps, q + kStages - 1, lane, ring);
+    cp_commit();
+    cp_wait<kStages - 1>();  // chunk q's group is complete
+    __syncwarp();            // and every lane's part of it visible (the scales are copied across lanes)
+    const int t = warp + (q / CPT) * nwarps, c = q % CPT, stage = q % kStages;
+    const uint4* w = ring.w(stage);
+    const half* s = ring.s(stage);
+#pragma unroll
+    for (int u = 0; u < CU; ++u) {
+      const uint4* xv = reinterpret_cast<const uint4*>(p.x) + ((c * CU + u) * 32 + lane) * 4;
+      uint4 xq[4];
+#pragma unroll
+      for (int i = 0; i < 4; ++i) xq[i] = xv[i];
+      const unsigned* xl = reinterpret_cast<const unsigned*>(xq);
+#pragma unroll
+      for (int r = 0; r < ROWS; ++r) {
+        const uint4 wv = w[(r * CU + u) * 32 + lane];
+        unsigned h = 0;
+        h = mlcc_q4x8_hfma2_s1(wv.x, xl[0], xl[1], xl[2], xl[3], h);
+        h = mlcc_q4x8_hfma2_s1(wv.y, xl[4], xl[5], xl[6], xl[7], h);
+        h = mlcc_q4x8_hfma2_s1(wv.z, xl[8], xl[9], xl[10], xl[11], h);
+        h = mlcc_q4x8_hfma2_s1(wv.w, xl[12], xl[13], xl[14], xl[15], h);
+        acc[r] += mlcc_h2_sum(h) * __half2float(s[(r * CU + u) * 32 + lane]);
+      }
+    }
+    if (c == CPT - 1) {
+#pragma unroll
+      for (int r = 0; r < ROWS; ++r) {
+        float a = acc[r];
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) a += __shfl_xor_sync(0xffffffffu, a, o);
+        if (lane == 0) p.y[(size_t)t * ROWS + r] = __float2half(a);
+        acc[r] = 0.f;
+      }
+    }
+    __syncwarp();
+  }
+}
+
+__device__ __forceinline__ void layer_async(const Layer& L, unsigned char* smem) {
+  const Proj &o = L.o, &gu = L.gu, &d = L.d, &qkv = L.qkv;
+  // (one block of 16 warps per SM: its 221 KB of rings cannot share an SM, so every block is resident)
+  const int lane = threadIdx.x, warp = blockIdx.x * blockDim.y + threadIdx.y, nwarps = L.nblocks * blockDim.y;
+  const Ring ring{smem + threadIdx.y * kWarpRingBytes};
+  prefetch3<2, 4, 1>(o, warp, nwarps, lane, ring);
+  mlcc_pdl_wait();
+  mlcc_pdl_launch_dependents();
+  phase3<2, 4, 1>(o, warp, nwarps, lane, ring);
+  prefetch3<2, 4, 1>(gu, warp, nwarps, lane, ring);
+  __threadfence();
+  grid_barrier(L.bar, L.nblocks);
+  phase3<2, 4, 1>(gu, warp, nwarps, lane, ring);
+  prefetch3<1, 7, 2>(d, warp, nwarps, lane, ring);
+  __threadfence();
+  grid_barrier(L.bar, L.nblocks);
+  phase3<1, 7, 2>(d, warp, nwarps, lane, ring);
+  prefetch3<2, 4, 1>(qkv, warp, nwarps, lane, ring);
+  __threadfence();
+  grid_barrier(L.bar, L.nblocks);
+  phase3<2, 4, 1>(qkv, warp, nwarps, lane, ring);
+  cp_wait<0>();  // (only empty groups are left)
+}
 }  // namespace mlcc_probe
 
 #define MLCC_PROBE_ARGS const void* x0, const void* wo, const void* so, const void* wgu, const void* sgu, \
@@ -294,6 +425,9 @@ __device__ __forceinline__ void layer_pipe(const Layer& L) {
 __device__ __forceinline__ void mlcc_probe_layer_l1(MLCC_PROBE_ARGS) { mlcc_probe::layer<false>(MLCC_PROBE_LAYER); }
 __device__ __forceinline__ void mlcc_probe_layer_smem(MLCC_PROBE_ARGS) { mlcc_probe::layer<true>(MLCC_PROBE_LAYER); }
 __device__ __forceinline__ void mlcc_probe_layer_pipe(MLCC_PROBE_ARGS) { mlcc_probe::layer_pipe(MLCC_PROBE_LAYER); }
+__device__ __forceinline__ void mlcc_probe_layer_async(MLCC_PROBE_ARGS, void* smem) {
+  mlcc_probe::layer_async(MLCC_PROBE_LAYER, (unsigned char*)smem);
+}
 
 namespace mlcc_probe {
 // one projection alone, as persistent_l1 streams it (no barrier): what the barriers cost is the difference
@@ -320,7 +454,9 @@ __device__ __forceinline__ void mlcc_probe_single_k14336(const void* x, const vo
 """
 
 
-def _persistent_kernel(helper: str, blocks: int):
+def _persistent_kernel(helper: str, blocks: int, warps: int):
+    # the cp.async variant's shared-memory rings (kWarpRingBytes = 3 stages x 4608 bytes per warp)
+    ring_bytes = warps * 3 * 4608 if helper.endswith("async") else 16
     from tvm.script import tirx as T
 
     from mlcc.schedules import cuda_pdl
@@ -339,7 +475,7 @@ def _persistent_kernel(helper: str, blocks: int):
               y3: T.Buffer((4096,), "float16"), y4: T.Buffer((6144,), "float16"), bar: T.Buffer((2,), "uint32")):
         T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True})
         for bx in T.thread_binding(blocks, thread="blockIdx.x"):
-            for ty in T.thread_binding(WARPS, thread="threadIdx.y"):
+            for ty in T.thread_binding(warps, thread="threadIdx.y"):
                 for tx in T.thread_binding(32, thread="threadIdx.x"):
                     with T.sblock("layer"):
                         T.reads()
@@ -348,9 +484,15 @@ def _persistent_kernel(helper: str, blocks: int):
                         # pass leaves the kernel's start alone)
                         if bar[1] == T.uint32(0xFFFFFFFF):
                             T.evaluate(T.call_extern("void", cuda_pdl.WAIT))
-                        T.evaluate(T.call_extern("void", helper, x0.data, Wo.data, So.data, Wgu.data,
-                                                 Sgu.data, Wd.data, Sd.data, Wq.data, Sq.data, y1.data, y2.data,
-                                                 y3.data, y4.data, bar.data, blocks))
+                        ring = T.sblock_alloc_buffer((ring_bytes,), "uint8", scope="shared.dyn")
+                        if ring_bytes > 16:
+                            T.evaluate(T.call_extern("void", helper, x0.data, Wo.data, So.data, Wgu.data, Sgu.data,
+                                                     Wd.data, Sd.data, Wq.data, Sq.data, y1.data, y2.data, y3.data,
+                                                     y4.data, bar.data, blocks, ring.data))
+                        else:
+                            T.evaluate(T.call_extern("void", helper, x0.data, Wo.data, So.data, Wgu.data, Sgu.data,
+                                                     Wd.data, Sd.data, Wq.data, Sq.data, y1.data, y2.data, y3.data,
+                                                     y4.data, bar.data, blocks))
 
     return layer
 
@@ -410,7 +552,7 @@ def cmd_build(a) -> None:
     for c in CHAIN:
         funcs[f"single_{c}"] = _single_kernel(c).with_attr("global_symbol", f"single_{c}")
     for v in VARIANTS:
-        funcs[v] = _persistent_kernel(f"mlcc_probe_layer_{v.split('_')[1]}", VARIANTS[v]).with_attr("global_symbol", v)
+        funcs[v] = _persistent_kernel(f"mlcc_probe_layer_{v.split('_')[1]}", *VARIANTS[v]).with_attr("global_symbol", v)
     with target, toolchain_for("cuda"):
         ex = tvm.compile(tvm.IRModule(funcs), target, tir_pipeline=tir_pipeline_for(target))
     (cuda,) = [m for m in ex.mod.imports if m.kind == "cuda"]
