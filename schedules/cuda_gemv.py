@@ -330,12 +330,10 @@ def make_gemv(shape: GemvShape, warps_wanted: int = _WARPS_WANTED, pdl: bool = F
             if unit_of(it, ty, tx) < units:
                 for q in T.unroll(x_words // 4):
                     for v in T.vectorized(4):
-                        xl[q * 4 + v] = (xs if staged else xw)[
-                            unit_of(it, ty, tx) * x_words + q * 4 + v]
+                        xl[q * 4 + v] = (xs if staged else xw)[unit_of(it, ty, tx) * x_words + q * 4 + v]
                 if defer:
                     for c in T.unroll(x_words):
-                        accf[rows_w] = accf[rows_w] + T.call_pure_extern("float32", "mlcc_h2_sumsq",
-                                                                         xl[c])
+                        accf[rows_w] = accf[rows_w] + T.call_pure_extern("float32", "mlcc_h2_sumsq", xl[c])
                         xl[c] = T.call_pure_extern("uint32", "mlcc_h2_mul", xl[c],
                                                    gw[unit_of(it, ty, tx) * x_words + c])
                 if later_load(it, vb):
