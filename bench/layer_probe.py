@@ -82,6 +82,58 @@ __device__ __forceinline__ Layer make_layer(
                (unsigned*)bar, nblocks};
 }
 
+// weights and scales of a chunk held in registers (indexed by constants once unrolled) or in a shared-memory stage
+struct InRegisters {
+  const uint4* w;
+  const half* s;
+  __device__ __forceinline__ uint4 weight(int i) const { return w[i]; }
+  __device__ __forceinline__ float scale(int i) const { return __half2float(s[i]); }
+};
+struct InStage {
+  const uint4* w;
+  const half* s;
+  int lane;
+  __device__ __forceinline__ uint4 weight(int i) const { return w[i * 32 + lane]; }
+  __device__ __forceinline__ float scale(int i) const { return __half2float(s[i * 32 + lane]); }
+};
+
+// acc[r] += row r's dot product over CU 16-byte groups of 32 codes (lane's groups unit0 + u, u < CU, as
+// (unit0 + u) * 32 + lane); weights.weight(r * CU + u) holds the codes, fp16 within a group, fp32 across
+template <int ROWS, int CU, int N, class Weights>
+__device__ __forceinline__ void chunk_dot(const half* x, int unit0, int lane, const Weights& weights, float (&acc)[N]) {
+#pragma unroll
+  for (int u = 0; u < CU; ++u) {
+    const uint4* xv = reinterpret_cast<const uint4*>(x) + ((unit0 + u) * 32 + lane) * 4;
+    uint4 xq[4];
+#pragma unroll
+    for (int q = 0; q < 4; ++q) xq[q] = xv[q];
+    const unsigned* xl = reinterpret_cast<const unsigned*>(xq);
+#pragma unroll
+    for (int r = 0; r < ROWS; ++r) {
+      const uint4 w = weights.weight(r * CU + u);
+      unsigned h = 0;
+      h = mlcc_q4x8_hfma2_s1(w.x, xl[0], xl[1], xl[2], xl[3], h);
+      h = mlcc_q4x8_hfma2_s1(w.y, xl[4], xl[5], xl[6], xl[7], h);
+      h = mlcc_q4x8_hfma2_s1(w.z, xl[8], xl[9], xl[10], xl[11], h);
+      h = mlcc_q4x8_hfma2_s1(w.w, xl[12], xl[13], xl[14], xl[15], h);
+      acc[r] += mlcc_h2_sum(h) * weights.scale(r * CU + u);
+    }
+  }
+}
+
+// rows task * ROWS ... of y: the warp's sums, then acc zeroed for the next task
+template <int ROWS, int N>
+__device__ __forceinline__ void finish_rows(const Proj& p, int task, int lane, float (&acc)[N]) {
+#pragma unroll
+  for (int r = 0; r < ROWS; ++r) {
+    float a = acc[r];
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) a += __shfl_xor_sync(0xffffffffu, a, o);
+    if (lane == 0) p.y[(size_t)task * ROWS + r] = __float2half(a);
+    acc[r] = 0.f;
+  }
+}
+
 // a task = ROWS rows x the whole K (UPL 16-byte groups per lane per row: lane l streams groups l, l + 32, ...)
 template <int ROWS, int UPL>
 __device__ __forceinline__ void load_task(const Proj& p, int task, int lane, uint4 (&wb)[16], half (&sb)[16]) {
@@ -103,31 +155,8 @@ __device__ __forceinline__ void compute_task(const Proj& p, const half* x, int t
   float acc[ROWS];
 #pragma unroll
   for (int r = 0; r < ROWS; ++r) acc[r] = 0.f;
-#pragma unroll
-  for (int u = 0; u < UPL; ++u) {
-    const uint4* xv = reinterpret_cast<const uint4*>(x) + (u * 32 + lane) * 4;
-    uint4 xq[4];
-#pragma unroll
-    for (int q = 0; q < 4; ++q) xq[q] = xv[q];
-    const unsigned* xl = reinterpret_cast<const unsigned*>(xq);
-#pragma unroll
-    for (int r = 0; r < ROWS; ++r) {
-      const uint4 w = wb[r * UPL + u];
-      unsigned h = 0;
-      h = mlcc_q4x8_hfma2_s1(w.x, xl[0], xl[1], xl[2], xl[3], h);
-      h = mlcc_q4x8_hfma2_s1(w.y, xl[4], xl[5], xl[6], xl[7], h);
-      h = mlcc_q4x8_hfma2_s1(w.z, xl[8], xl[9], xl[10], xl[11], h);
-      h = mlcc_q4x8_hfma2_s1(w.w, xl[12], xl[13], xl[14], xl[15], h);
-      acc[r] += mlcc_h2_sum(h) * __half2float(sb[r * UPL + u]);
-    }
-  }
-#pragma unroll
-  for (int r = 0; r < ROWS; ++r) {
-    float a = acc[r];
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) a += __shfl_xor_sync(0xffffffffu, a, o);
-    if (lane == 0) p.y[(size_t)task * ROWS + r] = __float2half(a);
-  }
+  chunk_dot<ROWS, UPL>(x, 0, lane, InRegisters{wb, sb}, acc);
+  finish_rows<ROWS>(p, task, lane, acc);
 }
 
 template <int ROWS, int UPL>
@@ -207,34 +236,8 @@ __device__ __forceinline__ void load_chunk(const Proj& p, int t, int c, int lane
 template <int ROWS, int CU, int CPT>
 __device__ __forceinline__ void compute_chunk(const Proj& p, int t, int c, int lane, const Chunk& b,
                                               float (&acc)[2]) {
-#pragma unroll
-  for (int u = 0; u < CU; ++u) {
-    const uint4* xv = reinterpret_cast<const uint4*>(p.x) + ((c * CU + u) * 32 + lane) * 4;
-    uint4 xq[4];
-#pragma unroll
-    for (int q = 0; q < 4; ++q) xq[q] = xv[q];
-    const unsigned* xl = reinterpret_cast<const unsigned*>(xq);
-#pragma unroll
-    for (int r = 0; r < ROWS; ++r) {
-      const uint4 w = b.w[r * CU + u];
-      unsigned h = 0;
-      h = mlcc_q4x8_hfma2_s1(w.x, xl[0], xl[1], xl[2], xl[3], h);
-      h = mlcc_q4x8_hfma2_s1(w.y, xl[4], xl[5], xl[6], xl[7], h);
-      h = mlcc_q4x8_hfma2_s1(w.z, xl[8], xl[9], xl[10], xl[11], h);
-      h = mlcc_q4x8_hfma2_s1(w.w, xl[12], xl[13], xl[14], xl[15], h);
-      acc[r] += mlcc_h2_sum(h) * __half2float(b.s[r * CU + u]);
-    }
-  }
-  if (c == CPT - 1) {
-#pragma unroll
-    for (int r = 0; r < ROWS; ++r) {
-      float a = acc[r];
-#pragma unroll
-      for (int o = 16; o > 0; o >>= 1) a += __shfl_xor_sync(0xffffffffu, a, o);
-      if (lane == 0) p.y[(size_t)t * ROWS + r] = __float2half(a);
-      acc[r] = 0.f;
-    }
-  }
+  chunk_dot<ROWS, CU>(p.x, c * CU, lane, InRegisters{b.w, b.s}, acc);
+  if (c == CPT - 1) finish_rows<ROWS>(p, t, lane, acc);
 }
 
 template <int ROWS, int CU, int CPT>
@@ -359,36 +362,8 @@ __device__ __forceinline__ void phase3(const Proj& p, int warp, int nwarps, int 
     cp_wait<kStages - 1>();  // chunk q's group is complete
     __syncwarp();            // and every lane's part of it visible (the scales are copied across lanes)
     const int t = warp + (q / CPT) * nwarps, c = q % CPT, stage = q % kStages;
-    const uint4* w = ring.w(stage);
-    const half* s = ring.s(stage);
-#pragma unroll
-    for (int u = 0; u < CU; ++u) {
-      const uint4* xv = reinterpret_cast<const uint4*>(p.x) + ((c * CU + u) * 32 + lane) * 4;
-      uint4 xq[4];
-#pragma unroll
-      for (int i = 0; i < 4; ++i) xq[i] = xv[i];
-      const unsigned* xl = reinterpret_cast<const unsigned*>(xq);
-#pragma unroll
-      for (int r = 0; r < ROWS; ++r) {
-        const uint4 wv = w[(r * CU + u) * 32 + lane];
-        unsigned h = 0;
-        h = mlcc_q4x8_hfma2_s1(wv.x, xl[0], xl[1], xl[2], xl[3], h);
-        h = mlcc_q4x8_hfma2_s1(wv.y, xl[4], xl[5], xl[6], xl[7], h);
-        h = mlcc_q4x8_hfma2_s1(wv.z, xl[8], xl[9], xl[10], xl[11], h);
-        h = mlcc_q4x8_hfma2_s1(wv.w, xl[12], xl[13], xl[14], xl[15], h);
-        acc[r] += mlcc_h2_sum(h) * __half2float(s[(r * CU + u) * 32 + lane]);
-      }
-    }
-    if (c == CPT - 1) {
-#pragma unroll
-      for (int r = 0; r < ROWS; ++r) {
-        float a = acc[r];
-#pragma unroll
-        for (int o = 16; o > 0; o >>= 1) a += __shfl_xor_sync(0xffffffffu, a, o);
-        if (lane == 0) p.y[(size_t)t * ROWS + r] = __float2half(a);
-        acc[r] = 0.f;
-      }
-    }
+    chunk_dot<ROWS, CU>(p.x, c * CU, lane, InStage{ring.w(stage), ring.s(stage), lane}, acc);
+    if (c == CPT - 1) finish_rows<ROWS>(p, t, lane, acc);
     __syncwarp();
   }
 }
