@@ -62,7 +62,7 @@ def kernel_source(variant: str) -> str:
 def units_per_thread(variant: str, name: str) -> float:
     """16-byte units of codes (32 codes each) one thread streams in the kernel's default launch configuration (on
     average: a CUDA-core thread's last iteration may be partial), to put the SASS totals per byte."""
-    from mlcc.schedules.cuda_gemv import launch_config
+    from mlcc.schedules.cuda_gemv import GemvShape, launch_config
     from mlcc.schedules.cuda_gemv_tc import tc_launch_config
 
     rows, k, epi, _ = SHAPES[name]
@@ -71,8 +71,7 @@ def units_per_thread(variant: str, name: str) -> float:
         chunks = -(-groups // 4)
         _, ksplit = tc_launch_config(-(-rows // (8 if epi == "swiglu" else 16)), chunks)
         return 2 * chunks / ksplit
-    n_w = 2 * rows if epi == "swiglu" else rows
-    lanes, rows_w, _, ksplit = launch_config(n_w, groups)
+    lanes, rows_w, _, ksplit = launch_config(GemvShape(rows, k, epi).weight_rows, groups)
     if epi == "swiglu":
         rows_w = 2 * max(1, rows_w // 2)
     return rows_w * groups / (lanes * ksplit)

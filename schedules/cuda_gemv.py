@@ -61,8 +61,7 @@ def q4_kernel(shape: GemvShape) -> str:
     if kernel not in ("auto", "tc", "cuda-core"):
         raise ValueError(f"MLCC_Q4_KERNEL={kernel!r}: use 'cuda-core', 'tc' or 'auto'")
     if kernel == "auto":
-        n_w = 2 * shape.n if shape.epilogue == "swiglu" else shape.n
-        return "tc" if n_w * shape.k // 2 <= TC_MAX_CODE_BYTES else "cuda-core"
+        return "tc" if shape.weight_rows * shape.k // 2 <= TC_MAX_CODE_BYTES else "cuda-core"
     return kernel
 
 # Device helpers, added to the CUDA source of any module that calls them (schedules/cuda_source.py).
@@ -125,6 +124,11 @@ class GemvShape:
     out_dtype: str = "float16"
     weights: str = "q4f16_1"  # | "float16"
     norm_eps: float | None = None  # RMSNorm prologue: x is the un-normalized input, with the norm weight after it
+
+    @property
+    def weight_rows(self) -> int:
+        """Rows of W: for "swiglu" the gate rows and then the up rows."""
+        return 2 * self.n if self.epilogue == "swiglu" else self.n
 
     @property
     def unit(self) -> int:
@@ -222,7 +226,7 @@ def make_gemv(shape: GemvShape, warps_wanted: int = _WARPS_WANTED, pdl: bool = F
     n, k, epi = shape.n, shape.k, shape.epilogue
     q4 = shape.weights == "q4f16_1"
     swiglu = epi == "swiglu"
-    n_w = 2 * n if swiglu else n  # weight rows
+    n_w = shape.weight_rows
     units = k // shape.unit
     x_words = shape.unit // 2  # 32-bit words of x per unit
     lanes, rows_w, row_warps, ksplit = config or launch_config(n_w, units, warps_wanted, shape.weights)

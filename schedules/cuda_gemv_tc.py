@@ -147,7 +147,7 @@ def make_gemv_tc(shape: GemvShape, pdl: bool = False, config: tuple[int, int] | 
     final_scale = _FINAL_SCALE[variant]
     n, k, epi = shape.n, shape.k, shape.epilogue
     swiglu = epi == "swiglu"
-    n_w = 2 * n if swiglu else n
+    n_w = shape.weight_rows
     groups = k // 32
     chunks = -(-groups // _GROUPS_PER_STEP)
     out_rows = _TILE // 2 if swiglu else _TILE  # output rows per warp tile (swiglu: 8 gate rows + their up rows)
