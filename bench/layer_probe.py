@@ -501,17 +501,11 @@ def _single_kernel(name: str):
 
 
 def _with_probe_helpers():
-    """cuda_source adds a helper group where the generated code calls one of its functions: the probe's source
-    rides with the q4 helpers it calls."""
-    from mlcc.schedules import cuda_gemv, cuda_pdl, cuda_source
+    """The probe's source as one more helper group for cuda_source, after the q4 and PDL helpers it calls."""
+    from mlcc.schedules import cuda_source
 
     base = cuda_source._helper_groups
-
-    def groups():
-        return [cuda_pdl.CUDA_HELPERS] + [g + (PROBE_SOURCE if g is cuda_gemv.CUDA_HELPERS else "")
-                                          for g in base() if g is not cuda_pdl.CUDA_HELPERS]
-
-    cuda_source._helper_groups = groups
+    cuda_source._helper_groups = lambda: base() + [PROBE_SOURCE]
 
 
 def cmd_build(a) -> None:

@@ -43,6 +43,7 @@ STEP_HELPERS = {"sub": "mlcc_q4tc_step_sub", "bias": "mlcc_q4tc_step_bias"}
 # what the fp32 sums are multiplied by at the end: the subnormal codes are q * 2^-24
 _FINAL_SCALE = {"sub": float(1 << 24), "bias": 1.0}
 
+# (mlcc_lop3_and_or comes from cuda_gemv.CUDA_HELPERS, listed before this group in cuda_source)
 CUDA_HELPERS = r"""
 #include <cuda_fp16.h>
 __device__ __forceinline__ void mlcc_mma_16816(float* d, unsigned a0, unsigned a1, unsigned a2, unsigned a3,
@@ -50,11 +51,6 @@ __device__ __forceinline__ void mlcc_mma_16816(float* d, unsigned a0, unsigned a
   asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
       : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
-__device__ __forceinline__ unsigned mlcc_tc_and_or(unsigned a, unsigned b, unsigned c) {
-  unsigned d;
-  asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(d) : "r"(a), "r"(b), "r"(c));  // (a & b) | c
-  return d;
 }
 // d[0..3] = this lane's part of the group sums of one step: rows wa (r) and wb (r + 8), 4 words (32 codes) each,
 // x pairs xb (16 words; zero unless the lane's column c equals its row r). Codes as fp16 subnormals (q * 2^-24).
@@ -84,10 +80,10 @@ __device__ __forceinline__ void mlcc_q4tc_step_bias(float* d, const unsigned* wa
 #pragma unroll
   for (int w = 0; w < 4; ++w) {
     const unsigned a = wa[w], b = wb[w], a8 = a >> 8, b8 = b >> 8;
-    mlcc_mma_16816(d, mlcc_tc_and_or(a, 0x000F000Fu, e), mlcc_tc_and_or(b, 0x000F000Fu, e),
-                   mlcc_tc_and_or(a, 0x00F000F0u, e), mlcc_tc_and_or(b, 0x00F000F0u, e), xb[4 * w], xb[4 * w + 1]);
-    mlcc_mma_16816(f, mlcc_tc_and_or(a8, 0x000F000Fu, e), mlcc_tc_and_or(b8, 0x000F000Fu, e),
-                   mlcc_tc_and_or(a8, 0x00F000F0u, e), mlcc_tc_and_or(b8, 0x00F000F0u, e), xb[4 * w + 2],
+    mlcc_mma_16816(d, mlcc_lop3_and_or(a, 0x000F000Fu, e), mlcc_lop3_and_or(b, 0x000F000Fu, e),
+                   mlcc_lop3_and_or(a, 0x00F000F0u, e), mlcc_lop3_and_or(b, 0x00F000F0u, e), xb[4 * w], xb[4 * w + 1]);
+    mlcc_mma_16816(f, mlcc_lop3_and_or(a8, 0x000F000Fu, e), mlcc_lop3_and_or(b8, 0x000F000Fu, e),
+                   mlcc_lop3_and_or(a8, 0x00F000F0u, e), mlcc_lop3_and_or(b8, 0x00F000F0u, e), xb[4 * w + 2],
                    xb[4 * w + 3]);
     mlcc_mma_16816(d, zp, zp, zp16, zp16, xb[4 * w], xb[4 * w + 1]);
     mlcc_mma_16816(f, zp, zp, zp16, zp16, xb[4 * w + 2], xb[4 * w + 3]);

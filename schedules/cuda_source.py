@@ -10,7 +10,8 @@ _DEFINED = re.compile(r"__device__\s+__forceinline__\s+[\w\s*]+?\b(\w+)\s*\(")
 
 
 def _helper_groups() -> list[str]:
-    """The helper sources; each is added whole where the code calls any function it defines."""
+    """The helper sources; each is added whole where the code, or another group added, calls any function it
+    defines. A group may call the groups listed before it."""
     from . import cuda_gemv, cuda_gemv_tc, cuda_pdl
 
     return [cuda_gemv.CUDA_HELPERS, cuda_gemv.F16_HELPERS, cuda_gemv.NORM_HELPERS, cuda_gemv_tc.CUDA_HELPERS,
@@ -22,14 +23,18 @@ def _marker(name: str) -> str:
 
 
 def add_cuda_helpers(code: str) -> str:
-    """Insert each helper group the code calls (once) before the first kernel of the translation unit."""
-    wanted = ""
-    for src in _helper_groups():
-        names = _DEFINED.findall(src)
+    """Insert each helper group the code calls, directly or through a group it calls, once, before the first kernel
+    of the translation unit, in the order of _helper_groups."""
+    groups = [(src, _DEFINED.findall(src)) for src in _helper_groups()]
+    chosen, calls = set(), code
+    for i in reversed(range(len(groups))):  # callers come after their callees: one pass from the end
+        src, names = groups[i]
         # (a call, not the definition a previous insertion brought along: those sit behind the group's marker)
-        if any(f"{n}(" in code for n in names) and _marker(names[0]) not in code:
-            wanted += f"{_marker(names[0])}\n{src}"
-    if not wanted:
+        if any(f"{n}(" in calls for n in names) and _marker(names[0]) not in code:
+            chosen.add(i)
+            calls += src
+    if not chosen:
         return code
+    wanted = "".join(f"{_marker(names[0])}\n{src}" for i, (src, names) in enumerate(groups) if i in chosen)
     at = code.find('extern "C" __global__')
     return code[:at] + wanted + "\n" + code[at:] if at >= 0 else wanted + code

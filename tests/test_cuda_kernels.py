@@ -431,6 +431,24 @@ def test_tensor_core_q4_gemv_is_used_and_compiles(monkeypatch, tmp_path):
     _assert_kernel_calls_and_compiles(GemvShape(1536, 576, "swiglu", norm_eps=1e-5), STEP_HELPERS["sub"], tmp_path)
 
 
+def test_tensor_core_bias_variant_is_used_and_compiles(monkeypatch, tmp_path):
+    """Its step helper calls cuda_gemv's mlcc_lop3_and_or: cuda_source adds that group too, ahead of its caller."""
+    monkeypatch.setenv("MLCC_Q4_KERNEL", "tc")
+    monkeypatch.setenv("MLCC_Q4_TC_VARIANT", "bias")
+    _assert_kernel_calls_and_compiles(GemvShape(1536, 576, "swiglu", norm_eps=1e-5), STEP_HELPERS["bias"], tmp_path)
+
+
+def test_helpers_called_by_helpers_are_added_once_before_their_callers():
+    from mlcc.schedules.cuda_source import add_cuda_helpers
+
+    kernel = 'extern "C" __global__ void k(unsigned* p) { mlcc_q4tc_step_bias(0, p, p, p); }'
+    code = add_cuda_helpers(kernel)
+    lop3, step = code.index("unsigned mlcc_lop3_and_or("), code.index("void mlcc_q4tc_step_bias(")
+    assert lop3 < step < code.index(kernel)
+    assert code.count("unsigned mlcc_lop3_and_or(") == 1 and "mlcc_pdl_wait" not in code
+    assert add_cuda_helpers(code) == code  # a second pass adds nothing
+
+
 def test_one_shift_q4_unpacking_is_called_and_compiles(monkeypatch, tmp_path):
     monkeypatch.setenv("MLCC_Q4_ONE_SHIFT", "1")
     monkeypatch.setenv("MLCC_Q4_KERNEL", "cuda-core")
