@@ -50,6 +50,19 @@ def grid_configs(n: int, units: int):
             yield lanes, rows, row_warps * mult, ksplit, 1, cap
 
 
+def contiguous_configs(n: int, units: int):
+    """As grid_configs (row warps x1, x2; caps 132-528), each block's row blocks interleaved (bx, bx + grid, ...)
+    and contiguous (one run of consecutive row blocks): session 12's stream probe streamed ~4.0 TB/s from
+    contiguous runs per block and ~2.9 from interleaved ones."""
+    from mlcc.schedules.cuda_gemv import launch_config
+
+    lanes, rows, row_warps, ksplit = launch_config(n, units)
+    yield lanes, rows, row_warps, ksplit, 1, None, False
+    for mult, cap, contiguous in itertools.product((1, 2), (132, 264, 396, 528), (False, True)):
+        if row_warps * mult * ksplit <= 16:
+            yield lanes, rows, row_warps * mult, ksplit, 1, cap, contiguous
+
+
 def tc_configs(n: int, k: int):
     """(row warps, warps splitting K, steps preloaded, variant) for the tensor-core q4 kernel (cuda_gemv_tc)."""
     chunks = -(-(k // 32) // 4)
@@ -99,12 +112,13 @@ def cmd_build(a) -> None:
                     .with_attr("global_symbol", fname)
                 entries.append({"func": fname, "config": ["tc", *cfg], "current": False,
                                 "tc_default": cfg[:2] == default})
-        swept = [] if a.tc else grid_configs(n, k // shape.unit) if a.grid else configs(n, k // shape.unit)
+        swept = ([] if a.tc else contiguous_configs(n, k // shape.unit) if a.contiguous
+                 else grid_configs(n, k // shape.unit) if a.grid else configs(n, k // shape.unit))
         for cfg in swept:
             fname = f"{name}__" + "_".join(map(str, cfg))
             cap = cfg[5] if len(cfg) > 5 else None
-            funcs[fname] = make_gemv(shape, pdl=True, config=cfg[:4], preload=cfg[4], max_blocks=cap) \
-                .with_attr("global_symbol", fname)
+            funcs[fname] = make_gemv(shape, pdl=True, config=cfg[:4], preload=cfg[4], max_blocks=cap,
+                                     contiguous=len(cfg) > 6 and cfg[6]).with_attr("global_symbol", fname)
             entries.append({"func": fname, "config": cfg, "current": cfg[:4] == launch_config(
                 n, k // shape.unit, weights=a.weights) and cfg[4] == 1 and cap is None})
         if a.weights == "float16":
@@ -171,6 +185,7 @@ def cmd_run(a) -> None:
     print(f"{len(rows)} kernels timed, {len(bad)} wrong", flush=True)
     Path(a.out).mkdir(parents=True, exist_ok=True)
     tag = "_tc" if any(r["config"][0] == "tc" for r in rows if isinstance(r["config"], list)) else \
+        "_contiguous" if any(isinstance(r["config"], list) and len(r["config"]) > 6 for r in rows) else \
         "_grid" if any(isinstance(r["config"], list) and len(r["config"]) > 5 for r in rows) else ""
     (Path(a.out) / f"gemv_sweep_{quant}{tag}.json").write_text(json.dumps(rows, indent=1))
 
@@ -179,6 +194,8 @@ def _configure(b, r) -> None:
     b.add_argument("--weights", choices=("q4f16_1", "float16"), default="q4f16_1")
     b.add_argument("--tc", action="store_true", help="q4f16_1: the tensor-core kernel's configurations (cuda_gemv_tc)")
     b.add_argument("--grid", action="store_true", help="the current configuration with bigger blocks and capped grids")
+    b.add_argument("--contiguous", action="store_true",
+                   help="capped grids with each block's row blocks interleaved or contiguous")
     r.add_argument("--graph", action="store_true",
                    help="time from a CUDA graph of the calls (gemv_kernels.time_graph); us_queued keeps the other")
 

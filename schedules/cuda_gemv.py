@@ -209,13 +209,16 @@ def launch_config(n: int, units: int, warps_wanted: int = _WARPS_WANTED,
 
 
 def make_gemv(shape: GemvShape, warps_wanted: int = _WARPS_WANTED, pdl: bool = False,
-              config: tuple[int, int, int, int] | None = None, preload: int = 1, max_blocks: int | None = None):
+              config: tuple[int, int, int, int] | None = None, preload: int = 1, max_blocks: int | None = None,
+              contiguous: bool = False):
     """The hand-scheduled kernel for one projection, with the parameter order of TVM's fused function (for
     "swiglu": x, weights[, scales], out). `pdl`: place the programmatic-dependent-launch wait after the first weight
     loads (sm_90+, see cuda_pdl). `config` overrides launch_config (rows counted in weight rows); `preload`: how many
     of a thread's iterations load their weights before anything else (before the wait, with PDL), each in its own
     registers. `max_blocks`: launch at most that many blocks, each looping over the row blocks bx, bx + grid, ...
-    (only the first one's weights are preloaded)."""
+    (only the first one's weights are preloaded); with `contiguous`, block bx takes one run of consecutive row blocks
+    instead (its weights one contiguous stream: session 12 measured ~2.9 TB/s for a persistent kernel's tiles
+    interleaved across blocks and ~4.0 for contiguous runs, stream_probe.py)."""
     from tvm.script import tirx as T
 
     if shape.weights == "q4f16_1" and config is None and preload == 1 and q4_kernel(shape) == "tc":
@@ -241,6 +244,11 @@ def make_gemv(shape: GemvShape, warps_wanted: int = _WARPS_WANTED, pdl: bool = F
     blocks = -(-n // rows_per_block)
     grid = min(blocks, max_blocks or blocks)
     rounds = -(-blocks // grid)  # row blocks per launched block
+    if contiguous:
+        grid = -(-blocks // rounds)  # (every launched block gets `rounds` row blocks but the last)
+
+    def row_block_of(bx, vb):
+        return bx * rounds + vb if contiguous else vb * grid + bx
     r_shape = shape.residual_shape or (1, 1, n)
     out_dtype = shape.out_dtype
     groups = k // 32
@@ -401,19 +409,19 @@ def make_gemv(shape: GemvShape, warps_wanted: int = _WARPS_WANTED, pdl: bool = F
                         # finishes (cuda_pdl), the activations only after the wait
                         for p in T.unroll(pre):
                             if unit_of(p, ty, tx) < units:
-                                load_weights(ww, wl, bx, ty, tx, p)
+                                load_weights(ww, wl, row_block_of(bx, 0), ty, tx, p)
                         if pdl:
                             T.evaluate(T.call_extern("void", cuda_pdl.WAIT))
                             T.evaluate(T.call_extern("void", cuda_pdl.LAUNCH_DEPENDENTS))
                         if staged:
                             stage_normalized_x(xw, gw, xs, xr, rs, ssred, ty, tx)
                         if rounds == 1:
-                            row_block(xw, gw, ww, sf, rf, out, xs, xl, wl, acc, accf, red, bx, 0, ty, tx)
+                            row_block(xw, gw, ww, sf, rf, out, xs, xl, wl, acc, accf, red, bx, 0, ty, tx)  # (grid = blocks)
                         else:
                             for vb in T.serial(rounds):
-                                if vb * grid + bx < blocks:
-                                    row_block(xw, gw, ww, sf, rf, out, xs, xl, wl, acc, accf, red, vb * grid + bx,
-                                              vb, ty, tx)
+                                if row_block_of(bx, vb) < blocks:
+                                    row_block(xw, gw, ww, sf, rf, out, xs, xl, wl, acc, accf, red,
+                                              row_block_of(bx, vb), vb, ty, tx)
 
     w_shape, w_dtype = ((n_w, k // 8), "uint32") if q4 else ((n_w, k), "float16")
     x_shape, g_shape, s_shape = (1, 1, k), (k,), (n_w, groups)

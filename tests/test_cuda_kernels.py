@@ -316,7 +316,7 @@ GEMV_CASES = [
 @pytest.mark.parametrize("pdl", [False, True])
 @pytest.mark.parametrize("weights", ["q4f16_1", "float16"])
 @pytest.mark.parametrize("n,k,epilogue,norm", GEMV_CASES)
-def test_gemv_kernel_matches_numpy_on_the_gpu(n, k, epilogue, norm, weights, pdl, max_blocks=None):
+def test_gemv_kernel_matches_numpy_on_the_gpu(n, k, epilogue, norm, weights, pdl, max_blocks=None, contiguous=False):
     from mlcc.targets.toolchains import toolchain_for
 
     if not tvm.cuda(0).exist:
@@ -345,7 +345,8 @@ def test_gemv_kernel_matches_numpy_on_the_gpu(n, k, epilogue, norm, weights, pdl
         x_in = [h, g]
     target = get_target("cuda").tvm_target()
     with target, toolchain_for("cuda"):
-        kernel = make_gemv(shape, pdl=pdl, max_blocks=max_blocks).with_attr("global_symbol", "main")
+        kernel = make_gemv(shape, pdl=pdl, max_blocks=max_blocks, contiguous=contiguous) \
+            .with_attr("global_symbol", "main")
         lib = tvm.compile(tvm.IRModule({"main": kernel}), target,
                           tir_pipeline=cuda_pdl.tir_pipeline_for(target) if pdl else "default")
     dev = tvm.cuda(0)
@@ -363,13 +364,16 @@ def test_gemv_kernel_matches_numpy_on_the_gpu(n, k, epilogue, norm, weights, pdl
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("contiguous", [False, True])
 @pytest.mark.parametrize("weights", ["q4f16_1", "float16"])
 @pytest.mark.parametrize("n,k,epilogue,norm", [(4096, 14336, "add", False), (14336, 4096, "swiglu", True),
                                                (1000, 896, "add", True), (320, 64, "cast", False)])
-def test_grid_capped_gemv_matches_numpy_on_the_gpu(n, k, epilogue, norm, weights):
-    """max_blocks=7: every block loops over several row blocks, the last round partly idle (the staged RMSNorm
-    input, the K-split reduction buffer and the float16 sum of squares reused across rounds)."""
-    test_gemv_kernel_matches_numpy_on_the_gpu(n, k, epilogue, norm, weights, True, max_blocks=7)
+def test_grid_capped_gemv_matches_numpy_on_the_gpu(n, k, epilogue, norm, weights, contiguous):
+    """max_blocks=7: every block loops over several row blocks (interleaved bx, bx + grid, ... or one contiguous
+    run), the last round partly idle (the staged RMSNorm input, the K-split reduction buffer and the float16 sum
+    of squares reused across rounds)."""
+    test_gemv_kernel_matches_numpy_on_the_gpu(n, k, epilogue, norm, weights, True, max_blocks=7,
+                                              contiguous=contiguous)
 
 
 @pytest.mark.gpu
