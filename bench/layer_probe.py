@@ -500,42 +500,49 @@ def _single_kernel(name: str):
     return single
 
 
-def _with_probe_helpers():
-    """The probe's source as one more helper group for cuda_source, after the q4 and PDL helpers it calls."""
-    from mlcc.schedules import cuda_source
-
-    base = cuda_source._helper_groups
-    cuda_source._helper_groups = lambda: base() + [PROBE_SOURCE]
-
-
-def cmd_build(a) -> None:
+def compile_probe(funcs: dict, source: str, out: Path, stem: str) -> None:
+    """Build `funcs` for the H200 with `source` as one more helper group for cuda_source (after the q4 and PDL
+    helpers it calls); write OUT/STEM.cu (the generated source) and OUT/STEM.so."""
     import tvm
 
-    from mlcc.schedules.cuda_gemv import GemvShape, make_gemv
+    from mlcc.schedules import cuda_source
     from mlcc.schedules.cuda_pdl import tir_pipeline_for
     from mlcc.targets import get_target
     from mlcc.targets.toolchains import toolchain_for
 
-    _with_probe_helpers()
+    base = cuda_source._helper_groups
+    cuda_source._helper_groups = lambda: base() + [source]
     target = get_target("cuda").tvm_target()
-    out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
+    with target, toolchain_for("cuda"):
+        ex = tvm.compile(tvm.IRModule(funcs), target, tir_pipeline=tir_pipeline_for(target))
+    (cuda,) = [m for m in ex.mod.imports if m.kind == "cuda"]
+    (out / f"{stem}.cu").write_text(cuda.inspect_source())
+    ex.export_library(str(out / f"{stem}.so"))
+    print("built", sorted(funcs))
+
+
+def cmd_build(a) -> None:
+    from mlcc.schedules.cuda_gemv import GemvShape, make_gemv
+
     funcs = {c: make_gemv(GemvShape(*PROJ[c], "none"), pdl=True).with_attr("global_symbol", c) for c in CHAIN}
     for c in CHAIN:
         funcs[f"single_{c}"] = _single_kernel(c).with_attr("global_symbol", f"single_{c}")
     for v in VARIANTS:
         funcs[v] = _persistent_kernel(f"mlcc_probe_layer_{v.split('_')[1]}", *VARIANTS[v]).with_attr("global_symbol", v)
-    with target, toolchain_for("cuda"):
-        ex = tvm.compile(tvm.IRModule(funcs), target, tir_pipeline=tir_pipeline_for(target))
-    (cuda,) = [m for m in ex.mod.imports if m.kind == "cuda"]
-    (out / "probe.cu").write_text(cuda.inspect_source())
-    ex.export_library(str(out / "probe.so"))
-    print("built", sorted(funcs))
+    compile_probe(funcs, PROBE_SOURCE, Path(a.out), "probe")
 
 
-def _quantized(rng, n: int, k: int):
+def quantized(rng, n: int, k: int, signed_scales: bool = False):
+    """Random q4f16_1 weights: MLC's packed codes, the scales, and the dequantized float32 matrix. With
+    signed_scales, scales of either sign (the codes' mean, 0.5 after the zero point, otherwise adds a common
+    component that grows ~8x a projection along a chain) sized to keep the output's variance at the input's."""
     codes = rng.integers(0, 16, size=(n, k), dtype=np.uint32)
-    scales = (rng.uniform(0.5, 1.5, size=(n, k // 32)) / np.sqrt(k) / 4).astype(np.float16)
+    if signed_scales:
+        sign = rng.choice(np.array([-1.0, 1.0]), size=(n, k // 32))
+        scales = (sign * rng.uniform(0.5, 1.5, size=(n, k // 32)) / np.sqrt(k) / 4.8).astype(np.float16)
+    else:
+        scales = (rng.uniform(0.5, 1.5, size=(n, k // 32)) / np.sqrt(k) / 4).astype(np.float16)
     packed = np.zeros((n, k // 8), np.uint32)
     for j in range(8):
         packed |= codes[:, j::8] << np.uint32(4 * j)
@@ -554,7 +561,7 @@ def cmd_run(a) -> None:
     dev = tvm.cuda(0)
     m = tvm.runtime.load_module(str(Path(a.libs) / "probe.so"))
     rng = np.random.default_rng(0)
-    host = {c: _quantized(rng, *PROJ[c]) for c in CHAIN}
+    host = {c: quantized(rng, *PROJ[c]) for c in CHAIN}
     layer_bytes = sum(p.nbytes + s.nbytes for p, s, _ in host.values())
     copies = max(2, -(-(320 << 20) // layer_bytes))
     weights = [{c: [tvm.runtime.tensor(host[c][0], dev), tvm.runtime.tensor(host[c][1], dev)] for c in CHAIN}

@@ -34,9 +34,8 @@ from pathlib import Path
 import numpy as np
 
 from cli import build_and_run
+from layer_probe import CHAIN, PROJ, compile_probe, quantized
 
-PROJ = {"o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336), "qkv": (6144, 4096)}
-CHAIN = ("o", "gate_up", "down", "qkv")
 LAYERS = 4
 SMS = 132
 CONSUMERS = 16
@@ -145,6 +144,35 @@ __device__ __forceinline__ void grid_barrier(unsigned* bar) {
     __threadfence();
   }
   consumers_sync<THREADS>();
+}
+
+// sum over one 32-code group of (code - 7) * x (x: its 32 staged inputs), fp16 within the group
+__device__ __forceinline__ float dot32(const uint4& c, const half* x) {
+  const uint4* xv = reinterpret_cast<const uint4*>(x);
+  const uint4 xa = xv[0], xb = xv[1], xc = xv[2], xd = xv[3];
+  unsigned h = 0;
+  h = mlcc_q4x8_hfma2_s1(c.x, xa.x, xa.y, xa.z, xa.w, h);
+  h = mlcc_q4x8_hfma2_s1(c.y, xb.x, xb.y, xb.z, xb.w, h);
+  h = mlcc_q4x8_hfma2_s1(c.z, xc.x, xc.y, xc.z, xc.w, h);
+  h = mlcc_q4x8_hfma2_s1(c.w, xd.x, xd.y, xd.z, xd.w, h);
+  return mlcc_h2_sum(h);
+}
+
+// a group's end when all 16 consumer warps hold partial sums (lane l: row l % 8): the 8 rows' totals to y_rows
+__device__ __forceinline__ void group_end(float acc, half* y_rows, float* red, int& par) {
+  const int w = threadIdx.y, lane = threadIdx.x;
+  acc += __shfl_xor_sync(0xffffffffu, acc, 8);
+  acc += __shfl_xor_sync(0xffffffffu, acc, 16);
+  if (lane < kRows) red[(par * kConsumers + w) * kRows + lane] = acc;
+  consumers_sync();
+  if (w == 0 && lane < kRows) {
+    float sum = 0.f;
+#pragma unroll
+    for (int v = 0; v < kConsumers; ++v) sum += red[(par * kConsumers + v) * kRows + lane];
+    y_rows[lane] = __float2half(sum);
+    __threadfence();
+  }
+  par ^= 1;
 }
 
 // this block's groups of projection p, in order; off is the running offset (carried across projections/layers)
@@ -298,29 +326,11 @@ __device__ __forceinline__ void consumer(const half* x0, half* Y, unsigned* bar,
           const unsigned char* tile = ring + s * kTileBytes;
           const uint4 c = *reinterpret_cast<const uint4*>(tile + (kg * 8 + r) * 16);
           const float sc = __half2float(*reinterpret_cast<const half*>(tile + kCodeBytes + (kg * 8 + r) * 2));
-          const uint4* xv = reinterpret_cast<const uint4*>(xs + kt * kTileK + kg * 32);
-          const uint4 xa = xv[0], xb = xv[1], xc = xv[2], xd = xv[3];
           __syncwarp();
           if (lane == 0) mbar_arrive(empty + s);  // the stage's bytes are in registers: the producer may refill it
-          unsigned h = 0;
-          h = mlcc_q4x8_hfma2_s1(c.x, xa.x, xa.y, xa.z, xa.w, h);
-          h = mlcc_q4x8_hfma2_s1(c.y, xb.x, xb.y, xb.z, xb.w, h);
-          h = mlcc_q4x8_hfma2_s1(c.z, xc.x, xc.y, xc.z, xc.w, h);
-          h = mlcc_q4x8_hfma2_s1(c.w, xd.x, xd.y, xd.z, xd.w, h);
-          acc += mlcc_h2_sum(h) * sc;
+          acc += dot32(c, xs + kt * kTileK + kg * 32) * sc;
         }
-        acc += __shfl_xor_sync(0xffffffffu, acc, 8);
-        acc += __shfl_xor_sync(0xffffffffu, acc, 16);
-        if (lane < kRows) red[(par * kConsumers + w) * kRows + lane] = acc;
-        consumers_sync();
-        if (w == 0 && lane < kRows) {
-          float sum = 0.f;
-#pragma unroll
-          for (int v = 0; v < kConsumers; ++v) sum += red[(par * kConsumers + v) * kRows + lane];
-          y[g * kRows + lane] = __float2half(sum);
-          __threadfence();
-        }
-        par ^= 1;
+        group_end(acc, y + g * kRows, red, par);
       }
       off += kN[p] / kRows;
     }
@@ -407,28 +417,9 @@ __device__ __forceinline__ void compute_chunk(const Cursor& c, const half* xs, h
   for (int u = 0; u < U; ++u) {
     if (c.t + u < c.t_end) {
       const int tile = c.t + u, kt = tile % kt_n;
-      const uint4* xv = reinterpret_cast<const uint4*>(xs + kt * kTileK + kg * 32);
-      const uint4 xa = xv[0], xb = xv[1], xc = xv[2], xd = xv[3];
-      unsigned h = 0;
-      h = mlcc_q4x8_hfma2_s1(cw[u].x, xa.x, xa.y, xa.z, xa.w, h);
-      h = mlcc_q4x8_hfma2_s1(cw[u].y, xb.x, xb.y, xb.z, xb.w, h);
-      h = mlcc_q4x8_hfma2_s1(cw[u].z, xc.x, xc.y, xc.z, xc.w, h);
-      h = mlcc_q4x8_hfma2_s1(cw[u].w, xd.x, xd.y, xd.z, xd.w, h);
-      acc += mlcc_h2_sum(h) * __half2float(__ushort_as_half(cs[u]));
+      acc += dot32(cw[u], xs + kt * kTileK + kg * 32) * __half2float(__ushort_as_half(cs[u]));
       if (kt == kt_n - 1) {  // the group's last tile: its 8 rows' sums over the 16 warps
-        float a = acc;
-        a += __shfl_xor_sync(0xffffffffu, a, 8);
-        a += __shfl_xor_sync(0xffffffffu, a, 16);
-        if (lane < kRows) red[(par * kConsumers + w) * kRows + lane] = a;
-        consumers_sync();
-        if (w == 0 && lane < kRows) {
-          float sum = 0.f;
-#pragma unroll
-          for (int v = 0; v < kConsumers; ++v) sum += red[(par * kConsumers + v) * kRows + lane];
-          y[(tile / kt_n) * kRows + lane] = __float2half(sum);
-          __threadfence();
-        }
-        par ^= 1;
+        group_end(acc, y + (tile / kt_n) * kRows, red, par);
         acc = 0.f;
       }
     }
@@ -480,7 +471,7 @@ __device__ __forceinline__ void direct_chain(const unsigned char* W, const half*
 }  // namespace mlcc_stream
 
 __device__ __forceinline__ void mlcc_stream_direct_chain(const void* x0, const void* W, void* Y, void* bar,
-                                                         int layers, int unroll, void* smem) {
+                                                         int layers, int unroll, int, void* smem) {
   if (unroll == 4)
     mlcc_stream::direct_chain<4>((const unsigned char*)W, (const half*)x0, (half*)Y, (unsigned*)bar, layers,
                                  (unsigned char*)smem);
@@ -534,18 +525,10 @@ __device__ __forceinline__ void compute_unit(const UCursor& c, const half* xs, h
                                              const Unit& b) {
   const int lane = threadIdx.x, per_group = kK[c.p] / kUnitK;
   const int j = c.u % per_group, slot = c.u / per_group - c.u_begin / per_group;
-  const uint4* xv = reinterpret_cast<const uint4*>(xs + j * kUnitK + lane * 32);
-  const uint4 xa = xv[0], xb = xv[1], xc = xv[2], xd = xv[3];
   float acc[kRows];
 #pragma unroll
-  for (int r = 0; r < kRows; ++r) {
-    unsigned h = 0;
-    h = mlcc_q4x8_hfma2_s1(b.w[r].x, xa.x, xa.y, xa.z, xa.w, h);
-    h = mlcc_q4x8_hfma2_s1(b.w[r].y, xb.x, xb.y, xb.z, xb.w, h);
-    h = mlcc_q4x8_hfma2_s1(b.w[r].z, xc.x, xc.y, xc.z, xc.w, h);
-    h = mlcc_q4x8_hfma2_s1(b.w[r].w, xd.x, xd.y, xd.z, xd.w, h);
-    acc[r] = mlcc_h2_sum(h) * __half2float(__ushort_as_half(b.s[r]));
-  }
+  for (int r = 0; r < kRows; ++r)
+    acc[r] = dot32(b.w[r], xs + j * kUnitK + lane * 32) * __half2float(__ushort_as_half(b.s[r]));
   // lane r ends with row r's sum over the unit: halve the rows held at each step (8 -> 4 -> 2 -> 1)
 #pragma unroll
   for (int r = 0; r < 4; ++r) {
@@ -639,7 +622,7 @@ __device__ __forceinline__ void unit_chain(const unsigned char* W, const half* x
 }  // namespace mlcc_stream
 
 __device__ __forceinline__ void mlcc_stream_unit_chain(const void* x0, const void* W, void* Y, void* bar, int layers,
-                                                       int warps, void* smem) {
+                                                       int warps, int, void* smem) {
   if (warps == 16)
     mlcc_stream::unit_chain<16, true>((const unsigned char*)W, (const half*)x0, (half*)Y, (unsigned*)bar, layers,
                                       (unsigned char*)smem);
@@ -650,7 +633,8 @@ __device__ __forceinline__ void mlcc_stream_unit_chain(const void* x0, const voi
 """
 
 
-def _stream_kernel(mode: int, feed: int):
+def _chain_kernel(helper: str, warps: int, smem_bytes: int, p0: int, p1: int):
+    """The TIR kernel around one of the source's chains: helper(x0, W, Y, bar, LAYERS, p0, p1, shared memory)."""
     from tvm.script import tirx as T
 
     from mlcc.schedules import cuda_pdl
@@ -658,92 +642,41 @@ def _stream_kernel(mode: int, feed: int):
     layer_bytes = sum(n * k // 2 + n * k // 32 * 2 for n, k in PROJ.values())
 
     @T.prim_func(s_tir=True)
-    def stream(x0: T.Buffer((4096,), "float16"), W: T.Buffer((LAYERS * layer_bytes,), "uint8"),
-               Y: T.Buffer((LAYERS * Y_LAYER,), "float16"), bar: T.Buffer((2,), "uint32")):
-        T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True})
-        for bx in T.thread_binding(SMS, thread="blockIdx.x"):
-            for ty in T.thread_binding(CONSUMERS + 1, thread="threadIdx.y"):
-                for tx in T.thread_binding(32, thread="threadIdx.x"):
-                    with T.sblock("stream"):
-                        T.reads()
-                        T.writes()
-                        if bar[1] == T.uint32(0xFFFFFFFF):  # (never true: names the PDL wait, see layer_probe)
-                            T.evaluate(T.call_extern("void", cuda_pdl.WAIT))
-                        smem = T.sblock_alloc_buffer((SMEM_BYTES,), "uint8", scope="shared.dyn")
-                        T.evaluate(T.call_extern("void", "mlcc_stream_layers", x0.data, W.data, Y.data, bar.data,
-                                                 LAYERS, mode, feed, smem.data))
-
-    return stream
-
-
-def _direct_kernel(unroll: int, units: bool = False, warps: int = CONSUMERS):
-    from tvm.script import tirx as T
-
-    from mlcc.schedules import cuda_pdl
-
-    layer_bytes = sum(n * k // 2 + n * k // 32 * 2 for n, k in PROJ.values())
-    smem_bytes = 14336 * 2 + 2 * CONSUMERS * ROWS * 4 if not units else 14336 * 2 + 32 * ROWS * 4 + 32 * 4
-
-    @T.prim_func(s_tir=True)
-    def direct(x0: T.Buffer((4096,), "float16"), W: T.Buffer((LAYERS * layer_bytes,), "uint8"),
-               Y: T.Buffer((LAYERS * Y_LAYER,), "float16"), bar: T.Buffer((2,), "uint32")):
+    def chain(x0: T.Buffer((4096,), "float16"), W: T.Buffer((LAYERS * layer_bytes,), "uint8"),
+              Y: T.Buffer((LAYERS * Y_LAYER,), "float16"), bar: T.Buffer((2,), "uint32")):
         T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True})
         for bx in T.thread_binding(SMS, thread="blockIdx.x"):
             for ty in T.thread_binding(warps, thread="threadIdx.y"):
                 for tx in T.thread_binding(32, thread="threadIdx.x"):
-                    with T.sblock("direct"):
+                    with T.sblock("chain"):
                         T.reads()
                         T.writes()
                         if bar[1] == T.uint32(0xFFFFFFFF):  # (never true: names the PDL wait, see layer_probe)
                             T.evaluate(T.call_extern("void", cuda_pdl.WAIT))
                         smem = T.sblock_alloc_buffer((smem_bytes,), "uint8", scope="shared.dyn")
-                        if units:
-                            T.evaluate(T.call_extern("void", "mlcc_stream_unit_chain", x0.data, W.data, Y.data,
-                                                     bar.data, LAYERS, warps, smem.data))
-                        else:
-                            T.evaluate(T.call_extern("void", "mlcc_stream_direct_chain", x0.data, W.data, Y.data,
-                                                     bar.data, LAYERS, unroll, smem.data))
+                        T.evaluate(T.call_extern("void", helper, x0.data, W.data, Y.data, bar.data, LAYERS, p0, p1,
+                                                 smem.data))
 
-    return direct
+    return chain
 
 
 DIRECT = {"chain_direct_u4": 4, "chain_direct_u8": 8}
 UNITS = {"chain_units": 16, "chain_units_w32": 32}  # warps a block (16: two units in flight a warp; 32: one)
 
 
-def _with_stream_helpers():
-    from mlcc.schedules import cuda_source
-
-    base = cuda_source._helper_groups
-    cuda_source._helper_groups = lambda: base() + [STREAM_SOURCE]
-
-
 def cmd_build(a) -> None:
-    import tvm
-
     from mlcc.schedules.cuda_gemv import GemvShape, make_gemv
-    from mlcc.schedules.cuda_pdl import tir_pipeline_for
-    from mlcc.targets import get_target
-    from mlcc.targets.toolchains import toolchain_for
 
-    _with_stream_helpers()
-    target = get_target("cuda").tvm_target()
-    out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
     funcs = {c: make_gemv(GemvShape(*PROJ[c], "none"), pdl=True).with_attr("global_symbol", c) for c in CHAIN}
-    for name in stream_variants():
-        mode, feed = stream_variants()[name]
-        funcs[name] = _stream_kernel(mode, feed).with_attr("global_symbol", name)
+    for name, (mode, feed) in stream_variants().items():
+        funcs[name] = _chain_kernel("mlcc_stream_layers", CONSUMERS + 1, SMEM_BYTES, mode, feed)
+    x_and_red = 14336 * 2 + 2 * CONSUMERS * ROWS * 4
     for name, unroll in DIRECT.items():
-        funcs[name] = _direct_kernel(unroll).with_attr("global_symbol", name)
-    for name, warps in UNITS.items():
-        funcs[name] = _direct_kernel(0, units=True, warps=warps).with_attr("global_symbol", name)
-    with target, toolchain_for("cuda"):
-        ex = tvm.compile(tvm.IRModule(funcs), target, tir_pipeline=tir_pipeline_for(target))
-    (cuda,) = [m for m in ex.mod.imports if m.kind == "cuda"]
-    (out / "stream.cu").write_text(cuda.inspect_source())
-    ex.export_library(str(out / "stream.so"))
-    print("built", sorted(funcs))
+        funcs[name] = _chain_kernel("mlcc_stream_direct_chain", CONSUMERS, x_and_red, unroll, 0)
+    for name, warps in UNITS.items():  # (x, then 32 group slots of 8 sums and a count)
+        funcs[name] = _chain_kernel("mlcc_stream_unit_chain", warps, 14336 * 2 + 32 * ROWS * 4 + 32 * 4, warps, 0)
+    funcs = {name: f.with_attr("global_symbol", name) for name, f in funcs.items()}
+    compile_probe(funcs, STREAM_SOURCE, Path(a.out), "stream")
 
 
 def tiled(packed: np.ndarray, scales: np.ndarray) -> np.ndarray:
@@ -769,19 +702,6 @@ def unit_tiled(packed: np.ndarray, scales: np.ndarray) -> np.ndarray:
                           axis=2).reshape(-1)
 
 
-def _quantized(rng, n: int, k: int):
-    codes = rng.integers(0, 16, size=(n, k), dtype=np.uint32)
-    # random-sign scales: the codes' mean (0.5 after the zero point) would otherwise add a common component that
-    # grows ~8x a projection over the 16 chained ones; 4.8 keeps the output's variance at the input's
-    sign = rng.choice(np.array([-1.0, 1.0]), size=(n, k // 32))
-    scales = (sign * rng.uniform(0.5, 1.5, size=(n, k // 32)) / np.sqrt(k) / 4.8).astype(np.float16)
-    packed = np.zeros((n, k // 8), np.uint32)
-    for j in range(8):
-        packed |= codes[:, j::8] << np.uint32(4 * j)
-    w = (codes.astype(np.float32) - 7) * np.repeat(scales.astype(np.float32), 32, axis=1)
-    return packed, scales, w
-
-
 def cmd_run(a) -> None:
     import tvm
 
@@ -793,7 +713,7 @@ def cmd_run(a) -> None:
     dev = tvm.cuda(0)
     m = tvm.runtime.load_module(str(Path(a.libs) / "stream.so"))
     rng = np.random.default_rng(0)
-    host = {c: _quantized(rng, *PROJ[c]) for c in CHAIN}
+    host = {c: quantized(rng, *PROJ[c], signed_scales=True) for c in CHAIN}
     layer_bytes = sum(p.nbytes + s.nbytes for p, s, _ in host.values())
     layer_tiles = np.concatenate([tiled(host[c][0], host[c][1]) for c in CHAIN])
     assert layer_tiles.nbytes == layer_bytes
