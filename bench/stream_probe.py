@@ -17,6 +17,10 @@ from one CUDA graph. Weights are pre-tiled (a converter could write them so). Va
   chain_units[_w32]     units of 8 rows x 1024 inputs laid out for one warp, a block's contiguous run of units
                         dealt to its warps, two units in flight per warp (or one, with 32 warps), shuffles and
                         shared-memory atomics per group: no block-wide barrier but the grid's
+  chain_units_tc        as chain_units with units of 16 rows x 512 inputs multiplied on the tensor cores
+                        (cuda_gemv_tc's mma step, ~1/3 of the CUDA-core instructions per byte); prepared in
+                        session 12 after the last device call: compiled (128 registers, no spills), its layout
+                        and lane arithmetic checked by a numpy emulation, never run on a GPU
 
 Every chain's projections are checked against numpy on their actual inputs before and after timing; diagnostic
 modes are timed only. Results: bench/results/README.md, "Issue 4, session 12".
@@ -491,11 +495,25 @@ constexpr int kSlots = 32;  // groups of one projection a block holds at most (g
 __device__ constexpr int kUnitBase[4] = {0, 2048, 2048 + 14336, 2048 + 14336 + 7168};  // units before p in a layer
 constexpr int kLayerUnits = 2048 + 14336 + 7168 + 3072;
 
-struct Unit { uint4 w[kRows]; unsigned short s[kRows]; };
+struct Unit {
+  static constexpr int kGroupRows = 8;  // rows that share a unit's 1024 inputs
+  uint4 w[kRows];
+  unsigned short s[kRows];
+};
+// the tensor-core unit (session 12, prepared): 16 rows x 512 inputs, four mma steps of 4 groups of 32 codes; lane
+// (r, c) = (lane / 4, lane % 4) holds, per step s, group 4 s + c of rows r and r + 8 (w[2 s], w[2 s + 1]) and the
+// scale pair of groups 4 s + 2 (c % 2), + 1 of those rows (s[2 s], s[2 s + 1]): cuda_gemv_tc's fragments
+struct UnitTC {
+  static constexpr int kGroupRows = 16;
+  uint4 w[8];
+  unsigned s[8];
+};
 struct UCursor { int l, p, u, u_end, u_begin; };  // this warp's unit u of the block's run [u_begin, u_end) of p
 
+template <int GROUP_ROWS>
 __device__ __forceinline__ void block_units(int p, int& u_begin, int& u_end) {
-  const int groups = kN[p] / kRows, per_group = kK[p] / kUnitK;
+  // (both unit kinds hold 4608 bytes: 8 rows x 1024 inputs or 16 x 512, so a layer has the same units)
+  const int groups = kN[p] / GROUP_ROWS, per_group = GROUP_ROWS == 8 ? kK[p] / kUnitK : kK[p] / 512;
   u_begin = (int)blockIdx.x * groups / kBlocks * per_group;
   u_end = ((int)blockIdx.x + 1) * groups / kBlocks * per_group;
 }
@@ -511,12 +529,12 @@ __device__ __forceinline__ void load_unit(const unsigned char* W, const UCursor&
 }
 
 // the warp's next unit: WARPS further in this projection's run, else its first in the next projection
-template <int WARPS>
+template <int WARPS, int GROUP_ROWS>
 __device__ __forceinline__ UCursor next_unit(UCursor c, int layers) {
   c.u += WARPS;
   if (c.u < c.u_end) return c;
   if (++c.p == 4) { c.p = 0; ++c.l; }
-  block_units(c.p, c.u_begin, c.u_end);
+  block_units<GROUP_ROWS>(c.p, c.u_begin, c.u_end);
   c.u = c.l < layers ? c.u_begin + (int)threadIdx.y : c.u_end;
   return c;
 }
@@ -569,21 +587,102 @@ __device__ __forceinline__ void compute_unit(const UCursor& c, const half* xs, h
   }
 }
 
-// WARPS warps a block; DOUBLE: two units in flight a warp (80 registers of buffers), else one (load, then multiply)
-template <int WARPS, bool DOUBLE>
+// a projection's input into shared memory: as it is (Unit), or as the mma's B words (UnitTC: per 8 inputs the
+// pairs (x0, x4), (x1, x5) / 16, (x2, x6), (x3, x7) / 16, then 16 zero words for the lanes off the diagonal)
+template <int THREADS, class U>
+__device__ __forceinline__ void stage_input(const half* x, int k, half* xs, int tid) {
+  if constexpr (U::kGroupRows == 8) {
+#pragma unroll 1
+    for (int i = tid; i < k / 8; i += THREADS)
+      reinterpret_cast<uint4*>(xs)[i] = __ldcg(reinterpret_cast<const uint4*>(x) + i);
+  } else {
+    unsigned* xw = reinterpret_cast<unsigned*>(xs);
+#pragma unroll 1
+    for (int i = tid; i < k / 8; i += THREADS) {
+      const uint4 v = __ldcg(reinterpret_cast<const uint4*>(x) + i);
+      xw[i * 4 + 0] = mlcc_tc_pair(v.x, v.z, 0);
+      xw[i * 4 + 1] = mlcc_tc_pair(v.x, v.z, 1);
+      xw[i * 4 + 2] = mlcc_tc_pair(v.y, v.w, 2);
+      xw[i * 4 + 3] = mlcc_tc_pair(v.y, v.w, 3);
+    }
+    if (tid < 16) xw[k / 2 + tid] = 0u;
+  }
+}
+
+__device__ __forceinline__ void load_unit(const unsigned char* W, const UCursor& c, int lane, UnitTC& b) {
+  if (c.u >= c.u_end) return;
+  const unsigned char* unit = W + ((size_t)c.l * kLayerUnits + kUnitBase[c.p] + c.u) * kUnitBytes;
+  // codes [step][row r / r + 8][lane][16 B], then scale pairs [step][row r / r + 8][r][c % 2]
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    b.w[i] = __ldg(reinterpret_cast<const uint4*>(unit) + i * 32 + lane);
+    b.s[i] = __ldg(reinterpret_cast<const unsigned*>(unit + 4096) + i * 16 + (lane >> 2) * 2 + (lane & 1));
+  }
+}
+
+__device__ __forceinline__ void compute_unit(const UCursor& c, const half* xs, half* y, float* red, int* count,
+                                             const UnitTC& b) {
+  constexpr int kG = UnitTC::kGroupRows;
+  const int lane = threadIdx.x, r = lane >> 2, cc = lane & 3, per_group = kK[c.p] / 512;
+  const int j = c.u % per_group, slot = c.u / per_group - c.u_begin / per_group;
+  const unsigned* xw = reinterpret_cast<const unsigned*>(xs);
+  float a0 = 0.f, a1 = 0.f;
+#pragma unroll
+  for (int s = 0; s < 4; ++s) {
+    // the lane on the diagonal (r == c) supplies B column c: x of group 4 s + c; the others 16 zero words
+    const uint4* xv = reinterpret_cast<const uint4*>(r == cc ? xw + (j * 16 + s * 4 + cc) * 16 : xw + kK[c.p] / 2);
+    const uint4 q0 = xv[0], q1 = xv[1], q2 = xv[2], q3 = xv[3];
+    const unsigned xb[16] = {q0.x, q0.y, q0.z, q0.w, q1.x, q1.y, q1.z, q1.w,
+                             q2.x, q2.y, q2.z, q2.w, q3.x, q3.y, q3.z, q3.w};
+    float d[4];
+    mlcc_q4tc_step_sub(d, reinterpret_cast<const unsigned*>(&b.w[2 * s]),
+                       reinterpret_cast<const unsigned*>(&b.w[2 * s + 1]), xb);
+    a0 = mlcc_tc_scale2(b.s[2 * s], d[0], d[1], a0);
+    a1 = mlcc_tc_scale2(b.s[2 * s + 1], d[2], d[3], a1);
+  }
+  // the subnormal codes are q * 2^-24; a row's sum is over its 4 lane columns
+  a0 *= 16777216.f;
+  a1 *= 16777216.f;
+  a0 += __shfl_xor_sync(0xffffffffu, a0, 1);
+  a0 += __shfl_xor_sync(0xffffffffu, a0, 2);
+  a1 += __shfl_xor_sync(0xffffffffu, a1, 1);
+  a1 += __shfl_xor_sync(0xffffffffu, a1, 2);
+  if (cc == 0) {
+    atomicAdd(red + slot * kG + r, a0);
+    atomicAdd(red + slot * kG + r + 8, a1);
+  }
+  __threadfence_block();
+  __syncwarp();
+  int last = 0;
+  if (lane == 0) last = atomicAdd(count + slot, 1) == per_group - 1;
+  last = __shfl_sync(0xffffffffu, last, 0);
+  if (last) {
+    __threadfence_block();
+    if (lane < kG) {
+      const float sum = atomicExch(red + slot * kG + lane, 0.f);
+      y[(c.u / per_group) * kG + lane] = __float2half(sum);
+    }
+    if (lane == 0) count[slot] = 0;
+  }
+}
+
+// WARPS warps a block; DOUBLE: two units in flight a warp (80 registers of buffers), else one (load, then multiply);
+// U: Unit (CUDA-core dot products) or UnitTC (tensor cores)
+template <int WARPS, bool DOUBLE, class U = Unit>
 __device__ __forceinline__ void unit_chain(const unsigned char* W, const half* x0, half* Y, unsigned* bar, int layers,
                                            unsigned char* smem) {
-  constexpr int kT = WARPS * 32;
+  constexpr int kT = WARPS * 32, kG = U::kGroupRows;
+  constexpr int kXBytes = kMaxK * 2 + (kG == 16 ? 64 : 0);  // (the B words' 16 zero words)
   const int tid = threadIdx.y * 32 + threadIdx.x, lane = threadIdx.x;
   half* xs = reinterpret_cast<half*>(smem);
-  float* red = reinterpret_cast<float*>(smem + kMaxK * 2);
-  int* count = reinterpret_cast<int*>(smem + kMaxK * 2 + kSlots * kRows * 4);
-  for (int i = tid; i < kSlots * kRows; i += kT) red[i] = 0.f;
+  float* red = reinterpret_cast<float*>(smem + kXBytes);
+  int* count = reinterpret_cast<int*>(smem + kXBytes + kSlots * kG * 4);
+  for (int i = tid; i < kSlots * kG; i += kT) red[i] = 0.f;
   for (int i = tid; i < kSlots; i += kT) count[i] = 0;
-  Unit a;
-  Unit b;  // (unused unless DOUBLE)
+  U a;
+  U b;  // (unused unless DOUBLE)
   UCursor c{0, 0, 0, 0, 0};
-  block_units(0, c.u_begin, c.u_end);
+  block_units<kG>(0, c.u_begin, c.u_end);
   c.u = c.u_begin + (int)threadIdx.y;
   load_unit(W, c, lane, a);  // (before the PDL wait)
   mlcc_pdl_wait();
@@ -596,13 +695,12 @@ __device__ __forceinline__ void unit_chain(const unsigned char* W, const half* x
                                : Y + (size_t)c.l * kYLayer + kYOff[c.p - 1];
       if (c.l != 0 || c.p != 0) grid_barrier<kT>(bar);  // (starts with a block barrier: xs is free again)
       else consumers_sync<kT>();                         // (red and count zeroed)
-      for (int i = tid; i < kK[c.p] / 8; i += kT)
-        reinterpret_cast<uint4*>(xs)[i] = __ldcg(reinterpret_cast<const uint4*>(x) + i);
+      stage_input<kT, U>(x, kK[c.p], xs, tid);
       consumers_sync<kT>();
       staged_l = c.l;
       staged_p = c.p;
     }
-    const UCursor n = next_unit<WARPS>(c, layers);
+    const UCursor n = next_unit<WARPS, kG>(c, layers);
     half* y = Y + (size_t)c.l * kYLayer + kYOff[c.p];
     if (!DOUBLE) {
       if (c.u < c.u_end) compute_unit(c, xs, y, red, count, a);
@@ -629,6 +727,12 @@ __device__ __forceinline__ void mlcc_stream_unit_chain(const void* x0, const voi
   if (warps == 32)
     mlcc_stream::unit_chain<32, false>((const unsigned char*)W, (const half*)x0, (half*)Y, (unsigned*)bar, layers,
                                        (unsigned char*)smem);
+}
+
+__device__ __forceinline__ void mlcc_stream_unit_chain_tc(const void* x0, const void* W, void* Y, void* bar,
+                                                          int layers, int, int, void* smem) {
+  mlcc_stream::unit_chain<16, true, mlcc_stream::UnitTC>((const unsigned char*)W, (const half*)x0, (half*)Y,
+                                                          (unsigned*)bar, layers, (unsigned char*)smem);
 }
 """
 
@@ -675,6 +779,9 @@ def cmd_build(a) -> None:
         funcs[name] = _chain_kernel("mlcc_stream_direct_chain", CONSUMERS, x_and_red, unroll, 0)
     for name, warps in UNITS.items():  # (x, then 32 group slots of 8 sums and a count)
         funcs[name] = _chain_kernel("mlcc_stream_unit_chain", warps, 14336 * 2 + 32 * ROWS * 4 + 32 * 4, warps, 0)
+    # (x as B words and 16 zero words, then 32 group slots of 16 sums and a count)
+    funcs["chain_units_tc"] = _chain_kernel("mlcc_stream_unit_chain_tc", CONSUMERS, 14336 * 2 + 64 + 32 * 16 * 4
+                                            + 32 * 4, 0, 0)
     funcs = {name: f.with_attr("global_symbol", name) for name, f in funcs.items()}
     compile_probe(funcs, STREAM_SOURCE, Path(a.out), "stream")
 
@@ -702,6 +809,18 @@ def unit_tiled(packed: np.ndarray, scales: np.ndarray) -> np.ndarray:
                           axis=2).reshape(-1)
 
 
+def unit_tiled_tc(packed: np.ndarray, scales: np.ndarray) -> np.ndarray:
+    """MLC's q4f16_1 as chain_units_tc's units: per group of 16 rows and 512 inputs, codes [step 4][row r / r + 8]
+    [lane (r, c)][16 B: group 4 step + c], then scale pairs [step][row r / r + 8][r][groups 4 step + 2 p, + 1]."""
+    n, k = packed.shape[0], packed.shape[1] * 8
+    g, uj = n // 16, k // 512
+    codes = packed.reshape(g, 2, 8, uj, 4, 4, 4).transpose(0, 3, 4, 1, 2, 5, 6)
+    sc = scales.reshape(g, 2, 8, uj, 4, 2, 2).transpose(0, 3, 4, 1, 2, 5, 6)
+    codes = np.ascontiguousarray(codes).view(np.uint8).reshape(g, uj, -1)
+    sc = np.ascontiguousarray(sc).view(np.uint8).reshape(g, uj, -1)
+    return np.concatenate([codes, sc], axis=2).reshape(-1)
+
+
 def cmd_run(a) -> None:
     import tvm
 
@@ -720,6 +839,8 @@ def cmd_run(a) -> None:
     w_stream = tvm.runtime.tensor(np.tile(layer_tiles, LAYERS), dev)
     layer_units = np.concatenate([unit_tiled(host[c][0], host[c][1]) for c in CHAIN])
     w_units = tvm.runtime.tensor(np.tile(layer_units, LAYERS), dev)
+    layer_units_tc = np.concatenate([unit_tiled_tc(host[c][0], host[c][1]) for c in CHAIN])
+    w_units_tc = tvm.runtime.tensor(np.tile(layer_units_tc, LAYERS), dev)
     w_mlc = [{c: [tvm.runtime.tensor(host[c][0], dev), tvm.runtime.tensor(host[c][1], dev)] for c in CHAIN}
              for _ in range(LAYERS)]
     x0 = rng.standard_normal(4096).astype(np.float16)
@@ -767,6 +888,7 @@ def cmd_run(a) -> None:
     variants = [("kernels", kernels)] + [(v, streamer(v)) for v in names] + [("kernels", kernels)]
     variants += [(v, streamer(v)) for v in DIRECT] + [("kernels", kernels)]
     variants += [(v, lambda v=v: m[v](xin, w_units, Y, bar)) for v in UNITS] + [("kernels", kernels)]
+    variants += [("chain_units_tc", lambda: m["chain_units_tc"](xin, w_units_tc, Y, bar)), ("kernels", kernels)]
     only = os.environ.get("MLCC_PROBE_ONLY")  # comma-separated variant names (a short device call)
     if only:
         variants = [(n, f) for n, f in variants if n in only.split(",")]
@@ -783,7 +905,8 @@ def cmd_run(a) -> None:
             continue
         errs = errors(name)
         # (the diagnostic modes compute on stale inputs or not at all)
-        checked = name == "kernels" or name in DIRECT or name in UNITS or stream_variants()[name][0] == 0
+        checked = (name in ("kernels", "chain_units_tc") or name in DIRECT or name in UNITS
+                   or stream_variants()[name][0] == 0)
         ok = all(e < 2e-2 for e in errs.values()) or not checked  # (False for NaN)
         t = min(time_graph(lambda *_: f(), None, [[]], None, dev, calls=40) for _ in range(3)) if ok else float("nan")
         errs_after = errors(name)
