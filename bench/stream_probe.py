@@ -122,7 +122,8 @@ __device__ __forceinline__ void bulk_load_evict_first(void* dst, const void* src
                                                       unsigned long long* b) {
   unsigned long long policy;
   asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
-  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint [%0], [%1], %2, [%3], %4;"
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint"
+               " [%0], [%1], %2, [%3], %4;"
                ::"r"(saddr(dst)), "l"(src), "r"(bytes), "r"(saddr(b)), "l"(policy) : "memory");
 }
 template <int THREADS = kThreads>
@@ -221,7 +222,8 @@ __device__ __forceinline__ void producer(const unsigned char* W, int layers, uns
 #pragma unroll
             for (int j = 0; j < SPLIT; ++j)
               if (EVICT_FIRST) bulk_load_evict_first(dst, src, kTileBytes, full + s);
-              else bulk_load(dst + j * (kTileBytes / SPLIT), src + j * (kTileBytes / SPLIT), kTileBytes / SPLIT, full + s);
+              else bulk_load(dst + j * (kTileBytes / SPLIT), src + j * (kTileBytes / SPLIT), kTileBytes / SPLIT,
+                             full + s);
           } else {
 #pragma unroll
             for (int j = 0; j < kTileBytes / 512; ++j) cp_async16(dst + j * 512 + lane * 16, src + j * 512 + lane * 16);

@@ -415,8 +415,8 @@ def make_gemv(shape: GemvShape, warps_wanted: int = _WARPS_WANTED, pdl: bool = F
                             T.evaluate(T.call_extern("void", cuda_pdl.LAUNCH_DEPENDENTS))
                         if staged:
                             stage_normalized_x(xw, gw, xs, xr, rs, ssred, ty, tx)
-                        if rounds == 1:
-                            row_block(xw, gw, ww, sf, rf, out, xs, xl, wl, acc, accf, red, bx, 0, ty, tx)  # (grid = blocks)
+                        if rounds == 1:  # (grid = blocks)
+                            row_block(xw, gw, ww, sf, rf, out, xs, xl, wl, acc, accf, red, bx, 0, ty, tx)
                         else:
                             for vb in T.serial(rounds):
                                 if row_block_of(bx, vb) < blocks:
