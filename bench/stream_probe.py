@@ -541,6 +541,23 @@ __device__ __forceinline__ UCursor next_unit(UCursor c, int layers) {
   return c;
 }
 
+// after a warp added its unit's sums to its group's slot (sums, count): the last of the group's units to arrive
+// writes the ROWS outputs and clears the slot for the next projection
+template <int ROWS>
+__device__ __forceinline__ void unit_done(float* sums, int* count, int per_group, half* y_rows) {
+  const int lane = threadIdx.x;
+  __threadfence_block();
+  __syncwarp();
+  int last = 0;
+  if (lane == 0) last = atomicAdd(count, 1) == per_group - 1;
+  last = __shfl_sync(0xffffffffu, last, 0);
+  if (last) {
+    __threadfence_block();
+    if (lane < ROWS) y_rows[lane] = __float2half(atomicExch(sums + lane, 0.f));
+    if (lane == 0) *count = 0;
+  }
+}
+
 __device__ __forceinline__ void compute_unit(const UCursor& c, const half* xs, half* y, float* red, int* count,
                                              const Unit& b) {
   const int lane = threadIdx.x, per_group = kK[c.p] / kUnitK;
@@ -564,29 +581,12 @@ __device__ __forceinline__ void compute_unit(const UCursor& c, const half* xs, h
     const float mine = (lane & 1) ? acc[1] : acc[0], theirs = (lane & 1) ? acc[0] : acc[1];
     acc[0] = mine + __shfl_xor_sync(0xffffffffu, theirs, 1);
   }
-  // lane l holds row (l & 7)'s sum over lanes with the same l & 7... no: over lanes l ^ {1,2,4}; finish over 8, 16
+  // lane l now holds row l & 7's sum over lanes l ^ {1, 2, 4}; the other 24 lanes of the row follow
   float v = acc[0];
   v += __shfl_xor_sync(0xffffffffu, v, 8);
   v += __shfl_xor_sync(0xffffffffu, v, 16);
-  const int row = (lane & 4) | (lane & 2) | (lane & 1);
-  if (per_group == 1) {
-    if (lane < kRows) y[(c.u / per_group) * kRows + row] = __float2half(v);
-    return;
-  }
-  if (lane < kRows) atomicAdd(red + slot * kRows + row, v);
-  __threadfence_block();
-  __syncwarp();
-  int last = 0;
-  if (lane == 0) last = atomicAdd(count + slot, 1) == per_group - 1;
-  last = __shfl_sync(0xffffffffu, last, 0);
-  if (last) {
-    __threadfence_block();
-    if (lane < kRows) {
-      const float sum = atomicExch(red + slot * kRows + lane, 0.f);  // (read and cleared for the next projection)
-      y[(c.u / per_group) * kRows + lane] = __float2half(sum);
-    }
-    if (lane == 0) count[slot] = 0;
-  }
+  if (lane < kRows) atomicAdd(red + slot * kRows + lane, v);
+  unit_done<kRows>(red + slot * kRows, count + slot, per_group, y + (c.u / per_group) * kRows);
 }
 
 // a projection's input into shared memory: as it is (Unit), or as the mma's B words (UnitTC: per 8 inputs the
@@ -653,19 +653,7 @@ __device__ __forceinline__ void compute_unit(const UCursor& c, const half* xs, h
     atomicAdd(red + slot * kG + r, a0);
     atomicAdd(red + slot * kG + r + 8, a1);
   }
-  __threadfence_block();
-  __syncwarp();
-  int last = 0;
-  if (lane == 0) last = atomicAdd(count + slot, 1) == per_group - 1;
-  last = __shfl_sync(0xffffffffu, last, 0);
-  if (last) {
-    __threadfence_block();
-    if (lane < kG) {
-      const float sum = atomicExch(red + slot * kG + lane, 0.f);
-      y[(c.u / per_group) * kG + lane] = __float2half(sum);
-    }
-    if (lane == 0) count[slot] = 0;
-  }
+  unit_done<kG>(red + slot * kG, count + slot, per_group, y + (c.u / per_group) * kG);
 }
 
 // WARPS warps a block; DOUBLE: two units in flight a warp (80 registers of buffers), else one (load, then multiply);
@@ -826,12 +814,9 @@ def unit_tiled_tc(packed: np.ndarray, scales: np.ndarray) -> np.ndarray:
 def cmd_run(a) -> None:
     import tvm
 
-    from gemv_kernels import time_graph
-    from mlcc.runtime.model import _load_backend_runtimes, _register_cuda_jit
+    from gemv_kernels import cuda_device, time_graph
 
-    _load_backend_runtimes("cuda")
-    _register_cuda_jit("sm_90a")
-    dev = tvm.cuda(0)
+    dev = cuda_device()
     m = tvm.runtime.load_module(str(Path(a.libs) / "stream.so"))
     rng = np.random.default_rng(0)
     host = {c: quantized(rng, *PROJ[c], signed_scales=True) for c in CHAIN}
