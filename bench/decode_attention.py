@@ -68,11 +68,9 @@ def _reference(q, pages, indptr, values, lens, hk, sm_scale):
 def cmd_run(a) -> None:
     import tvm
 
-    from mlcc.runtime.model import _load_backend_runtimes, _register_cuda_jit
+    from gemv_kernels import cuda_device
 
-    _load_backend_runtimes("cuda")
-    _register_cuda_jit("sm_90")
-    dev = tvm.cuda(0)
+    dev = cuda_device("sm_90")
     rng = np.random.default_rng(0)
     rows = []
     for name, (hk, hq, d) in SHAPES.items():

@@ -30,6 +30,18 @@ SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "dow
 L2_DEFEAT_BYTES = 320 << 20  # weight copies per kernel: several times the H200's 50 MB L2
 
 
+def cuda_device(arch: str = "sm_90a"):
+    """The GPU, with what the libraries built here need to load on it: TVM's CUDA runtime, and mlcc's JIT for the
+    kernels shipped as CUDA source (compiled for `arch`)."""
+    import tvm
+
+    from mlcc.runtime.model import _load_backend_runtimes, _register_cuda_jit
+
+    _load_backend_runtimes("cuda")
+    _register_cuda_jit(arch)
+    return tvm.cuda(0)
+
+
 def time_rotating(f, x, weight_sets, out, dev, calls: int = 600) -> float:
     """Seconds per call, each call on the next weight copy (so the weights come from DRAM, as in a model step). The
     calls are queued from Python (~3 us each): kernels shorter than that measure the launch path."""
@@ -196,11 +208,7 @@ def _reference(host: list[np.ndarray], quant: str) -> np.ndarray:
 def cmd_run(a) -> None:
     import tvm
 
-    from mlcc.runtime.model import _load_backend_runtimes, _register_cuda_jit
-
-    _load_backend_runtimes("cuda")
-    _register_cuda_jit("sm_90a")
-    dev = tvm.cuda(0)
+    dev = cuda_device()
     libs = Path(a.libs)
     meta = json.loads((libs / "meta.json").read_text())
     rows = []

@@ -22,7 +22,8 @@ from pathlib import Path
 import numpy as np
 
 from cli import build_and_run
-from gemv_kernels import L2_DEFEAT_BYTES, SHAPES, _inputs, _reference, kernels, time_graph, time_rotating
+from gemv_kernels import (L2_DEFEAT_BYTES, SHAPES, _inputs, _reference, cuda_device, kernels, time_graph,
+                          time_rotating)
 
 SWEPT = ("qkv", "o", "gate_up", "down")
 
@@ -143,11 +144,7 @@ def cmd_build(a) -> None:
 def cmd_run(a) -> None:
     import tvm
 
-    from mlcc.runtime.model import _load_backend_runtimes, _register_cuda_jit
-
-    _load_backend_runtimes("cuda")
-    _register_cuda_jit("sm_90a")
-    dev = tvm.cuda(0)
+    dev = cuda_device()
     meta = json.loads((Path(a.libs) / "meta.json").read_text())
     quant = _quant(meta.pop("weights"))
     rows = []

@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from cli import build_and_run
-from gemv_kernels import time_graph
+from gemv_kernels import cuda_device, time_graph
 
 BLOCKS = (1, 132, 1056, 4224)
 
@@ -65,11 +65,7 @@ def cmd_build(a) -> None:
 def cmd_run(a) -> None:
     import tvm
 
-    from mlcc.runtime.model import _load_backend_runtimes, _register_cuda_jit
-
-    _load_backend_runtimes("cuda")
-    _register_cuda_jit("sm_90a")
-    dev = tvm.cuda(0)
+    dev = cuda_device()
     rows = []
     calls = 600
     for lib in ("plain", "pdl"):

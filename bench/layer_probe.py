@@ -553,12 +553,9 @@ def quantized(rng, n: int, k: int, signed_scales: bool = False):
 def cmd_run(a) -> None:
     import tvm
 
-    from gemv_kernels import time_graph
-    from mlcc.runtime.model import _load_backend_runtimes, _register_cuda_jit
+    from gemv_kernels import cuda_device, time_graph
 
-    _load_backend_runtimes("cuda")
-    _register_cuda_jit("sm_90a")
-    dev = tvm.cuda(0)
+    dev = cuda_device()
     m = tvm.runtime.load_module(str(Path(a.libs) / "probe.so"))
     rng = np.random.default_rng(0)
     host = {c: quantized(rng, *PROJ[c]) for c in CHAIN}
