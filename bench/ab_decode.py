@@ -18,7 +18,9 @@ way round, as "tail" and "one-shift" against a base without them (bench/issue4_s
 "cuda-core" = a build whose q4 GEMVs all use the CUDA-core kernel (MLCC_Q4_KERNEL=cuda-core, the default
 again after session 10, whose base built with MLCC_Q4_KERNEL=auto: the tensor-core kernel of schedules/cuda_gemv_tc.py
 for the short projections); "tc-auto" = such a build; "splits16" = a build whose split-KV decode attention cuts every context into 16 chunks whatever the number of KV
-heads (session 4's choice; MLCC_DECODE_SPLITS=16);
+heads (session 4's choice; MLCC_DECODE_SPLITS=16); session 13's "add-cap" (o/down q4 GEMVs on grids capped at 528
+blocks, each a contiguous run of row blocks, MLCC_GEMV_ADD_CAP=528) was working-tree code, measured and dropped
+(bench/results/gemv_add_cap_rejected_s13.diff);
 "attn-s5": session 5's decode attention (4 tokens per step). Session 11's "bignorm" and "sweep11" (q4 kernels
 with an RMSNorm prologue given 4x the row warps per block; that plus the swept o/down configurations) were
 working-tree code, measured and dropped (bench/results README, session 11). Session 6's cross-kernel L2 prefetch variants

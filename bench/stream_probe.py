@@ -20,10 +20,16 @@ from one CUDA graph. Weights are pre-tiled (a converter could write them so). Va
   chain_units_tc        as chain_units with units of 16 rows x 512 inputs multiplied on the tensor cores
                         (cuda_gemv_tc's mma step, ~1/3 of the CUDA-core instructions per byte); prepared in
                         session 12 after the last device call: compiled (128 registers, no spills), its layout
-                        and lane arithmetic checked by a numpy emulation, never run on a GPU
+                        and lane arithmetic checked by a numpy emulation; run in session 13 (59.5 us a
+                        layer, chain_units 59.0 in the same call)
+  chain_units_no_*      diagnostics of chain_units (session 13): no grid barrier, no math (the unit's words
+                        folded by XOR), neither; chain_units_tc_no_barrier likewise
+  chain_units_block_fence, chain_units_tc_block_fence, chain_units_two_ahead (session 13, correct): no fence by
+                        every warp before the grid barrier (only the barrier's own), and also two units a warp
+                        requested across it
 
 Every chain's projections are checked against numpy on their actual inputs before and after timing; diagnostic
-modes are timed only. Results: bench/results/README.md, "Issue 4, session 12".
+modes are timed only. Results: bench/results/README.md, "Issue 4, session 12" and "session 13".
 
     python bench/stream_probe.py build --out .dev/stream      # here
     python3 bench/stream_probe.py run --libs .dev/stream --out $OUT   # MLCC_PROBE_ONLY=a,b: those variants only
@@ -656,9 +662,26 @@ __device__ __forceinline__ void compute_unit(const UCursor& c, const half* xs, h
   unit_done<kG>(red + slot * kG, count + slot, per_group, y + (c.u / per_group) * kG);
 }
 
+// diagnostic (session 13, after chain_units_tc ran no faster than chain_units): the unit's words folded into one
+// bit-test instead of its dot products, so the loads stay live and the group bookkeeping is the same
+__device__ __forceinline__ void fold_unit(const UCursor& c, half* y, float* red, int* count, const Unit& b) {
+  const int lane = threadIdx.x, per_group = kK[c.p] / kUnitK;
+  const int slot = c.u / per_group - c.u_begin / per_group;
+  unsigned h = 0;
+#pragma unroll
+  for (int r = 0; r < kRows; ++r) h ^= b.w[r].x ^ b.w[r].y ^ b.w[r].z ^ b.w[r].w ^ b.s[r];
+  if (lane < kRows) atomicAdd(red + slot * kRows + lane, h == 0x9E3779B9u ? 1.f : 0.f);
+  unit_done<kRows>(red + slot * kRows, count + slot, per_group, y + (c.u / per_group) * kRows);
+}
+
 // WARPS warps a block; DOUBLE: two units in flight a warp (80 registers of buffers), else one (load, then multiply);
-// U: Unit (CUDA-core dot products) or UnitTC (tensor cores)
-template <int WARPS, bool DOUBLE, class U = Unit>
+// U: Unit (CUDA-core dot products) or UnitTC (tensor cores); DIAG (diagnostics, wrong results): 1 no grid barrier
+// (each projection reads whatever its input holds), 2 no math (fold_unit), 3 both; DIAG 4 (correct): no fence by every
+// warp at a projection's end, only grid_barrier's by thread 0 after the block barrier (cooperative groups' grid sync
+// does the same), so the next projection's weights already requested stay in flight across the barrier; DIAG 8
+// (correct, with DOUBLE): at a projection's end the warp also requests its second unit of the next one into the
+// buffer it just freed, so two units a warp (147 KB an SM) stream during the barrier instead of one
+template <int WARPS, bool DOUBLE, class U = Unit, int DIAG = 0>
 __device__ __forceinline__ void unit_chain(const unsigned char* W, const half* x0, half* Y, unsigned* bar, int layers,
                                            unsigned char* smem) {
   constexpr int kT = WARPS * 32, kG = U::kGroupRows;
@@ -677,13 +700,13 @@ __device__ __forceinline__ void unit_chain(const unsigned char* W, const half* x
   load_unit(W, c, lane, a);  // (before the PDL wait)
   mlcc_pdl_wait();
   mlcc_pdl_launch_dependents();
-  bool a_current = true;
+  bool a_current = true, loaded_ahead = false;
   int staged_l = -1, staged_p = -1;
   while (c.l < layers) {
     if (c.l != staged_l || c.p != staged_p) {  // a projection's first unit: wait for its input, stage it
       const half* x = c.p == 0 ? (c.l == 0 ? x0 : Y + (size_t)(c.l - 1) * kYLayer + kYOff[3])
                                : Y + (size_t)c.l * kYLayer + kYOff[c.p - 1];
-      if (c.l != 0 || c.p != 0) grid_barrier<kT>(bar);  // (starts with a block barrier: xs is free again)
+      if ((c.l != 0 || c.p != 0) && !(DIAG & 1)) grid_barrier<kT>(bar);  // (starts with a block barrier: xs free)
       else consumers_sync<kT>();                         // (red and count zeroed)
       stage_input<kT, U>(x, kK[c.p], xs, tid);
       consumers_sync<kT>();
@@ -696,33 +719,65 @@ __device__ __forceinline__ void unit_chain(const unsigned char* W, const half* x
       if (c.u < c.u_end) compute_unit(c, xs, y, red, count, a);
       load_unit(W, n, lane, a);
     } else if (a_current) {
-      load_unit(W, n, lane, b);
-      if (c.u < c.u_end) compute_unit(c, xs, y, red, count, a);
+      if (!loaded_ahead) load_unit(W, n, lane, b);
+      if constexpr (DIAG & 2) { if (c.u < c.u_end) fold_unit(c, y, red, count, a); }
+      else if (c.u < c.u_end) compute_unit(c, xs, y, red, count, a);
     } else {
-      load_unit(W, n, lane, a);
-      if (c.u < c.u_end) compute_unit(c, xs, y, red, count, b);
+      if (!loaded_ahead) load_unit(W, n, lane, a);
+      if constexpr (DIAG & 2) { if (c.u < c.u_end) fold_unit(c, y, red, count, b); }
+      else if (c.u < c.u_end) compute_unit(c, xs, y, red, count, b);
+    }
+    loaded_ahead = false;
+    if constexpr (DOUBLE && (DIAG & 8)) {
+      if (n.p != c.p || n.l != c.l) {  // the unit after n into the buffer just computed
+        if (a_current) load_unit(W, next_unit<WARPS, kG>(n, layers), lane, a);
+        else load_unit(W, next_unit<WARPS, kG>(n, layers), lane, b);
+        loaded_ahead = true;
+      }
     }
     a_current = !a_current;
-    if (n.p != c.p || n.l != c.l) __threadfence();  // this warp's outputs of p, before the grid barrier
+    if (!(DIAG & 4) && (n.p != c.p || n.l != c.l)) __threadfence();  // this warp's outputs of p, before the barrier
     c = n;
   }
 }
 }  // namespace mlcc_stream
 
 __device__ __forceinline__ void mlcc_stream_unit_chain(const void* x0, const void* W, void* Y, void* bar, int layers,
-                                                       int warps, int, void* smem) {
-  if (warps == 16)
+                                                       int warps, int diag, void* smem) {
+  if (warps == 16 && diag == 0)
     mlcc_stream::unit_chain<16, true>((const unsigned char*)W, (const half*)x0, (half*)Y, (unsigned*)bar, layers,
                                       (unsigned char*)smem);
+  if (warps == 16 && diag == 1)
+    mlcc_stream::unit_chain<16, true, mlcc_stream::Unit, 1>((const unsigned char*)W, (const half*)x0, (half*)Y,
+                                                            (unsigned*)bar, layers, (unsigned char*)smem);
+  if (warps == 16 && diag == 2)
+    mlcc_stream::unit_chain<16, true, mlcc_stream::Unit, 2>((const unsigned char*)W, (const half*)x0, (half*)Y,
+                                                            (unsigned*)bar, layers, (unsigned char*)smem);
+  if (warps == 16 && diag == 4)
+    mlcc_stream::unit_chain<16, true, mlcc_stream::Unit, 4>((const unsigned char*)W, (const half*)x0, (half*)Y,
+                                                            (unsigned*)bar, layers, (unsigned char*)smem);
+  if (warps == 16 && diag == 12)
+    mlcc_stream::unit_chain<16, true, mlcc_stream::Unit, 12>((const unsigned char*)W, (const half*)x0, (half*)Y,
+                                                             (unsigned*)bar, layers, (unsigned char*)smem);
+  if (warps == 16 && diag == 3)
+    mlcc_stream::unit_chain<16, true, mlcc_stream::Unit, 3>((const unsigned char*)W, (const half*)x0, (half*)Y,
+                                                            (unsigned*)bar, layers, (unsigned char*)smem);
   if (warps == 32)
     mlcc_stream::unit_chain<32, false>((const unsigned char*)W, (const half*)x0, (half*)Y, (unsigned*)bar, layers,
                                        (unsigned char*)smem);
 }
 
 __device__ __forceinline__ void mlcc_stream_unit_chain_tc(const void* x0, const void* W, void* Y, void* bar,
-                                                          int layers, int, int, void* smem) {
-  mlcc_stream::unit_chain<16, true, mlcc_stream::UnitTC>((const unsigned char*)W, (const half*)x0, (half*)Y,
-                                                          (unsigned*)bar, layers, (unsigned char*)smem);
+                                                          int layers, int diag, int, void* smem) {
+  if (diag == 0)
+    mlcc_stream::unit_chain<16, true, mlcc_stream::UnitTC>((const unsigned char*)W, (const half*)x0, (half*)Y,
+                                                            (unsigned*)bar, layers, (unsigned char*)smem);
+  if (diag == 1)
+    mlcc_stream::unit_chain<16, true, mlcc_stream::UnitTC, 1>((const unsigned char*)W, (const half*)x0, (half*)Y,
+                                                               (unsigned*)bar, layers, (unsigned char*)smem);
+  if (diag == 4)
+    mlcc_stream::unit_chain<16, true, mlcc_stream::UnitTC, 4>((const unsigned char*)W, (const half*)x0, (half*)Y,
+                                                               (unsigned*)bar, layers, (unsigned char*)smem);
 }
 """
 
@@ -756,6 +811,11 @@ def _chain_kernel(helper: str, warps: int, smem_bytes: int, p0: int, p1: int):
 
 DIRECT = {"chain_direct_u4": 4, "chain_direct_u8": 8}
 UNITS = {"chain_units": 16, "chain_units_w32": 32}  # warps a block (16: two units in flight a warp; 32: one)
+# chain_units' diagnostics (session 13): without the grid barriers, without the math, without both (wrong results)
+UNIT_DIAGS = {"chain_units_no_barrier": 1, "chain_units_no_math": 2, "chain_units_neither": 3}
+# without the per-warp fence (correct, checked), CUDA-core and tensor-core units; the tensor-core one without barrier
+UNIT_FENCE = {"chain_units_block_fence": 4, "chain_units_two_ahead": 12}
+TC_DIAGS = {"chain_units_tc_block_fence": 4, "chain_units_tc_no_barrier": 1}
 
 
 def cmd_build(a) -> None:
@@ -769,9 +829,12 @@ def cmd_build(a) -> None:
         funcs[name] = _chain_kernel("mlcc_stream_direct_chain", CONSUMERS, x_and_red, unroll, 0)
     for name, warps in UNITS.items():  # (x, then 32 group slots of 8 sums and a count)
         funcs[name] = _chain_kernel("mlcc_stream_unit_chain", warps, 14336 * 2 + 32 * ROWS * 4 + 32 * 4, warps, 0)
+    for name, diag in {**UNIT_DIAGS, **UNIT_FENCE}.items():
+        funcs[name] = _chain_kernel("mlcc_stream_unit_chain", 16, 14336 * 2 + 32 * ROWS * 4 + 32 * 4, 16, diag)
     # (x as B words and 16 zero words, then 32 group slots of 16 sums and a count)
-    funcs["chain_units_tc"] = _chain_kernel("mlcc_stream_unit_chain_tc", CONSUMERS, 14336 * 2 + 64 + 32 * 16 * 4
-                                            + 32 * 4, 0, 0)
+    for name, diag in {"chain_units_tc": 0, **TC_DIAGS}.items():
+        funcs[name] = _chain_kernel("mlcc_stream_unit_chain_tc", CONSUMERS, 14336 * 2 + 64 + 32 * 16 * 4 + 32 * 4,
+                                    diag, 0)
     funcs = {name: f.with_attr("global_symbol", name) for name, f in funcs.items()}
     compile_probe(funcs, STREAM_SOURCE, Path(a.out), "stream")
 
@@ -876,6 +939,8 @@ def cmd_run(a) -> None:
     variants += [(v, streamer(v)) for v in DIRECT] + [("kernels", kernels)]
     variants += [(v, lambda v=v: m[v](xin, w_units, Y, bar)) for v in UNITS] + [("kernels", kernels)]
     variants += [("chain_units_tc", lambda: m["chain_units_tc"](xin, w_units_tc, Y, bar)), ("kernels", kernels)]
+    variants += [(v, lambda v=v: m[v](xin, w_units, Y, bar)) for v in {**UNIT_DIAGS, **UNIT_FENCE}]
+    variants += [(v, lambda v=v: m[v](xin, w_units_tc, Y, bar)) for v in TC_DIAGS] + [("kernels", kernels)]
     only = os.environ.get("MLCC_PROBE_ONLY")  # comma-separated variant names (a short device call)
     if only:
         variants = [(n, f) for n, f in variants if n in only.split(",")]
@@ -892,8 +957,9 @@ def cmd_run(a) -> None:
             continue
         errs = errors(name)
         # (the diagnostic modes compute on stale inputs or not at all)
-        checked = (name in ("kernels", "chain_units_tc") or name in DIRECT or name in UNITS
-                   or stream_variants()[name][0] == 0)
+        checked = (name in ("kernels", "chain_units_tc", "chain_units_tc_block_fence") or name in DIRECT
+                   or name in UNITS or name in UNIT_FENCE
+                   or stream_variants().get(name, (None,))[0] == 0)
         ok = all(e < 2e-2 for e in errs.values()) or not checked  # (False for NaN)
         t = min(time_graph(lambda *_: f(), None, [[]], None, dev, calls=40) for _ in range(3)) if ok else float("nan")
         errs_after = errors(name)
