@@ -742,42 +742,38 @@ __device__ __forceinline__ void unit_chain(const unsigned char* W, const half* x
 }
 }  // namespace mlcc_stream
 
+namespace mlcc_stream {
+template <int WARPS, bool DOUBLE, class U, int DIAG>
+__device__ __forceinline__ void units(const void* x0, const void* W, void* Y, void* bar, int layers, void* smem) {
+  unit_chain<WARPS, DOUBLE, U, DIAG>((const unsigned char*)W, (const half*)x0, (half*)Y, (unsigned*)bar, layers,
+                                     (unsigned char*)smem);
+}
+}  // namespace mlcc_stream
+
 __device__ __forceinline__ void mlcc_stream_unit_chain(const void* x0, const void* W, void* Y, void* bar, int layers,
                                                        int warps, int diag, void* smem) {
-  if (warps == 16 && diag == 0)
-    mlcc_stream::unit_chain<16, true>((const unsigned char*)W, (const half*)x0, (half*)Y, (unsigned*)bar, layers,
-                                      (unsigned char*)smem);
-  if (warps == 16 && diag == 1)
-    mlcc_stream::unit_chain<16, true, mlcc_stream::Unit, 1>((const unsigned char*)W, (const half*)x0, (half*)Y,
-                                                            (unsigned*)bar, layers, (unsigned char*)smem);
-  if (warps == 16 && diag == 2)
-    mlcc_stream::unit_chain<16, true, mlcc_stream::Unit, 2>((const unsigned char*)W, (const half*)x0, (half*)Y,
-                                                            (unsigned*)bar, layers, (unsigned char*)smem);
-  if (warps == 16 && diag == 4)
-    mlcc_stream::unit_chain<16, true, mlcc_stream::Unit, 4>((const unsigned char*)W, (const half*)x0, (half*)Y,
-                                                            (unsigned*)bar, layers, (unsigned char*)smem);
-  if (warps == 16 && diag == 12)
-    mlcc_stream::unit_chain<16, true, mlcc_stream::Unit, 12>((const unsigned char*)W, (const half*)x0, (half*)Y,
-                                                             (unsigned*)bar, layers, (unsigned char*)smem);
-  if (warps == 16 && diag == 3)
-    mlcc_stream::unit_chain<16, true, mlcc_stream::Unit, 3>((const unsigned char*)W, (const half*)x0, (half*)Y,
-                                                            (unsigned*)bar, layers, (unsigned char*)smem);
-  if (warps == 32)
-    mlcc_stream::unit_chain<32, false>((const unsigned char*)W, (const half*)x0, (half*)Y, (unsigned*)bar, layers,
-                                       (unsigned char*)smem);
+  using mlcc_stream::units;
+  using mlcc_stream::Unit;
+  if (warps == 32) return units<32, false, Unit, 0>(x0, W, Y, bar, layers, smem);
+  switch (diag) {
+    case 0: return units<16, true, Unit, 0>(x0, W, Y, bar, layers, smem);
+    case 1: return units<16, true, Unit, 1>(x0, W, Y, bar, layers, smem);
+    case 2: return units<16, true, Unit, 2>(x0, W, Y, bar, layers, smem);
+    case 3: return units<16, true, Unit, 3>(x0, W, Y, bar, layers, smem);
+    case 4: return units<16, true, Unit, 4>(x0, W, Y, bar, layers, smem);
+    case 12: return units<16, true, Unit, 12>(x0, W, Y, bar, layers, smem);
+  }
 }
 
 __device__ __forceinline__ void mlcc_stream_unit_chain_tc(const void* x0, const void* W, void* Y, void* bar,
                                                           int layers, int diag, int, void* smem) {
-  if (diag == 0)
-    mlcc_stream::unit_chain<16, true, mlcc_stream::UnitTC>((const unsigned char*)W, (const half*)x0, (half*)Y,
-                                                            (unsigned*)bar, layers, (unsigned char*)smem);
-  if (diag == 1)
-    mlcc_stream::unit_chain<16, true, mlcc_stream::UnitTC, 1>((const unsigned char*)W, (const half*)x0, (half*)Y,
-                                                               (unsigned*)bar, layers, (unsigned char*)smem);
-  if (diag == 4)
-    mlcc_stream::unit_chain<16, true, mlcc_stream::UnitTC, 4>((const unsigned char*)W, (const half*)x0, (half*)Y,
-                                                               (unsigned*)bar, layers, (unsigned char*)smem);
+  using mlcc_stream::units;
+  using mlcc_stream::UnitTC;
+  switch (diag) {
+    case 0: return units<16, true, UnitTC, 0>(x0, W, Y, bar, layers, smem);
+    case 1: return units<16, true, UnitTC, 1>(x0, W, Y, bar, layers, smem);
+    case 4: return units<16, true, UnitTC, 4>(x0, W, Y, bar, layers, smem);
+  }
 }
 """
 
