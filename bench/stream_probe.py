@@ -806,12 +806,13 @@ def _chain_kernel(helper: str, warps: int, smem_bytes: int, p0: int, p1: int):
 
 
 DIRECT = {"chain_direct_u4": 4, "chain_direct_u8": 8}
-UNITS = {"chain_units": 16, "chain_units_w32": 32}  # warps a block (16: two units in flight a warp; 32: one)
-# chain_units' diagnostics (session 13): without the grid barriers, without the math, without both (wrong results)
-UNIT_DIAGS = {"chain_units_no_barrier": 1, "chain_units_no_math": 2, "chain_units_neither": 3}
-# without the per-warp fence (correct, checked), CUDA-core and tensor-core units; the tensor-core one without barrier
-UNIT_FENCE = {"chain_units_block_fence": 4, "chain_units_two_ahead": 12}
-TC_DIAGS = {"chain_units_tc_block_fence": 4, "chain_units_tc_no_barrier": 1}
+# unit chains: name -> (unit kind, warps a block, DIAG of unit_chain). 16 warps: two units in flight a warp; 32: one.
+# DIAG & 3 (session 13 diagnostics: no grid barrier, no math, both) computes wrong results and is timed only
+UNIT_CHAINS = {"chain_units": ("cuda", 16, 0), "chain_units_w32": ("cuda", 32, 0), "chain_units_tc": ("tc", 16, 0),
+               "chain_units_no_barrier": ("cuda", 16, 1), "chain_units_no_math": ("cuda", 16, 2),
+               "chain_units_neither": ("cuda", 16, 3), "chain_units_block_fence": ("cuda", 16, 4),
+               "chain_units_two_ahead": ("cuda", 16, 12), "chain_units_tc_block_fence": ("tc", 16, 4),
+               "chain_units_tc_no_barrier": ("tc", 16, 1)}
 
 
 def cmd_build(a) -> None:
@@ -823,14 +824,13 @@ def cmd_build(a) -> None:
     x_and_red = 14336 * 2 + 2 * CONSUMERS * ROWS * 4
     for name, unroll in DIRECT.items():
         funcs[name] = _chain_kernel("mlcc_stream_direct_chain", CONSUMERS, x_and_red, unroll, 0)
-    for name, warps in UNITS.items():  # (x, then 32 group slots of 8 sums and a count)
-        funcs[name] = _chain_kernel("mlcc_stream_unit_chain", warps, 14336 * 2 + 32 * ROWS * 4 + 32 * 4, warps, 0)
-    for name, diag in {**UNIT_DIAGS, **UNIT_FENCE}.items():
-        funcs[name] = _chain_kernel("mlcc_stream_unit_chain", 16, 14336 * 2 + 32 * ROWS * 4 + 32 * 4, 16, diag)
-    # (x as B words and 16 zero words, then 32 group slots of 16 sums and a count)
-    for name, diag in {"chain_units_tc": 0, **TC_DIAGS}.items():
-        funcs[name] = _chain_kernel("mlcc_stream_unit_chain_tc", CONSUMERS, 14336 * 2 + 64 + 32 * 16 * 4 + 32 * 4,
-                                    diag, 0)
+    for name, (kind, warps, diag) in UNIT_CHAINS.items():
+        if kind == "cuda":  # (x, then 32 group slots of 8 sums and a count)
+            funcs[name] = _chain_kernel("mlcc_stream_unit_chain", warps, 14336 * 2 + 32 * ROWS * 4 + 32 * 4, warps,
+                                        diag)
+        else:  # (x as B words and 16 zero words, then 32 group slots of 16 sums and a count)
+            funcs[name] = _chain_kernel("mlcc_stream_unit_chain_tc", warps, 14336 * 2 + 64 + 32 * 16 * 4 + 32 * 4,
+                                        diag, 0)
     funcs = {name: f.with_attr("global_symbol", name) for name, f in funcs.items()}
     compile_probe(funcs, STREAM_SOURCE, Path(a.out), "stream")
 
@@ -933,10 +933,9 @@ def cmd_run(a) -> None:
     names = sorted(stream_variants(), key=lambda v: (stream_variants()[v][0] not in (1, 3, 4, 5, 6), v))
     variants = [("kernels", kernels)] + [(v, streamer(v)) for v in names] + [("kernels", kernels)]
     variants += [(v, streamer(v)) for v in DIRECT] + [("kernels", kernels)]
-    variants += [(v, lambda v=v: m[v](xin, w_units, Y, bar)) for v in UNITS] + [("kernels", kernels)]
-    variants += [("chain_units_tc", lambda: m["chain_units_tc"](xin, w_units_tc, Y, bar)), ("kernels", kernels)]
-    variants += [(v, lambda v=v: m[v](xin, w_units, Y, bar)) for v in {**UNIT_DIAGS, **UNIT_FENCE}]
-    variants += [(v, lambda v=v: m[v](xin, w_units_tc, Y, bar)) for v in TC_DIAGS] + [("kernels", kernels)]
+    w_of_kind = {"cuda": w_units, "tc": w_units_tc}
+    variants += [(v, lambda v=v, w=w_of_kind[kind]: m[v](xin, w, Y, bar)) for v, (kind, _, _) in UNIT_CHAINS.items()]
+    variants += [("kernels", kernels)]
     only = os.environ.get("MLCC_PROBE_ONLY")  # comma-separated variant names (a short device call)
     if only:
         variants = [(n, f) for n, f in variants if n in only.split(",")]
@@ -953,8 +952,7 @@ def cmd_run(a) -> None:
             continue
         errs = errors(name)
         # (the diagnostic modes compute on stale inputs or not at all)
-        checked = (name in ("kernels", "chain_units_tc", "chain_units_tc_block_fence") or name in DIRECT
-                   or name in UNITS or name in UNIT_FENCE
+        checked = (name == "kernels" or name in DIRECT or name in UNIT_CHAINS and not UNIT_CHAINS[name][2] & 3
                    or stream_variants().get(name, (None,))[0] == 0)
         ok = all(e < 2e-2 for e in errs.values()) or not checked  # (False for NaN)
         t = min(time_graph(lambda *_: f(), None, [[]], None, dev, calls=40) for _ in range(3)) if ok else float("nan")
