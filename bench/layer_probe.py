@@ -46,28 +46,34 @@ VARIANTS = {"persistent_l1": (BLOCKS, WARPS), "persistent_smem": (BLOCKS, WARPS)
             "persistent_async": (SMS, 2 * WARPS)}
 
 # a warp task: 4 rows x 4 loads of 16 B per lane for K = 4096, 1 row x 14 for K = 14336
-PROBE_SOURCE = r"""
+# one thread a block, between two barriers of its block (the probes' grid barriers; stream_probe uses it too)
+GRID_ARRIVE_SOURCE = r"""
+// arrive at the grid-wide barrier (count in bar[0], generation in bar[1]) and wait until all nblocks blocks have;
+// trap after spin_limit polls (the blocks were not all resident) instead of hanging the device
+__device__ __forceinline__ void mlcc_grid_arrive_wait(unsigned* bar, unsigned nblocks, long long spin_limit) {
+  volatile unsigned* gen = bar + 1;
+  const unsigned g = *gen;
+  __threadfence();
+  if (atomicAdd(bar, 1u) == nblocks - 1) {
+    bar[0] = 0;
+    __threadfence();
+    atomicAdd(bar + 1, 1u);
+  } else {
+    long long spins = 0;
+    while (*gen == g)
+      if (++spins == spin_limit) __trap();
+  }
+  __threadfence();
+}
+"""
+
+PROBE_SOURCE = GRID_ARRIVE_SOURCE + r"""
 namespace mlcc_probe {
 constexpr int kWarps = 8;
 
 __device__ __forceinline__ void grid_barrier(unsigned* bar, unsigned nblocks) {
   __syncthreads();
-  if (threadIdx.x == 0 && threadIdx.y == 0) {
-    volatile unsigned* gen = bar + 1;
-    const unsigned g = *gen;
-    __threadfence();
-    if (atomicAdd(bar, 1u) == nblocks - 1) {
-      bar[0] = 0;
-      __threadfence();
-      atomicAdd(bar + 1, 1u);
-    } else {
-      long long spins = 0;
-      while (*gen == g) {
-        if (++spins == (1ll << 22)) __trap();  // blocks not all resident: fail instead of hanging the device
-      }
-    }
-    __threadfence();
-  }
+  if (threadIdx.x == 0 && threadIdx.y == 0) mlcc_grid_arrive_wait(bar, nblocks, 1ll << 22);
   __syncthreads();
 }
 

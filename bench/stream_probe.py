@@ -44,7 +44,7 @@ from pathlib import Path
 import numpy as np
 
 from cli import build_and_run
-from layer_probe import CHAIN, PROJ, compile_probe, quantized
+from layer_probe import CHAIN, GRID_ARRIVE_SOURCE, PROJ, compile_probe, quantized
 
 LAYERS = 4
 SMS = 132
@@ -72,7 +72,7 @@ def stream_variants() -> dict[str, tuple[int, int]]:
     out["stream_direct_ldg16_contiguous"] = (6, 0)
     return out
 
-STREAM_SOURCE = r"""
+STREAM_SOURCE = GRID_ARRIVE_SOURCE + r"""
 namespace mlcc_stream {
 constexpr int kBlocks = 132, kConsumers = 16, kThreads = kConsumers * 32;
 constexpr int kRows = 8, kTileK = 2048;
@@ -139,21 +139,7 @@ __device__ __forceinline__ void consumers_sync() { asm volatile("bar.sync 1, %0;
 template <int THREADS = kThreads>
 __device__ __forceinline__ void grid_barrier(unsigned* bar) {
   consumers_sync<THREADS>();
-  if (threadIdx.y == 0 && threadIdx.x == 0) {
-    volatile unsigned* gen = bar + 1;
-    const unsigned g = *gen;
-    __threadfence();
-    if (atomicAdd(bar, 1u) == kBlocks - 1) {
-      bar[0] = 0;
-      __threadfence();
-      atomicAdd(bar + 1, 1u);
-    } else {
-      long long spins = 0;
-      while (*gen == g)
-        if (++spins == (1ll << 24)) __trap();  // blocks not all resident
-    }
-    __threadfence();
-  }
+  if (threadIdx.y == 0 && threadIdx.x == 0) mlcc_grid_arrive_wait(bar, kBlocks, 1ll << 24);
   consumers_sync<THREADS>();
 }
 
