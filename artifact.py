@@ -16,9 +16,12 @@ import json
 from pathlib import Path
 from typing import Any
 
+from mlcc.errors import ArtifactError
+from mlcc.options import CompileOptions
+
 CONFIG_FILE = "mlcc-config.json"
 TENSOR_CACHE_FILE = "tensor-cache.json"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 
 # CUDA libraries hold `decode_graph` (compiler/graph_decode.py), batch-1 decode as one CUDA graph per step. It calls
 # the paged attention through GRAPH_ATTENTION, which the runtime registers, and its graphs are keyed by the layout of
@@ -33,10 +36,6 @@ def graph_decode_layout(seq_len_after_step: int, page_size: int) -> int:
     """The key of the decode graph valid for a step that ends with `seq_len_after_step` tokens in the cache."""
     pages = -(-seq_len_after_step // page_size)
     return -(-pages // _PAGES_PER_LAYOUT)
-
-
-class ArtifactError(RuntimeError):
-    """An artifacts folder is incomplete, corrupted, or does not match this runtime."""
 
 
 def mlcc_version() -> str:
@@ -55,7 +54,8 @@ def param_hash(params: list[dict[str, Any]]) -> str:
     return hashlib.sha256(canon.encode()).hexdigest()[:16]
 
 
-def make_stamp(arch: str, quantization: str, target: str, params: list[dict[str, Any]]) -> dict[str, Any]:
+def make_stamp(arch: str, quantization: str, target: str, params: list[dict[str, Any]],
+               options: CompileOptions) -> dict[str, Any]:
     return {
         "format": FORMAT_VERSION,
         "mlcc": mlcc_version(),
@@ -64,6 +64,7 @@ def make_stamp(arch: str, quantization: str, target: str, params: list[dict[str,
         "quantization": quantization,
         "target": target,
         "param_hash": param_hash(params),
+        "options": options.to_dict(),
     }
 
 
@@ -122,7 +123,7 @@ def check_stamp(lib_stamp: dict[str, Any], config: dict[str, Any], model_dir: Pa
     want = config.get("stamp", {})
     hint = f"recompile with `mlcc compile SOURCE --target {want.get('target', '?')} " \
            f"--quant {want.get('quantization', '?')} --output {model_dir}`"
-    for key in ("arch", "quantization", "param_hash", "format"):
+    for key in ("format", "arch", "quantization", "param_hash", "options"):
         if lib_stamp.get(key) != want.get(key):
             raise ArtifactError(f"{model_dir}: library was built for {key}={lib_stamp.get(key)!r} but the weights/config "
                                 f"say {want.get(key)!r}; {hint}")
@@ -132,3 +133,22 @@ def check_stamp(lib_stamp: dict[str, Any], config: dict[str, Any], model_dir: Pa
     if lib_stamp.get("mlcc") != mlcc_version():
         raise ArtifactError(f"{model_dir}: library was built by mlcc {lib_stamp.get('mlcc')} but this is mlcc "
                             f"{mlcc_version()}; {hint}")
+
+
+def built_options(config: dict[str, Any]) -> CompileOptions:
+    """The compile options an artifacts folder was built with."""
+    return CompileOptions.from_dict(config.get("stamp", {}).get("options"))
+
+
+def check_options(config: dict[str, Any], wanted: CompileOptions | None, model_dir: Path) -> None:
+    """Refuse an artifacts folder built with other compile options than the caller asks for (None: any)."""
+    if wanted is None:
+        return
+    have = built_options(config)
+    diff = have.differences(wanted)
+    if diff:
+        said = ", ".join(f"{k}={b!r} (built with {a!r})" for k, (a, b) in diff.items())
+        stamp = config.get("stamp", {})
+        raise ArtifactError(f"{model_dir}: asked for compile options {said}; recompile with `mlcc compile SOURCE "
+                            f"--target {stamp.get('target', '?')} --quant {stamp.get('quantization', '?')} "
+                            f"{wanted.as_cli()} --output {model_dir}` or drop the options")

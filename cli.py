@@ -12,30 +12,9 @@ log = logging.getLogger("mlcc")
 
 def _user_errors() -> tuple[type[BaseException], ...]:
     """Exceptions that mean bad input: printed as one line, never as a traceback."""
-    from mlcc.artifact import ArtifactError
-    from mlcc.relax_models import UnknownArchitectureError
-    from mlcc.targets import UnsupportedTargetError
+    from mlcc.errors import MlccError
 
-    from mlcc.targets.toolchains import ToolchainError
-
-    from mlcc.relax_models.llama import TensorParallelError
-
-    errs: list[type[BaseException]] = [ArtifactError, UnknownArchitectureError, UnsupportedTargetError,
-                                       ToolchainError, FileNotFoundError, TensorParallelError]
-    try:
-        from mlcc.compiler.quantize import UnknownQuantizationError
-        from mlcc.compiler.weights import ModelSourceError
-
-        errs += [UnknownQuantizationError, ModelSourceError]
-    except ImportError:
-        pass
-    from mlcc.runtime.errors import RequestError
-    from mlcc.web.npm_deps import NpmError
-    from mlcc.web.site import SiteError
-    from mlcc.web.wasm_runtime import WasmToolchainError
-
-    errs += [RequestError, NpmError, SiteError, WasmToolchainError]
-    return tuple(errs)
+    return (MlccError, FileNotFoundError)
 
 
 def cmd_compile(args: argparse.Namespace) -> int:

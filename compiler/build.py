@@ -16,6 +16,7 @@ from typing import Any, Iterator
 import numpy as np
 
 from mlcc import artifact
+from mlcc.options import CompileOptions
 from mlcc.relax_models import Family, family_for
 from mlcc.targets import TargetPreset, get_target
 
@@ -48,10 +49,13 @@ class BuiltModule:
     quant: Quantization
     preset: TargetPreset
     target: Any
+    options: CompileOptions
 
 
 def export_module(source: ModelSource, preset: TargetPreset, quant: Quantization,
-                  context_window: int | None = None, tensor_parallel: int = 1) -> BuiltModule:
+                  context_window: int | None = None, tensor_parallel: int = 1,
+                  options: CompileOptions | None = None) -> BuiltModule:
+    options = options or CompileOptions()
     family = family_for(source.model_type, source.kind)
     cfg = family.config_cls.from_hf(source.config)
     if context_window:
@@ -66,7 +70,7 @@ def export_module(source: ModelSource, preset: TargetPreset, quant: Quantization
     _check_quantizable(model, quant)
     mod, named_params = model.export_tvm(spec=model.get_default_spec())
     params = [{"name": n, "shape": [int(d) for d in p.shape], "dtype": p.dtype} for n, p in named_params]
-    stamp = artifact.make_stamp(family.name, quant.name, preset.name, params)
+    stamp = artifact.make_stamp(family.name, quant.name, preset.name, params, options)
     mod = _attach_metadata(mod, stamp)
     # GPUs get a hand-scheduled argmax: dlight's generic reduction of relax's argmax took 93 us per token over a
     # 128k vocabulary on the H200 (profile_llama3-8b-q4f16_1_h200.json). WGSL needs the int32 index and keeps the
@@ -77,7 +81,7 @@ def export_module(source: ModelSource, preset: TargetPreset, quant: Quantization
     if target.kind.name != "webgpu":
         # TVM's GPU sort (top-p) needs blockIdx.z, which WGSL lacks; the JS engine samples from logits instead
         mod = attach_sampler(mod, cfg.vocab_size)
-    return BuiltModule(mod, params, stamp, family, cfg, quant, preset, target)
+    return BuiltModule(mod, params, stamp, family, cfg, quant, preset, target, options)
 
 
 def _check_quantizable(model, quant: Quantization) -> None:
@@ -206,7 +210,7 @@ def _attach_argmax(mod, vocab: int, int32_index: bool = False, threads: int = 25
 def builds_graph_decode(built: BuiltModule) -> bool:
     """CUDA, one GPU: batch-1 decode gets a whole-step CUDA graph (compiler/graph_decode.py). Disco workers (tensor
     parallel) keep plain decode: the graph's attention alias is registered by runtime.model, not in their processes."""
-    return built.target.kind.name == "cuda" and built.cfg.tensor_parallel_shards == 1
+    return built.options.decode_graph and built.target.kind.name == "cuda" and built.cfg.tensor_parallel_shards == 1
 
 
 def compile_library(built: BuiltModule, out_path: Path, tuning_db: str | Path | None = None):
@@ -228,8 +232,8 @@ def compile_library(built: BuiltModule, out_path: Path, tuning_db: str | Path | 
 
         mod = add_graph_decode(mod)
     with toolchain_for(built.target.kind.name), tvm.transform.PassContext(config=config):
-        ex = tvm.compile(mod, built.target, relax_pipeline=build_pipeline(built.target, tuning_db),
-                         tir_pipeline=tir_pipeline_for(built.target))
+        ex = tvm.compile(mod, built.target, relax_pipeline=build_pipeline(built.target, tuning_db, built.options),
+                         tir_pipeline=tir_pipeline_for(built.target, built.options))
         if built.target.kind.name == "webgpu":
             from mlcc.web.wasm_link import export_wasm
 
@@ -301,13 +305,14 @@ def _config_json(built: BuiltModule, lib_name: str, tok: dict[str, Any], source:
 
 
 def compile_shape_only(model_type: str, hf_config: dict[str, Any], target: str, quant: str,
-                       output: str | Path, tensor_parallel: int = 1) -> float:
+                       output: str | Path, tensor_parallel: int = 1, options: CompileOptions | None = None) -> float:
     """Library + config for a config with no checkpoint (benchmarks fill the weights with random values)."""
     out = Path(output)
     out.mkdir(parents=True, exist_ok=True)
     source = ModelSource("config", out, model_type, hf_config, {})
     t0 = time.time()
-    built = export_module(source, get_target(target), get_quantization(quant), tensor_parallel=tensor_parallel)
+    built = export_module(source, get_target(target), get_quantization(quant), tensor_parallel=tensor_parallel,
+                          options=options)
     lib_name = "model" + built.preset.lib_ext
     compile_library(built, out / lib_name)
     seconds = time.time() - t0
@@ -319,7 +324,8 @@ def compile_shape_only(model_type: str, hf_config: dict[str, Any], target: str, 
 
 def compile_model(model: str | Path, target: str, quant: str, output: str | Path,
                   context_window: int | None = None, tuning_db: str | Path | None = None,
-                  tensor_parallel: int = 1) -> CompileReport:
+                  tensor_parallel: int = 1, options: CompileOptions | None = None) -> CompileReport:
+    """Compile `model` (HF folder or .gguf) for `target` with `quant` into the artifacts folder `output`."""
     if target == "auto":
         from mlcc.targets import detect_local
 
@@ -332,7 +338,7 @@ def compile_model(model: str | Path, target: str, quant: str, output: str | Path
     out = Path(output)
     source = load_source(model)
     t0 = time.time()
-    built = export_module(source, preset, q, context_window, tensor_parallel)
+    built = export_module(source, preset, q, context_window, tensor_parallel, options)
     t1 = time.time()
     tmp = out.with_name(out.name + ".partial")
     shutil.rmtree(tmp, ignore_errors=True)

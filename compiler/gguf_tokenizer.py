@@ -12,12 +12,9 @@ from typing import Any
 
 from .weights import ModelSourceError
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
+from mlcc.errors import UnsupportedTokenizerError
 
 _CONTROL, _USER_DEFINED = 3, 4
-
-
-class UnsupportedTokenizerError(ModelSourceError):
-    pass
 
 
 def write_gguf_tokenizer(gguf_path: Path, out: Path) -> None:

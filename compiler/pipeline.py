@@ -5,6 +5,7 @@ from __future__ import annotations
 import tvm
 from tvm import relax
 
+from mlcc.options import CompileOptions
 from mlcc.schedules import default_schedule_passes, handwritten_kernel_passes
 
 from .graph_decode import rewrite_cuda_graph_pass
@@ -26,16 +27,17 @@ def fusion_passes(target: tvm.target.Target) -> list[tvm.transform.Pass]:
                relax.transform.DeadCodeElimination()])
 
 
-def kernel_passes(target: tvm.target.Target) -> list[tvm.transform.Pass]:
+def kernel_passes(target: tvm.target.Target, options: CompileOptions) -> list[tvm.transform.Pass]:
     """The fused kernels with mlcc's hand-written ones already in place: what the default rules and tuning records
     schedule, and what tuning extracts its tasks from."""
-    return fusion_passes(target) + handwritten_kernel_passes(target)
+    return fusion_passes(target) + handwritten_kernel_passes(target, options)
 
 
-def relax_passes(target: tvm.target.Target, tuning_db: str | None = None) -> list[tvm.transform.Pass]:
+def relax_passes(target: tvm.target.Target, tuning_db: str | None, options: CompileOptions
+                 ) -> list[tvm.transform.Pass]:
     """Every Relax pass of a build, in order (run under `target`)."""
     return (
-        kernel_passes(target)
+        kernel_passes(target, options)
         # tuned records first (only faster-than-default ones are ever stored); the rules skip what they scheduled
         + ([relax.transform.MetaScheduleApplyDatabase(str(tuning_db))] if tuning_db else [])
         + default_schedule_passes(target)
@@ -55,10 +57,10 @@ def relax_passes(target: tvm.target.Target, tuning_db: str | None = None) -> lis
     )
 
 
-def build_pipeline(target: tvm.target.Target, tuning_db: str | None = None) -> tvm.transform.Pass:
+def build_pipeline(target: tvm.target.Target, tuning_db: str | None, options: CompileOptions) -> tvm.transform.Pass:
     @tvm.transform.module_pass(opt_level=0, name="mlcc_pipeline")
     def _pipeline(mod: tvm.ir.IRModule, _ctx: tvm.transform.PassContext) -> tvm.ir.IRModule:
         with target:
-            return tvm.transform.Sequential(relax_passes(target, tuning_db))(mod)
+            return tvm.transform.Sequential(relax_passes(target, tuning_db, options))(mod)
 
     return _pipeline

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 
 import numpy as np
+from mlcc.errors import UnknownQuantizationError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,10 +38,6 @@ QUANTIZATIONS: dict[str, Quantization] = {
     "q4f16_1": Quantization("q4f16_1", "float16", "group"),
     "q4f32_1": Quantization("q4f32_1", "float32", "group"),
 }
-
-
-class UnknownQuantizationError(ValueError):
-    pass
 
 
 def get_quantization(name: str) -> Quantization:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from mlcc.cache import cache_root
+from mlcc.errors import ToolchainError, UnsupportedTargetError
 from mlcc.schedules.tuning import TaskReport, tune
 from mlcc.targets import get_target
 
@@ -13,9 +15,7 @@ from .weights import load_source
 
 
 def default_tuning_db() -> Path:
-    import os
-
-    return Path(os.environ.get("MLCC_CACHE_DIR", Path.home() / ".cache" / "mlcc")) / "tuning-db"
+    return cache_root() / "tuning-db"
 
 
 def tune_model(model: str | Path, target: str, quant: str, trials: int, db: str | Path | None = None,
@@ -25,7 +25,6 @@ def tune_model(model: str | Path, target: str, quant: str, trials: int, db: str 
     import tvm
 
     from mlcc.schedules import default_schedule_for
-    from mlcc.targets.toolchains import ToolchainError
 
     from .pipeline import kernel_passes
 
@@ -35,9 +34,9 @@ def tune_model(model: str | Path, target: str, quant: str, trials: int, db: str 
                              "(or install mlcc with the [tune] extra)")
     built = export_module(load_source(model), preset, q)
     if not preset.can_run_here():
-        raise ValueError(f"tuning measures kernels on the device: target '{preset.name}' cannot run on this machine")
+        raise UnsupportedTargetError(f"tuning measures kernels on the device: target '{preset.name}' cannot run on this machine")
     with built.target:
-        mod = tvm.transform.Sequential(kernel_passes(built.target))(built.mod)
+        mod = tvm.transform.Sequential(kernel_passes(built.target, built.options))(built.mod)
     return tune(mod, built.target, default_schedule_for(built.target), trials, db or default_tuning_db(), max_tasks)
 
 

@@ -13,12 +13,9 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 import numpy as np
+from mlcc.errors import ModelSourceError
 
 log = logging.getLogger(__name__)
-
-
-class ModelSourceError(ValueError):
-    pass
 
 
 @dataclasses.dataclass

@@ -7,6 +7,7 @@ from types import ModuleType
 from typing import Any, Callable
 
 from . import gemma, llama, qwen2
+from mlcc.errors import UnknownArchitectureError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,10 +50,6 @@ ARCHITECTURES: dict[str, Family] = {
 
 # GGUF general.architecture → family
 GGUF_ARCHITECTURES: dict[str, Family] = {"llama": _LLAMA, "qwen2": _QWEN2}
-
-
-class UnknownArchitectureError(ValueError):
-    pass
 
 
 def family_for(model_type: str, source: str = "hf") -> Family:

@@ -20,6 +20,7 @@ from tvm.relax.frontend.nn.llm.kv_cache import PagedKVCache, RopeMode, TIRPagedK
 from tvm.target import Target
 
 from .config_utils import rope_theta_and_scaling
+from mlcc.errors import TensorParallelError
 
 
 @dataclasses.dataclass
@@ -258,10 +259,6 @@ def hf_weight_plan(cfg: LlamaConfig) -> dict[str, tuple[list[str], Any]]:
 
 
 # -- tensor parallelism -------------------------------------------------------------------------------------------
-
-class TensorParallelError(ValueError):
-    pass
-
 
 def check_tensor_parallel(cfg: LlamaConfig, shards: int, group_size: int | None) -> None:
     """Every shard gets whole heads and whole quantization groups, or we refuse with the reason."""

@@ -23,7 +23,7 @@ from openai.types.chat.chat_completion_chunk import ChoiceDelta
 
 from mlcc import artifact
 
-from .errors import ContextWindowExceededError, RequestError
+from mlcc.errors import ContextWindowExceededError, RequestError
 from .sampler import Sampler, SamplingParams
 from .scheduler import Event, Request, Scheduler
 

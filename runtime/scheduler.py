@@ -18,7 +18,7 @@ from typing import Callable
 import numpy as np
 
 from .decode_pipeline import decode_pipelined
-from .errors import ContextWindowExceededError
+from mlcc.errors import ContextWindowExceededError
 from .sampler import Sampler, SamplingParams
 from .token_fetch import TokenFetcher
 from .tokenizer import StreamDecoder

@@ -17,7 +17,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from pydantic import BaseModel, ConfigDict, Field
 
 from .engine import AsyncEngine, Engine
-from .errors import RequestError
+from mlcc.errors import RequestError
 
 log = logging.getLogger(__name__)
 

@@ -12,7 +12,7 @@ import jinja2.sandbox
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers.decoders import DecodeStream
 
-from .errors import RequestError
+from mlcc.errors import RequestError
 
 ROLES = {"system", "user", "assistant", "developer", "tool"}
 

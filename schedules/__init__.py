@@ -5,7 +5,7 @@ from __future__ import annotations
 import tvm
 
 
-def handwritten_kernel_passes(target: tvm.target.Target) -> list[tvm.transform.Pass]:
+def handwritten_kernel_passes(target: tvm.target.Target, options) -> list[tvm.transform.Pass]:
     """Kernels we write ourselves where the generic rules fall short; they run before tuning records and dlight."""
     if target.kind.name == "cuda":
         from .cuda_decode_attention import split_decode_attention_pass

@@ -16,8 +16,6 @@ kernel's launch tags contain `tirx.use_programtic_dependent_launch` (sic), which
 
 from __future__ import annotations
 
-import os
-
 import tvm
 
 WAIT = "mlcc_pdl_wait"
@@ -32,9 +30,7 @@ __device__ __forceinline__ void mlcc_pdl_launch_dependents() { asm volatile("gri
 
 
 def supported(target: tvm.target.Target) -> bool:
-    """griddepcontrol exists from sm_90 on. MLCC_CUDA_PDL=0 turns PDL off (to measure what it brings)."""
-    if os.environ.get("MLCC_CUDA_PDL", "1") == "0":
-        return False
+    """griddepcontrol exists from sm_90 on."""
     return sm_version(target) >= 90
 
 
@@ -78,9 +74,10 @@ def _pdl_pipeline(**kwargs):
     return pipeline, finalize_host, lambda: tvm.transform.Sequential([pdl_kernels_pass, finalize_device()])
 
 
-def tir_pipeline_for(target: tvm.target.Target) -> str:
-    """The TIR pipeline name to hand tvm.compile: PDL kernels where the GPU has them, TVM's default elsewhere."""
-    if not supported(target):
+def tir_pipeline_for(target: tvm.target.Target, options) -> str:
+    """The TIR pipeline name to hand tvm.compile: PDL kernels where asked for and the GPU has them, TVM's default
+    elsewhere."""
+    if not (options.pdl and supported(target)):
         return "default"
     from tvm.tirx.compilation_pipeline import PIPELINE_MAP
 

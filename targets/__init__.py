@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import os
 from typing import Any
+from mlcc.errors import UnsupportedTargetError
 
 _LLVM_HOST = {"kind": "llvm"}
 
@@ -99,10 +100,6 @@ UNAVAILABLE = {
 }
 
 ALIASES = {"cpu": "llvm", "cuda-sm90": "cuda", "h100": "cuda", "h200": "cuda", "rocm": "rocm-gfx942"}
-
-
-class UnsupportedTargetError(ValueError):
-    pass
 
 
 def get_target(name: str) -> TargetPreset:

@@ -8,10 +8,7 @@ import shutil
 import tempfile
 from pathlib import Path
 from typing import Iterator
-
-
-class ToolchainError(RuntimeError):
-    pass
+from mlcc.errors import ToolchainError
 
 
 @contextlib.contextmanager

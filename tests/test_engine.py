@@ -10,9 +10,9 @@ import pytest
 from openai.types import Completion
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
-from mlcc.artifact import ArtifactError
+from mlcc.errors import ArtifactError
 from mlcc.runtime.engine import AsyncEngine, Engine
-from mlcc.runtime.errors import ContextWindowExceededError, RequestError
+from mlcc.errors import ContextWindowExceededError, RequestError
 from mlcc.runtime.sampler import SamplingParams
 from mlcc.runtime.scheduler import Request
 

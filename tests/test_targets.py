@@ -7,7 +7,8 @@ import tarfile
 import pytest
 
 from mlcc.targets import TARGETS, get_target
-from mlcc.targets.toolchains import ToolchainError, rocm_toolchain
+from mlcc.errors import ToolchainError
+from mlcc.targets.toolchains import rocm_toolchain
 
 ROCM_READY = True
 try:
@@ -65,10 +66,10 @@ def test_every_preset_says_where_it_runs():
 @pytest.mark.parametrize("name", ["vulkan", "webgpu"])
 def test_wasm_targets_without_emscripten_fail_fast(name, hf_models, tmp_path, monkeypatch):
     from mlcc.compiler.build import compile_model
-    from mlcc.web.wasm_runtime import WasmToolchainError
+    from mlcc.errors import ToolchainError
 
     monkeypatch.setattr("mlcc.web.wasm_runtime.shutil.which", lambda _name: None)
-    with pytest.raises(WasmToolchainError, match="apt-get install emscripten"):
+    with pytest.raises(ToolchainError, match="apt-get install emscripten"):
         compile_model(hf_models("llama"), name, "q4f32_1", tmp_path / "out")
     assert not (tmp_path / "out").exists()
 

@@ -8,7 +8,8 @@ import json
 import numpy as np
 import pytest
 
-from mlcc.relax_models.llama import LlamaConfig, TensorParallelError, check_tensor_parallel, shard_weight
+from mlcc.errors import TensorParallelError
+from mlcc.relax_models.llama import LlamaConfig, check_tensor_parallel, shard_weight
 
 
 def _silu(x: np.ndarray) -> np.ndarray:
@@ -88,7 +89,7 @@ def test_compile_writes_one_weight_folder_per_rank(compiled_tp2):
 
 
 def test_runtime_refuses_mismatched_tensor_parallel(compiled_tp2, compiled):
-    from mlcc.artifact import ArtifactError
+    from mlcc.errors import ArtifactError
     from mlcc.runtime.engine import Engine
 
     with pytest.raises(ArtifactError, match="compiled for --tensor-parallel 1, not 2"):

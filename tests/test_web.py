@@ -150,7 +150,7 @@ def test_site_picks_f16_where_supported_and_f32_in_chromium(vulkan_site, lavapip
 
 
 def test_python_engine_points_wasm_builds_to_the_web_runtime(tiny_site):
-    from mlcc.artifact import ArtifactError
+    from mlcc.errors import ArtifactError
     from mlcc.runtime.engine import Engine
 
     site, _ = tiny_site

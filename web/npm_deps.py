@@ -8,6 +8,7 @@ import logging
 import shutil
 import subprocess
 from pathlib import Path
+from mlcc.errors import NpmError
 
 log = logging.getLogger(__name__)
 
@@ -23,13 +24,9 @@ VENDOR = {
 }
 
 
-class NpmError(RuntimeError):
-    pass
-
-
 def node_modules() -> Path:
     """Folder holding node_modules for the pinned dependencies (npm ci on first use)."""
-    from mlcc.runtime.jit import cache_lock, cache_root
+    from mlcc.cache import cache_lock, cache_root
 
     lock = (JS_DIR / "package-lock.json").read_bytes() + (JS_DIR / "package.json").read_bytes()
     home = cache_root() / "web-npm" / hashlib.sha256(lock).hexdigest()[:16]

@@ -11,16 +11,13 @@ from pathlib import Path
 from mlcc import artifact
 
 from .npm_deps import JS_DIR, VENDOR, node_modules
+from mlcc.errors import SiteError
 
 log = logging.getLogger(__name__)
 
 PAGE_FILES = ("engine.js", "app.js", "index.html", "node_chat.mjs")
 MODEL_FILES = ("mlcc-config.json", "tensor-cache.json", "tokenizer.json", "tokenizer_config.json",
                "generation_config.json")
-
-
-class SiteError(ValueError):
-    pass
 
 
 def _model_entry(model_dir: Path, site_models: Path) -> dict:

@@ -1,7 +1,7 @@
 """Build TVM's wasm runtime (VM, paged KV cache, WebGPU device API) from the apache-tvm wheel's own sources.
 
 The wheel ships `tvm/web/emcc/*.cc`, `src/runtime` and `include`; apache-tvm-ffi ships `src/ffi`. A few support
-headers are missing from the wheel; `runtime/tvm_support/` holds our own versions. Sources are staged into a build
+headers are missing from the wheel; `native/tvm_support/` holds our own versions. Sources are staged into a build
 folder (so their relative includes resolve), compiled once to wasm objects with emscripten, and cached per
 TVM/emscripten version. Model wasm files link against these objects.
 """
@@ -15,6 +15,7 @@ import shutil
 import subprocess
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from mlcc.errors import ToolchainError
 
 log = logging.getLogger(__name__)
 
@@ -22,11 +23,7 @@ RUNTIME_SOURCES = ("wasm_runtime", "tvmjs_support", "webgpu_runtime")
 # Compiled wasm objects under TVM's .bc names (emcc reads either by content): as LLVM bitcode, every model link ran
 # link-time codegen over the whole runtime again (~110 s of a tiny model's 115 s webgpu build on 2 cores)
 RUNTIME_FORMAT = "wasm-object"
-SUPPORT_DIR = Path(__file__).resolve().parents[1] / "runtime" / "tvm_support"
-
-
-class WasmToolchainError(RuntimeError):
-    pass
+from mlcc.native import TVM_SUPPORT_DIR as SUPPORT_DIR
 
 
 def emcc_env() -> dict[str, str]:
@@ -39,7 +36,7 @@ def emcc_env() -> dict[str, str]:
 def emcc_path() -> str:
     emcc = shutil.which("emcc")
     if emcc is None:
-        raise WasmToolchainError("emscripten is not installed: `apt-get install emscripten` (needs emcc on PATH)")
+        raise ToolchainError("emscripten is not installed: `apt-get install emscripten` (needs emcc on PATH)")
     return emcc
 
 
@@ -67,7 +64,7 @@ def _fingerprint() -> str:
 
 
 def runtime_dir() -> Path:
-    from mlcc.runtime.jit import cache_root
+    from mlcc.cache import cache_root
 
     return cache_root() / "wasm-runtime" / _fingerprint()
 
@@ -96,12 +93,12 @@ def _compile_one(root: Path, name: str, out: Path) -> None:
     cmd = [emcc_path(), *flags, "-c", "-o", str(out), str(root / "web" / "emcc" / f"{name}.cc")]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=emcc_env())
     if proc.returncode != 0:
-        raise WasmToolchainError(f"building the TVM wasm runtime failed in {name}.cc:\n{proc.stderr[-6000:]}")
+        raise ToolchainError(f"building the TVM wasm runtime failed in {name}.cc:\n{proc.stderr[-6000:]}")
 
 
 def build_runtime(force: bool = False) -> Path:
     """Folder with web/dist/wasm/{wasm_runtime,tvmjs_support,webgpu_runtime}.bc (shaped for TVM_HOME)."""
-    from mlcc.runtime.jit import cache_lock
+    from mlcc.cache import cache_lock
 
     home = runtime_dir()
     dist = home / "web" / "dist" / "wasm"

@@ -1,0 +1,73 @@
+"""Every error a user can fix, in one place: each names the problem and the fix, and the CLI prints it as one line.
+
+`MlccError` is the base of all of them; `RequestError` (a bad API request) is also a `ValueError`, as a caller of
+an OpenAI-shaped API expects. After any of them the engine stays usable.
+"""
+
+from __future__ import annotations
+
+
+class MlccError(Exception):
+    """Bad input or environment: the message says what is wrong and how to fix it."""
+
+
+class ArtifactError(MlccError, RuntimeError):
+    """An artifacts folder is incomplete, corrupted, or does not match this runtime or the options asked for."""
+
+
+class ModelSourceError(MlccError, ValueError):
+    """A model folder or GGUF file that cannot be read or converted."""
+
+
+class UnsupportedTokenizerError(ModelSourceError):
+    """A GGUF file whose tokenizer kind mlcc cannot rebuild."""
+
+
+class UnknownArchitectureError(MlccError, ValueError):
+    """A model architecture no family in relax_models implements."""
+
+
+class TensorParallelError(MlccError, ValueError):
+    """A model that cannot be split over the requested number of GPUs."""
+
+
+class UnknownQuantizationError(MlccError, ValueError):
+    """A quantization name that is not one of mlcc's schemes."""
+
+
+class UnsupportedTargetError(MlccError, ValueError):
+    """A target name that is not one of the presets."""
+
+
+class ToolchainError(MlccError, RuntimeError):
+    """An external build tool a target needs (lld, ROCm bitcode, emscripten, nvcc/NVRTC) is missing."""
+
+
+class CompileOptionsError(MlccError, ValueError):
+    """An unknown compile option or a value of the wrong type."""
+
+
+class NpmError(MlccError, RuntimeError):
+    """The web bundle's pinned JavaScript dependencies could not be installed."""
+
+
+class SiteError(MlccError, ValueError):
+    """`mlcc web` was given folders it cannot bundle."""
+
+
+class NcclUnavailableError(MlccError, RuntimeError):
+    """Tensor parallelism needs NCCL, which could not be found or built."""
+
+
+class RequestError(MlccError, ValueError):
+    """An invalid request (OpenAI's invalid_request_error): names the field and the fix."""
+
+    def __init__(self, message: str, param: str | None = None, code: str = "invalid_request_error"):
+        super().__init__(message)
+        self.param = param
+        self.code = code
+
+
+class ContextWindowExceededError(RequestError):
+    def __init__(self, message: str):
+        super().__init__(message, param="messages", code="context_length_exceeded")
