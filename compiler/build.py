@@ -21,7 +21,7 @@ from mlcc.relax_models import Family, family_for
 from mlcc.targets import TargetPreset, get_target
 
 from .quantize import Quantization, get_quantization, group_quantize, quantize_model
-from .sampling import attach_sampler
+from .sampling import attach_argmax, attach_sampler
 from .weights import ModelSource, iter_float_params, load_source
 
 log = logging.getLogger(__name__)
@@ -72,11 +72,10 @@ def export_module(source: ModelSource, preset: TargetPreset, quant: Quantization
     params = [{"name": n, "shape": [int(d) for d in p.shape], "dtype": p.dtype} for n, p in named_params]
     stamp = artifact.make_stamp(family.name, quant.name, preset.name, params, options)
     mod = _attach_metadata(mod, stamp)
-    # GPUs get a hand-scheduled argmax: dlight's generic reduction of relax's argmax took 93 us per token over a
-    # 128k vocabulary on the H200 (profile_llama3-8b-q4f16_1_h200.json). WGSL needs the int32 index and keeps the
-    # simple one-workgroup-per-row form; the others split each row over many blocks.
+    # GPUs get a hand-scheduled argmax (schedules/argmax.py). WGSL needs the int32 index and keeps the simple
+    # one-workgroup-per-row form; the others split each row over many blocks.
     gpu = "gpu" in target.keys
-    mod = _attach_argmax(mod, cfg.vocab_size, int32_index=gpu, threads=256,
+    mod = attach_argmax(mod, cfg.vocab_size, int32_index=gpu, threads=256,
                          chunk=2048 if gpu and target.kind.name != "webgpu" else None)
     if target.kind.name != "webgpu":
         # TVM's GPU sort (top-p) needs blockIdx.z, which WGSL lacks; the JS engine samples from logits instead
@@ -102,111 +101,6 @@ def _attach_metadata(mod, stamp: dict[str, Any]):
     return mod
 
 
-def _argmax_reducer():
-    from tvm import te, tirx
-
-    def combine(x, y):
-        # this exact form is what TVM's cross-thread reduction recognizes as argmax
-        take_x = tirx.Or(x[1] > y[1], tirx.And(x[1] == y[1], x[0] < y[0]))
-        return tirx.Select(take_x, x[0], y[0]), tirx.Select(x[1] > y[1], x[1], y[1])
-
-    def identity(t_idx, t_val):
-        return tirx.const(-1, t_idx), te.min_value(t_val)
-
-    return te.comm_reducer(combine, identity, name="argmax_i32")
-
-
-def _one_group_per_row(tensors, block_name: str, threads: int):
-    """Schedule a row reduction as one thread group per output element, the reduction spread over its lanes."""
-    from tvm import s_tir, te
-
-    sch = s_tir.Schedule(te.create_prim_func(tensors))
-    block = sch.get_sblock(block_name) if hasattr(sch, "get_sblock") else sch.get_block(block_name)
-    *rows, col = sch.get_loops(block)
-    _, lane = sch.split(col, [None, threads])
-    for loop, axis in zip(reversed(rows), ("blockIdx.x", "blockIdx.y")):
-        sch.bind(loop, axis)
-    sch.bind(lane, "threadIdx.x")
-    return sch.mod["main"].without_attr("global_symbol").with_attr("tirx.is_scheduled", True)
-
-
-def _argmax_int32_func(vocab: int, threads: int = 256):
-    """argmax over the vocabulary with an int32 index, scheduled by hand as one workgroup per row.
-    WGSL has no 64-bit integers (relax's argmax carries an int64 index), and dlight's generic reduction schedule
-    leaves a batch-sized local buffer WebGPU cannot allocate. Ties go to the lower index, like numpy."""
-    from tvm import te, tirx
-
-    batch = tirx.Var("batch_size", "int64")
-    logits = te.placeholder((batch, vocab), "float32", name="logits")
-    k = te.reduce_axis((0, vocab), name="k")
-    idx, val = te.compute((batch,), lambda i: _argmax_reducer()((k.var.astype("int32"), logits[i, k]), axis=k),
-                          name="argmax")
-    # the max value is an output too: as an internal buffer it would be a batch-sized allocation
-    return _one_group_per_row([logits, idx, val], "argmax", threads)
-
-
-def _argmax_chunked_funcs(vocab: int, chunk: int, threads: int):
-    """The same argmax in two kernels for big GPUs: (1) one block per `chunk` of a row → its best (index, value),
-    (2) one block per row over those. A single block per row left all but one SM idle (46 us per token on an
-    H200 over 128k logits)."""
-    from tvm import te, tirx
-
-    chunks = -(-vocab // chunk)
-    batch = tirx.Var("batch_size", "int64")
-    logits = te.placeholder((batch, vocab), "float32", name="logits")
-    k = te.reduce_axis((0, chunk), name="k")
-
-    def partial(i, c):
-        j = c * chunk + k
-        # past the end of the row: -inf, never chosen (a `where` clause would stop TVM lowering this to a
-        # cross-thread reduction)
-        val = tirx.Select(j < vocab, logits[i, tirx.min(j, vocab - 1)], te.min_value("float32"))
-        return _argmax_reducer()((j.astype("int32"), val), axis=k)
-
-    p_idx, p_val = te.compute((batch, chunks), partial, name="argmax_partial")
-    stage1 = _one_group_per_row([logits, p_idx, p_val], "argmax_partial", threads)
-
-    batch2 = tirx.Var("batch_size", "int64")
-    q_idx = te.placeholder((batch2, chunks), "int32", name="p_idx")
-    q_val = te.placeholder((batch2, chunks), "float32", name="p_val")
-    c = te.reduce_axis((0, chunks), name="c")
-    idx, val = te.compute((batch2,), lambda i: _argmax_reducer()((q_idx[i, c], q_val[i, c]), axis=c),
-                          name="argmax_merge")
-    stage2 = _one_group_per_row([q_idx, q_val, idx, val], "argmax_merge", min(threads, 32 * -(-chunks // 32)))
-    return stage1, stage2, chunks
-
-
-def _attach_argmax(mod, vocab: int, int32_index: bool = False, threads: int = 256, chunk: int | None = None):
-    """`argmax_logits(logits[b, vocab]) -> int32[b]`: greedy sampling on the device, so only ids reach the host."""
-    from tvm import relax, tirx
-
-    bb = relax.BlockBuilder(mod)
-    batch = tirx.Var("batch_size", "int64")
-    logits = relax.Var("logits", relax.TensorType([batch, vocab], "float32"))
-    with bb.function("argmax_logits", [logits]):
-        with bb.dataflow():
-            if chunk:
-                stage1, stage2, chunks = _argmax_chunked_funcs(vocab, chunk, threads)
-                parts = bb.emit(relax.call_tir(bb.add_func(stage1, "argmax_partial"), [logits],
-                                               [relax.TensorType([batch, chunks], "int32"),
-                                                relax.TensorType([batch, chunks], "float32")]))
-                both = bb.emit(relax.call_tir(bb.add_func(stage2, "argmax_merge"),
-                                              [relax.TupleGetItem(parts, 0), relax.TupleGetItem(parts, 1)],
-                                              [relax.TensorType([batch], "int32"),
-                                               relax.TensorType([batch], "float32")]))
-                ids = bb.emit(relax.TupleGetItem(both, 0))
-            elif int32_index:
-                gv = bb.add_func(_argmax_int32_func(vocab, threads), "argmax_i32")
-                both = bb.emit(relax.call_tir(gv, [logits], [relax.TensorType([batch], "int32"),
-                                                             relax.TensorType([batch], "float32")]))
-                ids = bb.emit(relax.TupleGetItem(both, 0))
-            else:
-                ids = bb.emit(relax.op.astype(relax.op.argmax(logits, axis=-1), "int32"))
-            out = bb.emit_output(ids)
-        bb.emit_func_output(out)
-    return bb.get()
-
-
 def builds_graph_decode(built: BuiltModule) -> bool:
     """CUDA, one GPU: batch-1 decode gets a whole-step CUDA graph (compiler/graph_decode.py). Disco workers (tensor
     parallel) keep plain decode: the graph's attention alias is registered by runtime.model, not in their processes."""
@@ -218,24 +112,26 @@ def compile_library(built: BuiltModule, out_path: Path, tuning_db: str | Path | 
 
     from .pipeline import build_pipeline
 
-    config = {}
-    if built.target.kind.name != "llvm" and built.cfg.rope_scaling:
-        # TVM 0.27 bug: TIR CSE breaks the GPU tree-attention kernel under scaled RoPE ("cse_v21 has been used
-        # before definition"). nvcc/NVRTC run their own CSE, so the kernels lose little without it.
-        config["tirx.disable_cse_tir"] = True
     from mlcc.schedules.cuda_pdl import tir_pipeline_for
+    from mlcc.schedules.cuda_source import add_cuda_helpers
     from mlcc.targets.toolchains import toolchain_for
+    from mlcc.tvm_compat import cuda_source_postproc, pass_config
+
+    config = pass_config(built.target, built.cfg.rope_scaling)
 
     mod = built.mod  # (for a wasm host, relax.build itself marks the module as a system library for tvmjs)
     if builds_graph_decode(built):
         from .graph_decode import add_graph_decode
 
         mod = add_graph_decode(mod)
-    with toolchain_for(built.target.kind.name), tvm.transform.PassContext(config=config):
+    # our CUDA kernels call small device helpers, added to each generated translation unit so the library
+    # carries complete source
+    helpers = cuda_source_postproc(add_cuda_helpers) if built.target.kind.name == "cuda" else contextlib.nullcontext()
+    with toolchain_for(built.target.kind.name), helpers, tvm.transform.PassContext(config=config):
         ex = tvm.compile(mod, built.target, relax_pipeline=build_pipeline(built.target, tuning_db, built.options),
                          tir_pipeline=tir_pipeline_for(built.target, built.options))
         if built.target.kind.name == "webgpu":
-            from mlcc.web.wasm_link import export_wasm
+            from .wasm_link import export_wasm
 
             export_wasm(ex, out_path)
         else:
@@ -332,7 +228,7 @@ def compile_model(model: str | Path, target: str, quant: str, output: str | Path
         target = detect_local()
     preset, q = get_target(target), get_quantization(quant)   # fail fast on bad names, before loading anything
     if preset.lib_ext == ".wasm":
-        from mlcc.web.wasm_runtime import emcc_path
+        from .wasm_runtime import emcc_path
 
         emcc_path()  # the link step needs emscripten: say so before minutes of compiling
     out = Path(output)

@@ -1,4 +1,5 @@
-"""Sampling compiled into the model library, so a token id, not a logits row, is what crosses to the host."""
+"""Sampling compiled into the model library (argmax and top-k/top-p draws), so a token id, not a logits row, is
+what crosses to the host."""
 
 from __future__ import annotations
 
@@ -39,3 +40,36 @@ def attach_sampler(mod, vocab_size: int):
     smod, _ = sampler.export_tvm(spec=sampler.get_default_spec())
     mod.update(smod)
     return mod
+
+
+def attach_argmax(mod, vocab: int, int32_index: bool = False, threads: int = 256, chunk: int | None = None):
+    """`argmax_logits(logits[b, vocab]) -> int32[b]`: greedy sampling on the device, so only ids reach the host."""
+    from tvm import relax, tirx
+
+    from mlcc.schedules.argmax import argmax_chunked_funcs, argmax_int32_func
+
+    bb = relax.BlockBuilder(mod)
+    batch = tirx.Var("batch_size", "int64")
+    logits = relax.Var("logits", relax.TensorType([batch, vocab], "float32"))
+    with bb.function("argmax_logits", [logits]):
+        with bb.dataflow():
+            if chunk:
+                stage1, stage2, chunks = argmax_chunked_funcs(vocab, chunk, threads)
+                parts = bb.emit(relax.call_tir(bb.add_func(stage1, "argmax_partial"), [logits],
+                                               [relax.TensorType([batch, chunks], "int32"),
+                                                relax.TensorType([batch, chunks], "float32")]))
+                both = bb.emit(relax.call_tir(bb.add_func(stage2, "argmax_merge"),
+                                              [relax.TupleGetItem(parts, 0), relax.TupleGetItem(parts, 1)],
+                                              [relax.TensorType([batch], "int32"),
+                                               relax.TensorType([batch], "float32")]))
+                ids = bb.emit(relax.TupleGetItem(both, 0))
+            elif int32_index:
+                gv = bb.add_func(argmax_int32_func(vocab, threads), "argmax_i32")
+                both = bb.emit(relax.call_tir(gv, [logits], [relax.TensorType([batch], "int32"),
+                                                             relax.TensorType([batch], "float32")]))
+                ids = bb.emit(relax.TupleGetItem(both, 0))
+            else:
+                ids = bb.emit(relax.op.astype(relax.op.argmax(logits, axis=-1), "int32"))
+            out = bb.emit_output(ids)
+        bb.emit_func_output(out)
+    return bb.get()

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import tvm
 
+from mlcc.tvm_compat import import_tensor_intrinsics, without_metal_simdgroup
+
 
 def handwritten_kernel_passes(target: tvm.target.Target, options) -> list[tvm.transform.Pass]:
     """Kernels we write ourselves where the generic rules fall short; they run before tuning records and dlight."""
@@ -21,12 +23,10 @@ def default_schedule_passes(target: tvm.target.Target) -> list[tvm.transform.Pas
     from tvm.s_tir import dlight as dl
 
     if target.kind.name == "metal":
-        return [_without_metal_simdgroup(dl.ApplyDefaultSchedule(
+        return [without_metal_simdgroup(dl.ApplyDefaultSchedule(
             dl.gpu.Matmul(), dl.gpu.GEMV(), dl.gpu.Reduction(), dl.gpu.GeneralReduction(), dl.gpu.Fallback()))]
     if target.kind.name == "cuda":
-        from .tensor_intrinsics import preload
-
-        preload()  # dlight's tensor-core Matmul rule imports them on first use, which takes TVM ~40 s
+        import_tensor_intrinsics()  # dlight's tensor-core Matmul rule imports them on first use: ~40 s in TVM's way
     if "gpu" in target.keys:
         return [dl.ApplyDefaultSchedule(
             dl.gpu.Matmul(), dl.gpu.GEMV(), dl.gpu.Reduction(), dl.gpu.GeneralReduction(), dl.gpu.Fallback())]
@@ -46,21 +46,3 @@ def default_schedule_for(target: tvm.target.Target):
         return mod["main"]
 
     return apply
-
-
-def _without_metal_simdgroup(inner: tvm.transform.Pass) -> tvm.transform.Pass:
-    """dlight's Matmul sends Metal to its simdgroup rule, which segfaults (a native crash, past its own try/except)
-    on dynamic-batch matmuls in TVM 0.27. Run the rule set with that branch disabled so Matmul uses its generic
-    tiled schedule instead."""
-    import tvm.s_tir.dlight.gpu.matmul as dlm
-
-    @tvm.transform.module_pass(opt_level=0, name="mlcc_metal_schedule")
-    def _pass(mod: tvm.ir.IRModule, _ctx) -> tvm.ir.IRModule:
-        original = dlm.MetalMatmul.apply
-        dlm.MetalMatmul.apply = lambda self, *a, **k: None
-        try:
-            return inner(mod)
-        finally:
-            dlm.MetalMatmul.apply = original
-
-    return _pass

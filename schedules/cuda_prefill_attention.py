@@ -13,9 +13,9 @@ what mlcc's models use), so the inline-RoPE branch they compile is never taken.
 from __future__ import annotations
 
 import logging
-from unittest import mock
-
 import tvm
+
+from mlcc.tvm_compat import prefill_kernel_blocks
 
 log = logging.getLogger(__name__)
 
@@ -29,7 +29,6 @@ def _num_blocks(h_kv: int) -> int:
 def _rebuild(kind: str, func, target):
     from tvm.relax.frontend.nn.llm import _prefill_kernels as pk
 
-    original = pk._get_prefill_kernel_config
     p = func.params
     h_q, d_qk = int(p[0].shape[1]), int(p[0].shape[2])  # q: [tokens, heads, dim] in both kernels
     if kind == "ragged":  # k, v: [tokens, kv heads, dim]
@@ -38,11 +37,7 @@ def _rebuild(kind: str, func, target):
         h_kv, d_v = int(p[2].shape[2]), int(p[2].shape[4])
     dtype = str(p[0].dtype)
 
-    def wider(*args, **kwargs):
-        _, *rest = original(*args, **kwargs)
-        return (_num_blocks(h_kv), *rest)
-
-    with mock.patch.object(pk, "_get_prefill_kernel_config", wider):
+    with prefill_kernel_blocks(_num_blocks(h_kv)):
         if kind == "ragged":
             return pk._attention_prefill_ragged(h_kv, h_q, d_qk, d_v, dtype, {}, target)
         return pk._attention_prefill(h_kv, h_q, d_qk, dtype, False, {}, target)

@@ -68,7 +68,7 @@ def test_wasm_targets_without_emscripten_fail_fast(name, hf_models, tmp_path, mo
     from mlcc.compiler.build import compile_model
     from mlcc.errors import ToolchainError
 
-    monkeypatch.setattr("mlcc.web.wasm_runtime.shutil.which", lambda _name: None)
+    monkeypatch.setattr("mlcc.compiler.wasm_runtime.shutil.which", lambda _name: None)
     with pytest.raises(ToolchainError, match="apt-get install emscripten"):
         compile_model(hf_models("llama"), name, "q4f32_1", tmp_path / "out")
     assert not (tmp_path / "out").exists()

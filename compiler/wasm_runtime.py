@@ -15,7 +15,9 @@ import shutil
 import subprocess
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+
 from mlcc.errors import ToolchainError
+from mlcc.native import TVM_SUPPORT_DIR as SUPPORT_DIR
 
 log = logging.getLogger(__name__)
 
@@ -23,7 +25,6 @@ RUNTIME_SOURCES = ("wasm_runtime", "tvmjs_support", "webgpu_runtime")
 # Compiled wasm objects under TVM's .bc names (emcc reads either by content): as LLVM bitcode, every model link ran
 # link-time codegen over the whole runtime again (~110 s of a tiny model's 115 s webgpu build on 2 cores)
 RUNTIME_FORMAT = "wasm-object"
-from mlcc.native import TVM_SUPPORT_DIR as SUPPORT_DIR
 
 
 def emcc_env() -> dict[str, str]:

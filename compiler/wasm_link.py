@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import logging
-import os
 from pathlib import Path
 from typing import Any
-from unittest import mock
+
+from mlcc.tvm_compat import environment
 
 from .wasm_runtime import build_runtime, emcc_env
 
@@ -20,7 +20,7 @@ def export_wasm(executable: Any, out_path: Path) -> None:
 
     def fcompile(output: str, objects: list[str], options: list[str] | None = None) -> None:
         # create_tvmjs_wasm finds the runtime (*.bc names) under $TVM_HOME/web/dist/wasm and runs emcc with os.environ
-        with mock.patch.dict(os.environ, {**emcc_env(), "TVM_HOME": str(home)}):
+        with environment({**emcc_env(), "TVM_HOME": str(home)}):
             emcc.create_tvmjs_wasm(output, objects, options)
 
     # LLVM 22 bitcode does not link with Debian's wasm-ld 14; plain objects do.
