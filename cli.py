@@ -19,9 +19,11 @@ def _user_errors() -> tuple[type[BaseException], ...]:
 
 def cmd_compile(args: argparse.Namespace) -> int:
     from mlcc.compiler.build import compile_model
+    from mlcc.options import CompileOptions
 
     r = compile_model(args.model, args.target, args.quant, args.output, context_window=args.context_window,
-                      tuning_db=args.tuning_db, tensor_parallel=args.tensor_parallel)
+                      tuning_db=args.tuning_db, tensor_parallel=args.tensor_parallel,
+                      options=CompileOptions.parse(args.option))
     print(f"wrote {r.output}  (library {r.library_bytes / 1e6:.1f} MB, weights {r.weight_bytes / 1e6:.1f} MB; "
           f"compile {r.seconds_compile:.1f}s, weights {r.seconds_weights:.1f}s)")
     return 0
@@ -29,9 +31,11 @@ def cmd_compile(args: argparse.Namespace) -> int:
 
 def cmd_tune(args: argparse.Namespace) -> int:
     from mlcc.compiler.tune import default_tuning_db, format_report, tune_model
+    from mlcc.options import CompileOptions
 
     db = args.db or default_tuning_db()
-    reports = tune_model(args.model, args.target, args.quant, args.trials, db, args.max_tasks)
+    reports = tune_model(args.model, args.target, args.quant, args.trials, db, args.max_tasks,
+                         options=CompileOptions.parse(args.option))
     print(format_report(reports))
     print(f"tuning database: {db} (use with `mlcc compile ... --tuning-db {db}`)")
     return 0
@@ -39,8 +43,6 @@ def cmd_tune(args: argparse.Namespace) -> int:
 
 def cmd_targets(args: argparse.Namespace) -> int:
     from mlcc.targets import TARGETS
-
-    from mlcc.targets import UNAVAILABLE
 
     print(f"{'target':14s} {'device':7s} {'here':12s} description")
     import shutil
@@ -53,8 +55,6 @@ def cmd_targets(args: argparse.Namespace) -> int:
         print(f"{name:14s} {p.device:7s} {here:12s} {p.description}")
         if p.notes:
             print(f"{'':35s}{p.notes}")
-    for name, why in UNAVAILABLE.items():
-        print(f"{name:14s} {'-':7s} {'unavailable':12s} {why}")
     return 0
 
 
@@ -74,6 +74,14 @@ def cmd_web(args: argparse.Namespace) -> int:
     return 0
 
 
+def add_option_flag(parser: argparse.ArgumentParser) -> None:
+    """`--option KEY=VALUE`: a compile option (mlcc.options.CompileOptions), recorded in the library's stamp."""
+    from mlcc.options import CompileOptions
+
+    parser.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
+                        help=f"compile option, repeatable ({CompileOptions.names()}; see mlcc/options.py)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="mlcc", description="Compile and run LLMs with Apache TVM")
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
@@ -88,6 +96,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--tuning-db", default=None, help="apply tuned kernels from this database (see `mlcc tune`)")
     c.add_argument("--tensor-parallel", type=int, default=1, metavar="N",
                    help="shard attention heads and MLP columns over N GPUs (TVM disco + NCCL)")
+    add_option_flag(c)
     c.set_defaults(func=cmd_compile)
 
     tu = sub.add_parser("tune", help="tune the model's static-shape kernels (meta-schedule + xgboost) into a DB")
@@ -97,6 +106,7 @@ def build_parser() -> argparse.ArgumentParser:
     tu.add_argument("--trials", type=int, default=64, help="trials per kernel")
     tu.add_argument("--max-tasks", type=int, default=None, help="tune only the N largest kernels")
     tu.add_argument("--db", default=None, help="tuning database folder (default: ~/.cache/mlcc/tuning-db)")
+    add_option_flag(tu)
     tu.set_defaults(func=cmd_tune)
 
     t = sub.add_parser("targets", help="list target presets")

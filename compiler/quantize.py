@@ -11,7 +11,7 @@ from tvm import te, tirx
 from tvm.relax.frontend import nn
 from tvm.relax.frontend.nn import Tensor, op
 
-from .quant_schemes import (QUANTIZATIONS, Quantization, UnknownQuantizationError,  # noqa: F401 - re-exported
+from .quant_schemes import (QUANTIZATIONS, Quantization,  # noqa: F401 - re-exported
                             get_quantization, group_dequantize, group_quantize)
 
 
@@ -102,15 +102,3 @@ def quantize_model(model: nn.Module, q: Quantization) -> nn.Module:
             return self.visit(name, node)
 
     return _Swap().visit("", model)
-
-
-def quantize_weights(named: dict[str, np.ndarray], param_names: set[str], q: Quantization) -> dict[str, np.ndarray]:
-    """Turn float weights (keyed by our parameter names) into what the quantized model's parameters expect."""
-    out: dict[str, np.ndarray] = {}
-    for name, w in named.items():
-        base = name[: -len(".weight")] if name.endswith(".weight") else None
-        if base is not None and f"{base}.q_weight" in param_names:
-            out[f"{base}.q_weight"], out[f"{base}.q_scale"] = group_quantize(w, q)
-        else:
-            out[name] = w.astype(q.model_dtype)
-    return out

@@ -6,6 +6,7 @@ from pathlib import Path
 
 from mlcc.cache import cache_root
 from mlcc.errors import ToolchainError, UnsupportedTargetError
+from mlcc.options import CompileOptions
 from mlcc.schedules.tuning import TaskReport, tune
 from mlcc.targets import get_target
 
@@ -19,7 +20,8 @@ def default_tuning_db() -> Path:
 
 
 def tune_model(model: str | Path, target: str, quant: str, trials: int, db: str | Path | None = None,
-               max_tasks: int | None = None) -> list[TaskReport]:
+               max_tasks: int | None = None, options: CompileOptions | None = None) -> list[TaskReport]:
+    """Tune the kernels a build of `model` with these options would schedule with the default rules."""
     import importlib.util
 
     import tvm
@@ -32,7 +34,7 @@ def tune_model(model: str | Path, target: str, quant: str, trials: int, db: str 
     if importlib.util.find_spec("xgboost") is None:
         raise ToolchainError("mlcc tune needs xgboost for its cost model: pip install xgboost-cpu "
                              "(or install mlcc with the [tune] extra)")
-    built = export_module(load_source(model), preset, q)
+    built = export_module(load_source(model), preset, q, options=options)
     if not preset.can_run_here():
         raise UnsupportedTargetError(f"tuning measures kernels on the device: target '{preset.name}' cannot run on this machine")
     with built.target:

@@ -27,7 +27,6 @@ class ModelSource:
     model_type: str                        # HF model_type or GGUF general.architecture
     config: dict[str, Any]
     tensors: dict[str, Callable[[], np.ndarray]]
-    gguf_fields: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     def get(self, name: str) -> np.ndarray:
         if name not in self.tensors:
@@ -79,7 +78,6 @@ def load_hf_folder(path: Path) -> ModelSource:
         tensors.update(_torch_bin_index(path))
     else:
         raise ModelSourceError(f"{path}: no *.safetensors or pytorch_model*.bin weights found")
-    # Some checkpoints prefix names differently; normalise the common "model." omission of lm_head-only dumps.
     return ModelSource("hf", path, config.get("model_type", "?"), config, tensors)
 
 
@@ -136,7 +134,7 @@ def load_gguf(path: Path) -> ModelSource:
             if g is None or g not in by_name:
                 continue
             tensors[hf_name] = _gguf_loader(by_name[g], fixups.get(hf_name))
-    return ModelSource("gguf", path, arch, config, tensors, fields)
+    return ModelSource("gguf", path, arch, config, tensors)
 
 
 def _gguf_arch_enum(arch: str):

@@ -16,7 +16,6 @@ class Family:
     config_cls: type
     model_cls: type
     module: ModuleType
-    gguf: bool  # whether loading this family from GGUF is supported (and tested)
 
     def weight_plan(self, cfg: Any) -> dict[str, tuple[list[str], Callable | None]]:
         return self.module.hf_weight_plan(cfg)
@@ -35,9 +34,9 @@ class Family:
         return llama.shard_weight(name, w, cfg, rank, shards)
 
 
-_LLAMA = Family("llama", llama.LlamaConfig, llama.LlamaForCausalLM, llama, gguf=True)
-_QWEN2 = Family("qwen2", qwen2.Qwen2Config, qwen2.Qwen2ForCausalLM, qwen2, gguf=True)
-_GEMMA = Family("gemma", gemma.GemmaConfig, gemma.GemmaForCausalLM, gemma, gguf=False)
+_LLAMA = Family("llama", llama.LlamaConfig, llama.LlamaForCausalLM, llama)
+_QWEN2 = Family("qwen2", qwen2.Qwen2Config, qwen2.Qwen2ForCausalLM, qwen2)
+_GEMMA = Family("gemma", gemma.GemmaConfig, gemma.GemmaForCausalLM, gemma)
 
 # HF model_type → family
 ARCHITECTURES: dict[str, Family] = {

@@ -193,10 +193,6 @@ class LlamaForCausalLM(nn.Module):
     def batch_decode(self, embeds: Tensor, kv_cache: PagedKVCache):
         return self.logits(self.model(embeds, kv_cache)), kv_cache
 
-    def prefill_all_logits(self, embeds: Tensor, kv_cache: PagedKVCache):
-        """Logits at every position (parity tests, perplexity)."""
-        return self.logits(self.model(embeds, kv_cache)), kv_cache
-
     def create_paged_kv_cache(self, max_batch_size: tirx.Var, max_total_seq_len: tirx.Var,
                               prefill_chunk_size: tirx.Var, page_size: tirx.Var,
                               support_sliding_window: tirx.Var) -> PagedKVCache:
@@ -223,8 +219,6 @@ class LlamaForCausalLM(nn.Module):
             "batch_prefill": {"embeds": nn.spec.Tensor([1, "seq_len", h], self.dtype),
                               "logit_positions": nn.spec.Tensor(["batch_size"], "int32"), "kv_cache": kv, "$": packed},
             "batch_decode": {"embeds": nn.spec.Tensor(["batch_size", 1, h], self.dtype), "kv_cache": kv, "$": packed},
-            "prefill_all_logits": {"embeds": nn.spec.Tensor([1, "seq_len", h], self.dtype), "kv_cache": kv,
-                                   "$": packed},
             "create_paged_kv_cache": {
                 "max_batch_size": int, "max_total_seq_len": int, "prefill_chunk_size": int, "page_size": int,
                 "support_sliding_window": int, "$": {"param_mode": "none", "effect_mode": "none"}},

@@ -95,17 +95,11 @@ TARGETS: dict[str, TargetPreset] = {
                            notes="compile-only: the Linux wheel has no OpenCL runtime"),
 }
 
-# Named so that asking for them explains why instead of listing the presets.
-UNAVAILABLE = {
-}
-
 ALIASES = {"cpu": "llvm", "cuda-sm90": "cuda", "h100": "cuda", "h200": "cuda", "rocm": "rocm-gfx942"}
 
 
 def get_target(name: str) -> TargetPreset:
     name = ALIASES.get(name, name)
-    if name in UNAVAILABLE:
-        raise UnsupportedTargetError(f"target '{name}' is not available: {UNAVAILABLE[name]}")
     if name not in TARGETS:
         raise UnsupportedTargetError(f"unsupported target '{name}'; choose one of: {', '.join(TARGETS)}")
     return TARGETS[name]
@@ -113,7 +107,4 @@ def get_target(name: str) -> TargetPreset:
 
 def detect_local() -> str:
     """The best target this machine can run: CUDA if a GPU answers, else the CPU."""
-    for name in ("cuda",):
-        if TARGETS[name].can_run_here():
-            return name
-    return "llvm"
+    return "cuda" if TARGETS["cuda"].can_run_here() else "llvm"

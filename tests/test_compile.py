@@ -7,6 +7,7 @@ import sys
 import pytest
 
 from mlcc import artifact
+from mlcc.options import CompileOptions
 
 
 def mlcc(*args, cwd=None):
@@ -26,9 +27,18 @@ def test_artifacts_folder_layout(compiled):
             assert {"name", "shape", "dtype", "byteOffset"} <= set(rec)
     stamp = cfg["stamp"]
     assert stamp["arch"] == "llama" and stamp["quantization"] == "q4f16_1" and stamp["tvm"] == artifact.tvm_version()
-    assert stamp["param_hash"] == artifact.param_hash(cfg["params"])
+    # the hash covers exactly the parameters listed (names, shapes, dtypes), in the VM's order
+    params = cfg["params"]
+    assert len(params) == len({p["name"] for p in params}) == len(cache_names(cache))
+    assert {p["name"] for p in params} == cache_names(cache)
+    assert stamp["param_hash"] != artifact.param_hash(params[::-1])
+    assert stamp["options"] == CompileOptions().to_dict()
     assert cfg["tokenizer"]["chat_template"] and (d / "tokenizer.json").exists()
     assert cfg["context_window_size"] == 512
+
+
+def cache_names(cache):
+    return {r["name"] for s in cache["records"] for r in s["records"]}
 
 
 def _lowered_primfuncs(hf_folder, target_name, quant):
@@ -41,7 +51,7 @@ def _lowered_primfuncs(hf_folder, target_name, quant):
     from mlcc.targets import get_target
 
     built = export_module(load_source(hf_folder), get_target(target_name), get_quantization(quant))
-    mod = build_pipeline(built.target)(built.mod)
+    mod = build_pipeline(built.target, None, built.options)(built.mod)
     return {gv.name_hint: f for gv, f in mod.functions.items() if isinstance(f, tvm.tirx.PrimFunc)}
 
 
@@ -93,9 +103,47 @@ def test_bad_input_is_one_clear_line(args, message, hf_models, tmp_path):
     assert not (tmp_path / "out").exists()
 
 
-def test_targets_lists_presets():
+def test_targets_lists_every_preset_and_what_runs_here():
+    from mlcc.targets import TARGETS
+
     r = mlcc("targets")
-    assert r.returncode == 0 and "llvm" in r.stdout and "cuda" in r.stdout
+    assert r.returncode == 0, r.stderr
+    rows = {ln.split()[0]: ln.split()[2] for ln in r.stdout.splitlines()[1:] if ln and not ln.startswith(" ")}
+    assert set(rows) == set(TARGETS)
+    assert rows["llvm"] == "runs" and rows["rocm-gfx942"] == "compile-only" and rows["metal"] == "compile-only"
+
+
+def test_compile_options_are_in_the_stamp_and_refused_when_they_differ(hf_models, tmp_path):
+    """A non-default build records its options; asking for other options than a folder was built with fails in
+    one line naming the option and the flag that rebuilds it."""
+    from mlcc.errors import ArtifactError
+
+    out = tmp_path / "cuda-nopdl"
+    r = mlcc("compile", str(hf_models("llama")), "--target", "cuda", "--quant", "q4f16_1", "--option", "pdl=0",
+             "--option", "decode_graph=off", "--output", str(out))
+    assert r.returncode == 0, r.stderr[-2000:]
+    cfg = artifact.read_config(out)
+    built = artifact.built_options(cfg)
+    assert built == CompileOptions(pdl=False, decode_graph=False)
+    assert cfg["stamp"]["options"]["pdl"] is False
+    lib = (out / "model.so").read_bytes()
+    assert b"griddepcontrol" not in lib and b"decode_graph" not in lib
+    artifact.check_options(cfg, None, out)
+    artifact.check_options(cfg, built, out)
+    with pytest.raises(ArtifactError, match=r"pdl=True \(built with False\).*--option pdl=0 --option decode_graph=0"):
+        artifact.check_options(cfg, CompileOptions(decode_graph=False), out)
+
+
+@pytest.mark.parametrize("items,message", [
+    (["pdl=maybe"], "pdl takes 1/0"), (["splits=3"], "KEY one of"), (["decode_attention_splits=-1"], "non-negative"),
+])
+def test_bad_compile_options_are_refused(items, message):
+    from mlcc.errors import CompileOptionsError
+
+    with pytest.raises(CompileOptionsError, match=message):
+        CompileOptions.parse(items)
+    with pytest.raises(CompileOptionsError, match="unknown compile option"):
+        CompileOptions.from_dict({"pdl": True, "q4_kernel": "tc"})
 
 
 @pytest.mark.parametrize("fmt", ["sharded-safetensors", "pytorch-bin", "bf16"])
@@ -141,8 +189,8 @@ def test_tensor_intrinsics_import_with_the_fast_stack_walk():
     code = (
         "import inspect, tvm\n"
         "stack = inspect.stack\n"
-        "from mlcc.schedules.tensor_intrinsics import preload\n"
-        "preload()\n"
+        "from mlcc.tvm_compat import import_tensor_intrinsics\n"
+        "import_tensor_intrinsics()\n"
         "from tvm.s_tir import TensorIntrin\n"
         "from tvm.s_tir.tensor_intrin import cuda\n"
         "names = [v for k, v in vars(cuda).items() if k.endswith('_INTRIN') and isinstance(v, str)]\n"
