@@ -110,12 +110,12 @@ def builds_graph_decode(built: BuiltModule) -> bool:
 def compile_library(built: BuiltModule, out_path: Path, tuning_db: str | Path | None = None):
     import tvm
 
-    from .pipeline import build_pipeline
-
     from mlcc.schedules.cuda_pdl import tir_pipeline_for
     from mlcc.schedules.cuda_source import add_cuda_helpers
     from mlcc.targets.toolchains import toolchain_for
     from mlcc.tvm_compat import cuda_source_postproc, pass_config
+
+    from .pipeline import build_pipeline
 
     config = pass_config(built.target, built.cfg.rope_scaling)
 

@@ -10,8 +10,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from .weights import ModelSourceError
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
+
 from mlcc.errors import UnsupportedTokenizerError
 
 _CONTROL, _USER_DEFINED = 3, 4

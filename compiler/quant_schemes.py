@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 
 import numpy as np
+
 from mlcc.errors import UnknownQuantizationError
 
 

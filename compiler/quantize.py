@@ -6,13 +6,13 @@ read packed weights and never write a dequantized copy to memory.
 
 from __future__ import annotations
 
-import numpy as np
 from tvm import te, tirx
 from tvm.relax.frontend import nn
 from tvm.relax.frontend.nn import Tensor, op
 
-from .quant_schemes import (QUANTIZATIONS, Quantization,  # noqa: F401 - re-exported
-                            get_quantization, group_dequantize, group_quantize)
+# re-exported: the scheme table and the numpy packing live in quant_schemes (no TVM needed there)
+from .quant_schemes import (QUANTIZATIONS, Quantization, get_quantization, group_dequantize,  # noqa: F401
+                            group_quantize)
 
 
 # -- TE: dequantize fused into its consumer --------------------------------------------------------------------

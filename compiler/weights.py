@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 import numpy as np
+
 from mlcc.errors import ModelSourceError
 
 log = logging.getLogger(__name__)

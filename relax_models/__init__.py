@@ -6,8 +6,9 @@ import dataclasses
 from types import ModuleType
 from typing import Any, Callable
 
-from . import gemma, llama, qwen2
 from mlcc.errors import UnknownArchitectureError
+
+from . import gemma, llama, qwen2
 
 
 @dataclasses.dataclass(frozen=True)

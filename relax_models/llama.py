@@ -12,15 +12,15 @@ from typing import Any
 
 import numpy as np
 from tvm import relax as rx
-from tvm import te
-from tvm import tirx
+from tvm import te, tirx
 from tvm.relax.frontend import nn
 from tvm.relax.frontend.nn import Tensor, op
 from tvm.relax.frontend.nn.llm.kv_cache import PagedKVCache, RopeMode, TIRPagedKVCache
 from tvm.target import Target
 
-from .config_utils import rope_theta_and_scaling
 from mlcc.errors import TensorParallelError
+
+from .config_utils import rope_theta_and_scaling
 
 
 @dataclasses.dataclass

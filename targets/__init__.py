@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import os
 from typing import Any
+
 from mlcc.errors import UnsupportedTargetError
 
 _LLVM_HOST = {"kind": "llvm"}

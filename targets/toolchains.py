@@ -8,6 +8,7 @@ import shutil
 import tempfile
 from pathlib import Path
 from typing import Iterator
+
 from mlcc.errors import ToolchainError
 from mlcc.tvm_compat import environment
 

@@ -8,6 +8,7 @@ import logging
 import shutil
 import subprocess
 from pathlib import Path
+
 from mlcc.errors import NpmError
 
 log = logging.getLogger(__name__)

@@ -9,9 +9,9 @@ import shutil
 from pathlib import Path
 
 from mlcc import artifact
+from mlcc.errors import SiteError
 
 from .npm_deps import JS_DIR, VENDOR, node_modules
-from mlcc.errors import SiteError
 
 log = logging.getLogger(__name__)
 
