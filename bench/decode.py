@@ -1,37 +1,41 @@
-"""Decode/prefill speed on CUDA, side by side with transformers and the bandwidth roofline (issue 4).
+"""Batch-1 decode and prefill speed on CUDA: mlcc, transformers eager and torch.compile, and the memory-bandwidth
+roofline, every column from one device run.
 
-    python bench/decode.py build --out .dev/bench             # here: shape-only CUDA libraries (+ compile times)
-    python bench/decode.py reference --out .dev/ref && cp .dev/ref/reference.npz .dev/bench/   # here: CPU logits
-    python3 bench/decode.py mlcc --libs .dev/bench --out $OUT  # device: check logits vs the CPU, then time
-    python3 bench/decode.py hf --out $OUT                      # device: transformers rows (same shapes, fp16)
-    python bench/decode.py table bench/results/decode_*.json   # here: one table
+    # here (CPU): shape-only CUDA libraries of the preset shapes (+ their compile times), then the CPU build's
+    # logits of the small shapes, which the device run checks the CUDA builds against before timing them
+    python bench/decode.py build --out .dev/bench
+    python bench/decode.py reference --out .dev/bench
+    # device (H200): bench/gpu.sh runs these two and the table (its header says what to carry)
+    python3 bench/decode.py mlcc --libs .dev/bench --out $OUT
+    python3 bench/decode.py hf --out $OUT
+    python3 bench/decode.py table $OUT/decode_mlcc.json $OUT/decode_hf.json [--markdown]
 
-Weights are random (speed does not depend on values); output length is fixed (EOS ignored). Roofline =
-bytes that must be read per decode token ÷ device-to-device copy bandwidth measured in the same run.
+Weights are random (speed does not depend on values); the output length is fixed (EOS ignored). mlcc decodes with
+the engine's pipelined loop (runtime.decode_pipeline: a lone greedy request) and, in alternating rounds over the
+same contexts, the synchronous loop (decode, argmax, read the id, repeat); every id reaches the host, as in
+serving. Before timing, every build is checked: argmax against numpy, decode_graph against plain decode (exact
+logits over several metadata layouts), pipelined against synchronous ids, and the small shapes' logits against
+the CPU build. Roofline = bytes that must be read per decode token (weights once, the KV cache of the context)
+divided by the device-to-device copy bandwidth measured in the same run. transformers runs the same shape in fp16
+with a static cache: generate() eager, and one-token steps through torch.compile(mode="reduce-overhead",
+fullgraph=True) gpt-fast style (generate() itself does not compile on transformers 5.17).
+`build --option KEY=VALUE` builds with other CompileOptions (e.g. `--option pdl=0` for a profile whose kernel
+times are their own).
 """
 
 from __future__ import annotations
 
-import argparse
 import json
+import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
+from harness import add_options_argument, build_info, cli, parse_options, write_json
 
-LLAMA3_8B = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
-                 num_key_value_heads=8, vocab_size=128256, max_position_embeddings=8192, rms_norm_eps=1e-5,
-                 rope_theta=500000.0, tie_word_embeddings=False,
-                 rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                               "original_max_position_embeddings": 8192})
-QWEN25_05B = dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
-                  num_key_value_heads=2, vocab_size=151936, max_position_embeddings=32768, rms_norm_eps=1e-6,
-                  rope_theta=1000000.0, tie_word_embeddings=True)
-SMOLLM2_135M = dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
-                    num_key_value_heads=3, vocab_size=49152, max_position_embeddings=8192, rms_norm_eps=1e-5,
-                    rope_theta=100000.0, tie_word_embeddings=True)
-MODELS = {"llama3-8b": ("llama", LLAMA3_8B), "qwen2.5-0.5b": ("qwen2", QWEN25_05B),
-          "smollm2-135m": ("llama", SMOLLM2_135M)}
+from mlcc.relax_models.presets import PRESETS
+
+MODELS = {name: (p.family, p.config) for name, p in PRESETS.items()}
 RUNS = [("llama3-8b", "q4f16_1"), ("llama3-8b", "q0f16"), ("qwen2.5-0.5b", "q4f16_1"), ("smollm2-135m", "q4f16_1")]
 PROMPT, STEPS, ROUNDS = 128, 256, 4   # 2 x 256 steps: pipelined and synchronous rounds alternate
 CHECKED = ("smollm2-135m", "qwen2.5-0.5b")   # small enough to run on the CPU here as the reference
@@ -83,17 +87,23 @@ def cmd_reference(a) -> None:
     from mlcc.runtime.model import LoadedModel
 
     out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
     ref = {}
-    for model, quant in RUNS + EXTRA_CHECKED:
-        if model not in CHECKED:
-            continue
-        arch, cfg = MODELS[model]
-        d = out / f"ref-{model}-{quant}"
-        compile_shape_only(arch, cfg, "llvm", quant, d)
-        logits, toks = teacher_forced_logits(LoadedModel(d, weights="random"), CHECK_FORCED)
-        ref[f"{model}/{quant}/logits"], ref[f"{model}/{quant}/tokens"] = logits, np.array(toks)
-        print(model, quant, "reference tokens", toks)
+    with tempfile.TemporaryDirectory(prefix="mlcc-ref-") as tmp:
+        for model, quant in RUNS + EXTRA_CHECKED:
+            if model not in CHECKED or not _selected(a, model, quant):
+                continue
+            arch, cfg = MODELS[model]
+            d = Path(tmp) / f"{model}-{quant}"
+            compile_shape_only(arch, cfg, "llvm", quant, d)
+            logits, toks = teacher_forced_logits(LoadedModel(d, weights="random"), CHECK_FORCED)
+            ref[f"{model}/{quant}/logits"], ref[f"{model}/{quant}/tokens"] = logits, np.array(toks)
+            print(model, quant, "reference tokens", toks, flush=True)
     np.savez_compressed(out / "reference.npz", **ref)
+
+
+def _selected(a, model: str, quant: str) -> bool:
+    return not a.only or f"{model}/{quant}" in a.only.split(",")
 
 
 def check_argmax(m) -> bool:
@@ -154,14 +164,16 @@ def cmd_build(a) -> None:
     from mlcc.compiler.build import compile_shape_only
 
     out = Path(a.out)
-    times = {}
+    options = parse_options(a.option)
+    info = {**build_info(options), "compile_s": {}}
     for model, quant in RUNS:
-        if a.only and f"{model}/{quant}" not in a.only.split(","):
+        if not _selected(a, model, quant):
             continue
         arch, cfg = MODELS[model]
-        times[f"{model}/{quant}"] = compile_shape_only(arch, cfg, "cuda", quant, out / f"{model}-{quant}")
-        print(f"{model} {quant}: compiled for cuda in {times[f'{model}/{quant}']:.1f}s")
-    (out / "compile_times.json").write_text(json.dumps(times, indent=1))
+        s = compile_shape_only(arch, cfg, "cuda", quant, out / f"{model}-{quant}", options=options)
+        info["compile_s"][f"{model}/{quant}"] = s
+        print(f"{model} {quant}: compiled for cuda in {s:.1f}s", flush=True)
+        write_json(out, "build.json", info)  # after every library: a build cut short keeps what it made
 
 
 def copy_bandwidth() -> float:
@@ -206,15 +218,15 @@ def cmd_mlcc(a) -> None:
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     bw = copy_bandwidth()
-    compile_times = json.loads((Path(a.libs) / "compile_times.json").read_text())
+    build = json.loads((Path(a.libs) / "build.json").read_text())
     ref_file = Path(a.libs) / "reference.npz"
     ref = np.load(ref_file) if ref_file.exists() else None
     rows = []
     for model, quant in RUNS:
-        if a.only and f"{model}/{quant}" not in a.only.split(","):
+        d = Path(a.libs) / f"{model}-{quant}"
+        if not _selected(a, model, quant) or not d.is_dir():
             continue
         _, cfg = MODELS[model]
-        d = Path(a.libs) / f"{model}-{quant}"
         free0 = torch.cuda.mem_get_info()[0]
         t = time.perf_counter()
         m = LoadedModel(d, weights="random")
@@ -291,16 +303,18 @@ def cmd_mlcc(a) -> None:
                "decode_tok_s_synchronous": 1 / sync_s, "pipelined_check": pipe_check,
                "roofline_tok_s": bw / nbytes, "bytes_per_token": nbytes, "copy_bw_GBs": bw / 1e9,
                "prefill_tok_s_512": prefill[512], "prefill_tok_s_2048": prefill[2048], "gpu_mem_GiB": peak,
-               "load_s": load_s, "compile_s": compile_times[f"{model}/{quant}"],
+               "load_s": load_s, "compile_s": build["compile_s"].get(f"{model}/{quant}"),
+               "build": {k: build.get(k) for k in ("commit", "host", "cpus", "options")},
                "step_ms": {k: round(v, 3) for k, v in phases.items()}, "check_vs_cpu": check}
         row["fraction_of_roofline"] = row["decode_tok_s"] / row["roofline_tok_s"]
         rows.append(row)
-        print(json.dumps(row))
+        print(json.dumps(row), flush=True)
+        write_json(out, "decode_mlcc.json", rows)
         del m, argmax
         import gc
 
         gc.collect()
-    (out / "decode_mlcc.json").write_text(json.dumps(rows, indent=1))
+    write_json(out, "decode_mlcc.json", rows)
 
 
 def static_cache_decode(hf, conf, steps: int, compiled: bool, warm: int = 8) -> tuple[float, list[int]]:
@@ -369,7 +383,7 @@ def cmd_hf(a) -> None:
                 except Exception as e:  # noqa: BLE001 - report, keep going
                     rows.append({"model": model, "engine": f"transformers-{mode}", "error": str(e)[:300]})
                 print(json.dumps(rows[-1]))
-                (out / f"decode_hf_{a.tag}.json").write_text(json.dumps(rows, indent=1))
+                write_json(out, a.name, rows)
                 continue
             if mode == "compile":
                 hf.forward = torch.compile(hf.forward, mode="reduce-overhead", fullgraph=True)
@@ -388,51 +402,71 @@ def cmd_hf(a) -> None:
                 rows.append({"model": model, "engine": f"transformers-{mode}", "error": str(e)[:300]})
             print(json.dumps(rows[-1]))
             # written after every row: a device call that hits its time limit keeps what it measured
-            (out / f"decode_hf_{a.tag}.json").write_text(json.dumps(rows, indent=1))
+            write_json(out, a.name, rows)
         del hf
         torch.cuda.empty_cache()
-    (out / f"decode_hf_{a.tag}.json").write_text(json.dumps(rows, indent=1))
+    write_json(out, a.name, rows)
 
 
 def cmd_table(a) -> None:
     rows = [r for f in a.files for r in json.loads(Path(f).read_text())]
     hf = {(r["model"], r["engine"]): r.get("decode_tok_s") for r in rows if r["engine"].startswith("transformers")}
-    print(f"{'model':14} {'quant':8} {'mlcc tok/s':>10} {'sync loop':>9} {'roofline':>9} {'frac':>6} {'HF eager':>9} "
-          f"{'HF compile':>10} {'x compile':>9} {'prefill512':>10} {'prefill2k':>10} {'mem GiB':>8} {'compile s':>9}")
+    cols = ["model", "quant", "mlcc tok/s", "sync loop", "roofline", "fraction", "transformers eager / +compile",
+            "x compile", "prefill 512 / 2048", "GPU mem", "compile"]
+    table = []
     for r in rows:
-        if r["engine"] != "mlcc" or "decode_tok_s" not in r:
+        if r["engine"] != "mlcc":
+            continue
+        if "decode_tok_s" not in r:
+            print(f"{r['model']} {r['quant']}: {r.get('error')}")
             continue
         e = hf.get((r["model"], "transformers-eager-static")) or hf.get((r["model"], "transformers-eager"))
         c = hf.get((r["model"], "transformers-compile-static")) or hf.get((r["model"], "transformers-compile"))
-        print(f"{r['model']:14} {r['quant']:8} {r['decode_tok_s']:>10.0f} "
-              f"{r.get('decode_tok_s_synchronous', 0):>9.0f} {r['roofline_tok_s']:>9.0f} "
-              f"{r['fraction_of_roofline']:>6.1%} {e or 0:>9.0f} {c or 0:>10.0f} "
-              f"{(r['decode_tok_s'] / c) if c else 0:>9.2f} {r['prefill_tok_s_512']:>10.0f} "
-              f"{r['prefill_tok_s_2048']:>10.0f} {r['gpu_mem_GiB']:>8.1f} {r['compile_s']:>9.1f}")
+        table.append([r["model"], r["quant"], f"{r['decode_tok_s']:.0f}", f"{r['decode_tok_s_synchronous']:.0f}",
+                      f"{r['roofline_tok_s']:.0f}", f"{r['fraction_of_roofline']:.1%}",
+                      f"{e:.0f} / {c:.0f}" if e and c else "—", f"{r['decode_tok_s'] / c:.2f}x" if c else "—",
+                      f"{r['prefill_tok_s_512']:.0f} / {r['prefill_tok_s_2048']:.0f}", f"{r['gpu_mem_GiB']:.1f} GiB",
+                      f"{r['compile_s']:.1f} s" if r.get("compile_s") is not None else "—"])
+    if a.markdown:
+        print("| " + " | ".join(cols) + " |\n|" + "---|" * len(cols))
+        for t in table:
+            print("| " + " | ".join(t) + " |")
+        return
+    widths = [max(len(c), *(len(t[i]) for t in table)) if table else len(c) for i, c in enumerate(cols)]
+    for t in [cols] + table:
+        print("  ".join(x.rjust(w) if i > 1 else x.ljust(w) for i, (x, w) in enumerate(zip(t, widths))))
 
 
-def main() -> None:
-    p = argparse.ArgumentParser()
-    sub = p.add_subparsers(dest="cmd", required=True)
-    b = sub.add_parser("build")
-    b.add_argument("--out", required=True)
-    b.add_argument("--only", default=None, help="comma-separated model/quant pairs")
-    m = sub.add_parser("mlcc")
-    m.add_argument("--libs", required=True)
-    m.add_argument("--out", required=True)
-    m.add_argument("--only", default=None, help="comma-separated model/quant pairs")
-    r = sub.add_parser("reference")
-    r.add_argument("--out", required=True)
-    h = sub.add_parser("hf")
-    h.add_argument("--out", required=True)
-    h.add_argument("--models", default="llama3-8b,qwen2.5-0.5b,smollm2-135m")
-    h.add_argument("--tag", default="all")
-    h.add_argument("--modes", default="eager,compile")
-    t = sub.add_parser("table")
-    t.add_argument("files", nargs="+")
-    a = p.parse_args()
-    {"build": cmd_build, "reference": cmd_reference, "mlcc": cmd_mlcc, "hf": cmd_hf, "table": cmd_table}[a.cmd](a)
+def _build_args(p) -> None:
+    p.add_argument("--out", required=True)
+    p.add_argument("--only", default=None, help="comma-separated model/quant pairs, e.g. llama3-8b/q4f16_1")
+    add_options_argument(p)
+
+
+def _reference_args(p) -> None:
+    p.add_argument("--out", required=True, help="folder for reference.npz (the libraries' folder, to carry it)")
+    p.add_argument("--only", default=None, help="comma-separated model/quant pairs")
+
+
+def _mlcc_args(p) -> None:
+    p.add_argument("--libs", required=True)
+    p.add_argument("--out", required=True)
+    p.add_argument("--only", default=None, help="comma-separated model/quant pairs")
+
+
+def _hf_args(p) -> None:
+    p.add_argument("--out", required=True)
+    p.add_argument("--models", default="llama3-8b", help=f"comma-separated presets ({', '.join(MODELS)})")
+    p.add_argument("--modes", default="eager,compile-static",
+                   help="eager / compile: generate(); eager-static / compile-static: the gpt-fast-style loop")
+    p.add_argument("--name", default="decode_hf.json", help="result file name")
+
+
+def _table_args(p) -> None:
+    p.add_argument("files", nargs="+")
+    p.add_argument("--markdown", action="store_true")
 
 
 if __name__ == "__main__":
-    main()
+    cli(__doc__, {"build": (cmd_build, _build_args), "reference": (cmd_reference, _reference_args),
+                  "mlcc": (cmd_mlcc, _mlcc_args), "hf": (cmd_hf, _hf_args), "table": (cmd_table, _table_args)})

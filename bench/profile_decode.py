@@ -1,7 +1,12 @@
-"""Kernel-level profile of batch-1 decode on CUDA (issue 4: where the time goes), via torch.profiler/CUPTI,
-which records every CUDA kernel in the process, TVM's included.
+"""Where a batch-1 decode step (or a prefill) spends its GPU time, kernel by kernel: torch.profiler (CUPTI) records
+every CUDA kernel in the process, TVM's included; per token, each kernel's calls and time, and the GPU's idle gaps
+over 2 us by the kernels around them.
 
-    python3 bench/profile_decode.py --libs .dev/bench --model llama3-8b-q4f16_1 --out $OUT
+    # here: the libraries (decode.py build); with PDL the profiler counts a kernel's wait for its predecessor as
+    # its own busy time, so kernel times come from a build without it and idle gaps from the default build
+    python bench/decode.py build --out .dev/prof-nopdl --only llama3-8b/q4f16_1 --option pdl=0
+    # device (carry .gpu-rt and the libraries; `source .gpu-rt/setup.sh` first, see bench/gpu.sh)
+    python3 bench/profile_decode.py --libs .dev/prof-nopdl --model llama3-8b-q4f16_1 --out $OUT
     python3 bench/profile_decode.py --libs .dev/bench --model llama3-8b-q4f16_1 --prefill 2048 --steps 3 --out $OUT
 """
 
@@ -15,8 +20,13 @@ import time
 from pathlib import Path
 
 
+def _folded(kernel: str) -> str:
+    """A kernel's name with its numeric suffixes folded (one row per kind of kernel, not per layer)."""
+    return re.sub(r"\d+", "#", re.sub(r"(_kernel)?(_\d+)?$", "", kernel))
+
+
 def main() -> None:
-    p = argparse.ArgumentParser()
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--libs", required=True)
     p.add_argument("--model", default="llama3-8b-q4f16_1")
     p.add_argument("--steps", type=int, default=20)
@@ -27,6 +37,7 @@ def main() -> None:
     import torch
     from torch.profiler import ProfilerActivity, profile
 
+    from mlcc.artifact import built_options
     from mlcc.runtime.model import LoadedModel
 
     torch.cuda.init()
@@ -51,7 +62,7 @@ def main() -> None:
         wall = (time.perf_counter() - t) / a.steps * 1e3
     kernels = collections.defaultdict(lambda: [0, 0.0])
     gaps = collections.defaultdict(lambda: [0, 0.0])  # idle GPU time, by the kernel before and after it
-    spans = sorted((e.time_range.start, e.time_range.end, re.sub(r"\d+", "#", re.sub(r"(_kernel)?(_\d+)?$", "", e.name)))
+    spans = sorted((e.time_range.start, e.time_range.end, _folded(e.name))
                    for e in prof.events() if e.device_type.name == "CUDA" and e.device_time_total > 0)
     for (_, end, before), (start, _, after) in zip(spans, spans[1:]):
         if start - end > 2:  # us
@@ -60,56 +71,26 @@ def main() -> None:
     gpu_total = 0.0
     for e in prof.events():
         if e.device_type.name == "CUDA" and e.device_time_total > 0:
-            name = re.sub(r"(_kernel)?(_\d+)?$", "", e.name)
-            name = re.sub(r"\d+", "#", name)
+            name = _folded(e.name)
             kernels[name][0] += 1
             kernels[name][1] += e.device_time_total / 1e3  # ms
             gpu_total += e.device_time_total / 1e3
     rows = sorted(((k, c / a.steps, t / a.steps) for k, (c, t) in kernels.items()), key=lambda r: -r[2])
     unit = f"prefill of {a.prefill}" if a.prefill else "token"
-    print(f"{a.model}: wall {wall:.3f} ms/{unit}, GPU busy {gpu_total / a.steps:.3f} ms/token "
+    print(f"{a.model}: wall {wall:.3f} ms/{unit}, GPU busy {gpu_total / a.steps:.3f} ms/{unit} "
           f"({gpu_total / a.steps / wall:.0%}), kernels/token {sum(r[1] for r in rows):.0f}")
     print(f"{'kernel (digits folded)':60} {'calls/tok':>9} {'ms/tok':>8}")
     for k, c, t in rows[:25]:
         print(f"{k[:60]:60} {c:9.1f} {t:8.3f}")
-    # host time per call of each piece of a step (no syncs but the last: launches are asynchronous, so a piece
-    # that outruns the GPU shows only its own CPU cost)
-    host = collections.defaultdict(float)
-    for _ in range(0 if a.prefill else a.steps):
-        t0 = time.perf_counter()
-        ids = m._ids_to_dev(m._check_ids([tok]))
-        t1 = time.perf_counter()
-        if m._decode_graph is None:
-            emb = m._reshape(m._f["embed"](ids, m.params), m._shape([1, 1, m.hidden]))
-        t2 = time.perf_counter()
-        m._kv_begin(m.kv, m._shape([0]), m._shape([1]))
-        t3 = time.perf_counter()
-        if m._decode_graph is not None:  # as LoadedModel.decode does it (the embedding inside the call)
-            out = m._graph_call(0, ids)
-            m._grow([0], [1])
-        else:
-            out = m._f["decode"](emb, m.kv, m.params)
-        t4 = time.perf_counter()
-        m._kv_end(m.kv)
-        ids_out = argmax(m._logits(out, 1))
-        t5 = time.perf_counter()
-        tok = int(ids_out.numpy()[0])
-        t6 = time.perf_counter()
-        for k, v in (("ids to device", t1 - t0), ("embed call", t2 - t1), ("kv begin_forward", t3 - t2),
-                     ("decode call (enqueue)", t4 - t3), ("end_forward + argmax call", t5 - t4),
-                     ("wait for GPU + id to host", t6 - t5)):
-            host[k] += v * 1e3 / a.steps
-    if host:
-        print("host ms per step: " + ", ".join(f"{k} {v:.3f}" for k, v in host.items()))
     gap_rows = sorted(((k, c / a.steps, t / a.steps) for k, (c, t) in gaps.items()), key=lambda r: -r[2])
     print(f"{'GPU idle > 2 us, between':60} {'count/tok':>9} {'ms/tok':>8}")
     for k, c, t in gap_rows[:10]:
         print(f"{k[:60]:60} {c:9.1f} {t:8.3f}")
     Path(a.out).mkdir(parents=True, exist_ok=True)
     (Path(a.out) / f"profile_{a.model}{f'_prefill{a.prefill}' if a.prefill else ''}.json").write_text(json.dumps(
-        {"unit": unit, "wall_ms_per_token": wall, "gpu_busy_ms_per_token": gpu_total / a.steps,
+        {"model": a.model, "options": built_options(m.config).to_dict(), "unit": unit, "wall_ms_per_token": wall,
+         "gpu_busy_ms_per_token": gpu_total / a.steps,
          "kernels": [{"name": k, "calls_per_token": c, "ms_per_token": t} for k, c, t in rows],
-         "host_ms_per_step": host,
          "idle_gaps": [{"between": k, "per_token": c, "ms_per_token": t} for k, c, t in gap_rows]}, indent=1))
 
 

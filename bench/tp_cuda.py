@@ -1,17 +1,17 @@
-"""Tensor parallelism on one host's GPUs (issue 9): logits with N=2 vs N=1 on the same weights, an Engine chat on
-N=2 vs N=1, and Llama-3-8B-shaped batch-1 decode tok/s at N=1 vs N=2, in one run.
+"""Tensor parallelism over one host's GPUs, in one run: logits with 2 shards against 1 on the same weights, an Engine
+chat and `mlcc serve --tensor-parallel 2` (through the openai client) against 1 GPU's answer, and Llama-3-8B-shaped
+batch-1 decode tok/s with 1 and 2 shards.
 
-    python bench/tp_cuda.py build --out .dev/tp      # here: libraries + small-model weights + the NCCL bridge
-    # device (nvidia-h200-x2), carrying .gpu-rt and .dev:
+    python bench/tp_cuda.py build --out .dev/tp      # here: libraries, the small model's weights, the NCCL bridge
+    # device (nvidia-h200-x2; carry .gpu-rt, .whl and .dev/tp: bash bench/gpu.sh prepare writes the first two)
     source .gpu-rt/setup.sh && python3 bench/tp_cuda.py run --libs .dev/tp --out $OUT
 
-The small model (random Llama, q4f16_1, byte tokenizer) checks numerics; the 8B shape uses random weights
+The small model (random Llama, q4f16_1, byte tokenizer) checks the numerics; the 8B shape has random weights
 (speed does not depend on values). NVLink multicast stays off (NCCL_NVLS_ENABLE=0).
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shutil
@@ -20,9 +20,11 @@ import time
 from pathlib import Path
 
 import numpy as np
+from harness import REPO, cli
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from decode import LLAMA3_8B  # noqa: E402
+from mlcc.relax_models.presets import PRESETS
+
+LLAMA3_8B = PRESETS["llama3-8b"].config
 
 SMALL = dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=4, num_attention_heads=8,
              num_key_value_heads=4, vocab_size=320, max_position_embeddings=1024)  # the byte tokenizer's vocab
@@ -30,7 +32,7 @@ PROMPT, STEPS = 128, 128
 
 
 def cmd_build(a) -> None:
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    sys.path.insert(0, str(REPO / "tests"))
     import torch
     import transformers as tf
     from conftest import write_tokenizer
@@ -177,17 +179,14 @@ def cmd_run(a) -> None:
               f"{r['compile_s']:9.1f}")
 
 
-def main() -> None:
-    p = argparse.ArgumentParser()
-    sub = p.add_subparsers(dest="cmd", required=True)
-    b = sub.add_parser("build")
-    b.add_argument("--out", default=".dev/tp")
-    r = sub.add_parser("run")
-    r.add_argument("--libs", default=".dev/tp")
-    r.add_argument("--out", default=os.environ.get("OUT", "/tmp/out"))
-    a = p.parse_args()
-    {"build": cmd_build, "run": cmd_run}[a.cmd](a)
+def _build_args(p) -> None:
+    p.add_argument("--out", default=".dev/tp")
+
+
+def _run_args(p) -> None:
+    p.add_argument("--libs", default=".dev/tp")
+    p.add_argument("--out", default=os.environ.get("OUT", "/tmp/out"))
 
 
 if __name__ == "__main__":
-    main()
+    cli(__doc__, {"build": (cmd_build, _build_args), "run": (cmd_run, _run_args)})

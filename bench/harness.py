@@ -1,0 +1,72 @@
+"""What the benchmark scripts share: their command line (subcommands, the docstring as --help), build metadata,
+and writing results.
+
+The scripts run as `python bench/NAME.py ...` from the checkout root (they import each other and this module by
+bare name, from bench/); mlcc itself comes from the installed (editable) package, or from PYTHONPATH on the device.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import subprocess
+from pathlib import Path
+from typing import Any, Callable
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def cli(doc: str | None, commands: dict[str, tuple[Callable, Callable[[argparse.ArgumentParser], None] | None]],
+        argv: list[str] | None = None) -> None:
+    """One subcommand per entry: name -> (function taking the parsed args, function adding its arguments)."""
+    p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="cmd", required=True)
+    for name, (_, configure) in commands.items():
+        s = sub.add_parser(name)
+        if configure is not None:
+            configure(s)
+    a = p.parse_args(argv)
+    commands[a.cmd][0](a)
+
+
+def add_options_argument(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
+                   help="a CompileOptions field for the build (repeatable), e.g. --option pdl=0")
+
+
+def parse_options(items: list[str]):
+    from mlcc.options import CompileOptions
+
+    return CompileOptions.parse(items)
+
+
+def source_commit() -> str:
+    """The checkout's short commit, with '+dirty' when tracked files differ from it ('unknown' outside git)."""
+    try:
+        rev = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True,
+                             text=True, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "-C", str(REPO), "diff", "--quiet", "HEAD", "--", "."],
+                               capture_output=True).returncode != 0
+        return rev + ("+dirty" if dirty else "")
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def build_info(options=None) -> dict[str, Any]:
+    """Where and from what a set of libraries was built, written beside them."""
+    return {"commit": source_commit(), "host": platform.node(), "cpus": _cpus(),
+            "options": options.to_dict() if options is not None else None}
+
+
+def _cpus() -> int:
+    import os
+
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def write_json(out: str | Path, name: str, obj: Any) -> Path:
+    d = Path(out)
+    d.mkdir(parents=True, exist_ok=True)
+    (d / name).write_text(json.dumps(obj, indent=1))
+    return d / name
