@@ -5,13 +5,16 @@ from __future__ import annotations
 import sys
 import time
 
+from mlcc.options import CompileOptions
+
 from .engine import Engine
 
 
 def run_chat(model: str | None, target: str = "auto", quant: str | None = None, prompt: str | None = None,
-             max_tokens: int = 256, temperature: float = 0.0) -> int:
+             max_tokens: int = 256, temperature: float = 0.0, options: CompileOptions | None = None) -> int:
+    """options: as Engine's (the compile options of a model compiled on first use, or those a folder must have)."""
     t0 = time.time()
-    engine = Engine(model, target=target, quant=quant, max_batch=1)
+    engine = Engine(model, target=target, quant=quant, max_batch=1, options=options)
     print(f"[{engine.model_name} on {engine.model.config['target']}, ready in {time.time() - t0:.1f}s]",
           file=sys.stderr)
     history: list[dict[str, str]] = []

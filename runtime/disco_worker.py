@@ -1,23 +1,29 @@
 """Entry point of a tensor-parallel worker process (TVM disco's ProcessSession): TVM's own disco worker, after
-loading what mlcc's workers call: the NCCL collectives, the shard loader, CUDA's runtime-compile hook."""
+loading the NCCL collectives and registering the functions mlcc's controller calls on every worker."""
 
 from __future__ import annotations
 
-import os
+
+def register_worker_functions() -> None:
+    """mlcc.tp.load_params (this rank's weights) and mlcc.tp.register_cuda_jit(arch) (CUDA source in the library
+    compiled at load for the arch recorded at build time), in this process; the controller calls them on all
+    workers through the session."""
+    import tvm
+
+    from mlcc import tvm_compat
+    from mlcc.runtime.tensor_parallel import load_shard_params
+
+    tvm.register_global_func("mlcc.tp.load_params", load_shard_params, override=True)
+    tvm.register_global_func("mlcc.tp.register_cuda_jit", tvm_compat.register_cuda_jit, override=True)
 
 
 def main() -> None:
-    import tvm
-
+    from mlcc import tvm_compat
     from mlcc.runtime import nccl_ccl
-    from mlcc.runtime.model import _load_backend_runtimes, _register_cuda_jit
-    from mlcc.runtime.tensor_parallel import _load_shard_params
 
-    _load_backend_runtimes("cuda")
+    tvm_compat.load_backend_runtimes("cuda")
     nccl_ccl.load()
-    if os.environ.get("MLCC_CUDA_ARCH"):
-        _register_cuda_jit(os.environ["MLCC_CUDA_ARCH"])
-    tvm.register_global_func("mlcc.tp.load_params", _load_shard_params, override=True)
+    register_worker_functions()
     from tvm.exec.disco_worker import main as disco_worker_main
 
     disco_worker_main()

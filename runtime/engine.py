@@ -22,10 +22,12 @@ from openai.types.chat.chat_completion_chunk import Choice as ChunkChoice
 from openai.types.chat.chat_completion_chunk import ChoiceDelta
 
 from mlcc import artifact
-
 from mlcc.errors import ContextWindowExceededError, RequestError
+from mlcc.options import CompileOptions
+
+from .core import EngineCore
+from .request import Event, Request
 from .sampler import Sampler, SamplingParams
-from .scheduler import Event, Request, Scheduler
 
 log = logging.getLogger(__name__)
 
@@ -41,12 +43,18 @@ def _kv_bytes_per_token(cfg: dict[str, Any]) -> int:
 
 class Engine:
     """`Engine(model)` where model is an artifacts folder, an HF folder or a .gguf (compiled on first use), or
-    None for the bundled SmolLM2-135M-Instruct."""
+    None for the bundled SmolLM2-135M-Instruct.
+
+    options: the compile options a model compiled on first use is built with (part of its cache key); for an
+    artifacts folder, the options it must have been built with (a mismatch is refused). None: the defaults, or
+    whatever the folder was built with. policy: "no_evict" (admit only what can finish) or "max_util" (admit
+    eagerly, preempt and recompute). pipeline: decode a lone request pipelined (runtime.core.EngineCore)."""
 
     def __init__(self, model: str | Path | None = None, target: str = "auto", quant: str | None = None, *,
                  max_batch: int = 4, context_window: int | None = None, kv_cache_tokens: int | None = None,
                  prefill_chunk: int = 512, device_id: int = 0, policy: str = "no_evict",
-                 tensor_parallel: int | None = None):
+                 tensor_parallel: int | None = None, options: CompileOptions | None = None,
+                 pipeline: bool | None = None):
         from mlcc.targets import detect_local
 
         from .jit import resolve_model
@@ -55,7 +63,7 @@ class Engine:
 
         if target == "auto":
             target = detect_local()
-        self.model_dir = resolve_model(model, target, quant, tensor_parallel or 1)
+        self.model_dir = resolve_model(model, target, quant, tensor_parallel or 1, options)
         built_tp = int(artifact.read_config(self.model_dir).get("tensor_parallel", 1))
         if tensor_parallel is not None and tensor_parallel != built_tp:
             raise artifact.ArtifactError(
@@ -75,25 +83,12 @@ class Engine:
             kv_cache_tokens = self._default_kv_tokens(max_batch)
         kv_cache_tokens = max(kv_cache_tokens, 64)
         self.kv_cache_tokens = kv_cache_tokens
-        self.scheduler = Scheduler(self.model, self._make_sampler(), max_batch, kv_cache_tokens,
-                                   min(prefill_chunk, kv_cache_tokens), policy=policy)
+        self.core = EngineCore(self.model, Sampler.for_model(self.model), max_batch, kv_cache_tokens,
+                               min(prefill_chunk, kv_cache_tokens), policy=policy, pipeline=pipeline)
         self.chat = _Chat(self)
         self.completions = _Completions(self)
         log.info("engine ready: %s on %s, KV cache %d tokens (%.0f MB), batch %d", self.model_name,
                  cfg["target"], kv_cache_tokens, kv_cache_tokens * _kv_bytes_per_token(cfg) / 1e6, max_batch)
-
-    def _make_sampler(self) -> Sampler:
-        vm = self.model.vm
-
-        def fn(name: str):
-            try:
-                return vm[name]
-            except AttributeError:  # libraries from before the sampler was compiled in
-                return None
-
-        # On the CPU the logits already live on the host; numpy's argmax beats a VM call there.
-        argmax = fn("argmax_logits") if self.model.device_kind != "cpu" else None
-        return Sampler(self.model.vocab, argmax, fn("sample_top_p_top_k"), self.model._to_dev)
 
     def _default_kv_tokens(self, max_batch: int) -> int:
         """Enough for max_batch full contexts, capped by a memory budget (CPU: 1/4 of free RAM, at most 2 GiB)."""
@@ -124,7 +119,7 @@ class Engine:
                 f"max_tokens is {max_tokens}. Lower max_tokens to at most {room}.")
         max_new = max_tokens if max_tokens is not None else room
         max_new = min(max_new, self.kv_cache_tokens - n)
-        self.scheduler.check_fits(n, max_new)
+        self.core.check_fits(n, max_new)
         return params, max_new
 
     def run_sync(self, call: "_Call") -> Iterator[tuple[int, Event]]:
@@ -156,7 +151,7 @@ class Engine:
     def abort(self, reqs: list[Request]) -> None:
         for r in reqs:
             if r.finish_reason is None:
-                self.scheduler.abort(r)
+                self.core.abort(r)
 
     def encode_chat(self, messages: list[dict[str, Any]]) -> list[int]:
         if not isinstance(messages, list) or not messages:
@@ -165,8 +160,9 @@ class Engine:
         return self.tokenizer.encode(text)
 
     def encode_prompt(self, prompt: str | list[int]) -> list[int]:
+        """A completions prompt: text (after the BOS token where the tokenizer wants one) or token ids as given."""
         if isinstance(prompt, str):
-            return self.tokenizer.encode(prompt)
+            return self.tokenizer.encode_prompt(prompt)
         if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
             if any(t < 0 or t >= self.model.vocab for t in prompt):
                 raise RequestError(f"prompt token ids must be in [0, {self.model.vocab})", param="prompt")
@@ -174,7 +170,7 @@ class Engine:
         raise RequestError("prompt must be a string or a list of token ids", param="prompt")
 
     def shutdown(self) -> None:
-        self.scheduler.shutdown()
+        self.core.shutdown()
 
     def __enter__(self) -> "Engine":
         return self
@@ -222,16 +218,19 @@ class _Call:
         self.rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         self.created, self.name = int(time.time()), model or engine.model_name
         self.include_usage = bool((stream_options or {}).get("include_usage"))
+        self.prefix = prefix   # echo: the prompt's text before each choice's
         self.texts, self.reasons, self.completion_tokens = [prefix] * self.n, ["stop"] * self.n, 0
 
     def submit(self, engine: Engine, sink) -> list[Request]:
+        """The n choices as one request and its forks: the prompt is read once. Choice i draws from a generator
+        seeded seed + i, so it equals a lone request with that seed."""
         reqs = []
         for i in range(self.n):
             seed = None if self.params.seed is None else (self.params.seed + i) % (1 << 64)  # any int64 is valid
-            req = Request(self.ids, self.params, self.max_new, lambda e, i=i: sink(i, e), engine.tokenizer.stream(),
-                          engine.tokenizer.eos_ids, rng=np.random.default_rng(seed))
-            reqs.append(req)
-            engine.scheduler.submit(req)
+            reqs.append(Request(self.ids, self.params, self.max_new, lambda e, i=i: sink(i, e),
+                                engine.tokenizer.stream(), engine.tokenizer.eos_ids, rng=np.random.default_rng(seed)))
+        reqs[0].forks = reqs[1:]
+        engine.core.submit(reqs[0])
         return reqs
 
     def usage(self) -> CompletionUsage:
@@ -273,7 +272,9 @@ class _Call:
                           choices=choices, usage=self.usage() if i is None else None)
 
     def stream_start(self) -> list[Any]:
-        return [self._chunk(i, "", role=True) for i in range(self.n)] if self.chat else []
+        if self.chat:
+            return [self._chunk(i, "", role=True) for i in range(self.n)]
+        return [self._chunk(i, self.prefix) for i in range(self.n)] if self.prefix else []
 
     def stream_event(self, i: int, ev: Event) -> list[Any]:
         if ev.kind == "delta" and ev.text:
@@ -344,7 +345,7 @@ class _Completions(_CreateAPI):
                   n: int | None = None, echo: bool = False, stream_options: dict[str, Any] | None = None,
                   **kw: Any) -> _Call:
         ids = self.engine.encode_prompt(prompt)
-        prefix = prompt if echo and isinstance(prompt, str) else ""
+        prefix = "" if not echo else prompt if isinstance(prompt, str) else self.engine.tokenizer.decode(ids)
         return _Call(self.engine, False, ids, max_tokens, n, model, stream_options, kw, prefix=prefix)
 
 

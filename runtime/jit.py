@@ -10,6 +10,7 @@ from pathlib import Path
 
 from mlcc import artifact
 from mlcc.cache import cache_lock, cache_root
+from mlcc.options import CompileOptions
 
 log = logging.getLogger(__name__)
 
@@ -36,10 +37,25 @@ def _source_fingerprint(path: Path) -> str:
     return json.dumps([[str(p.resolve()), p.stat().st_size, int(p.stat().st_mtime)] for p in files])
 
 
-def resolve_model(model: str | Path | None, target: str, quant: str | None, tensor_parallel: int = 1) -> Path:
-    """Artifacts folder for (model, target, quant): as given, from the JIT cache, or freshly compiled."""
+def build_dir(source: Path, target: str, quant: str, tensor_parallel: int, options: CompileOptions) -> Path:
+    """Where the JIT cache keeps the build of `source` for these choices: keyed by the source file(s), target,
+    quantization, shard count, compile options and the mlcc/TVM versions, so that no build is reused for other
+    choices."""
+    key = hashlib.sha256(json.dumps([_source_fingerprint(source), target, quant, artifact.mlcc_version(),
+                                     artifact.tvm_version(), tensor_parallel, options.to_dict()],
+                                    sort_keys=True).encode()).hexdigest()[:20]
+    tp = f"-tp{tensor_parallel}" if tensor_parallel > 1 else ""
+    return cache_root() / f"{source.stem}-{quant}-{target}{tp}-{key}"
+
+
+def resolve_model(model: str | Path | None, target: str, quant: str | None, tensor_parallel: int = 1,
+                  options: CompileOptions | None = None) -> Path:
+    """Artifacts folder for (model, target, quant, options): as given, from the JIT cache, or freshly compiled.
+    options=None: the defaults when compiling; any for an artifacts folder (else it must have been built with
+    exactly these)."""
     path = Path(model) if model is not None else default_model_path()
     if path.is_dir() and (path / artifact.CONFIG_FILE).exists():
+        artifact.check_options(artifact.read_config(path), options, path)
         return path
     if not path.exists():
         raise FileNotFoundError(f"{path}: no such model folder or file")
@@ -47,10 +63,8 @@ def resolve_model(model: str | Path | None, target: str, quant: str | None, tens
 
     preset = get_target(target)
     quant = quant or DEFAULT_QUANT.get(preset.device, "q4f16_1")
-    key = hashlib.sha256(json.dumps([_source_fingerprint(path), preset.name, quant, artifact.mlcc_version(),
-                                     artifact.tvm_version(), tensor_parallel]).encode()).hexdigest()[:20]
-    tp = f"-tp{tensor_parallel}" if tensor_parallel > 1 else ""
-    out = cache_root() / f"{path.stem}-{quant}-{preset.name}{tp}-{key}"
+    options = options or CompileOptions()
+    out = build_dir(path, preset.name, quant, tensor_parallel, options)
     with cache_lock(out):
         if (out / artifact.CONFIG_FILE).exists():
             log.info("using cached build %s", out)
@@ -58,5 +72,5 @@ def resolve_model(model: str | Path | None, target: str, quant: str | None, tens
         log.info("first use of %s: compiling for %s (%s) into %s", path.name, preset.name, quant, out)
         from mlcc.compiler.build import compile_model  # the compiler is only imported when we must compile
 
-        compile_model(path, preset.name, quant, out, tensor_parallel=tensor_parallel)
+        compile_model(path, preset.name, quant, out, tensor_parallel=tensor_parallel, options=options)
     return out

@@ -1,7 +1,10 @@
 """NCCL collectives for TVM disco. The apache-tvm wheel ships disco's NCCL source (src/runtime/extra/disco/nccl)
 but was built without it, so tensor parallelism would have no all-reduce. We compile that source once against the
 wheel's headers, CUDA's and pip's NCCL (nvidia-nccl-cu*), cache the .so, and load it before the disco session
-starts: it registers `runtime.disco.nccl.*`, which disco's built-in allreduce dispatches to."""
+starts: it registers `runtime.disco.nccl.*`, which disco's built-in allreduce dispatches to.
+
+MLCC_NCCL_BRIDGE=/path/to/lib.so loads a bridge built elsewhere instead (an escape hatch where this machine cannot
+build one: no g++ or no CUDA headers)."""
 
 from __future__ import annotations
 
@@ -12,11 +15,12 @@ import os
 import shutil
 import subprocess
 from pathlib import Path
+
 from mlcc.errors import NcclUnavailableError
+from mlcc.native import TVM_SUPPORT_DIR as SUPPORT_DIR
 
 log = logging.getLogger(__name__)
 
-from mlcc.native import TVM_SUPPORT_DIR as SUPPORT_DIR
 _LOADED: Path | None = None
 
 

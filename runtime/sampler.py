@@ -85,25 +85,43 @@ class SamplingParams:
 
 
 class Sampler:
-    def __init__(self, vocab_size: int, device_argmax=None, device_sample=None, to_device=None):
+    """device_argmax(logits) -> ids (.numpy()); device_sample: ModelFunctions.sample_top_p_top_k; to_device(array)
+    puts host values where those functions read them. host_greedy: greedy batches take numpy's argmax of the logits
+    (on the CPU they already live on the host, and numpy beats a VM call there); the device argmax is still what
+    device_draw uses."""
+
+    def __init__(self, vocab_size: int, device_argmax=None, device_sample=None, to_device=None,
+                 host_greedy: bool = False):
         self.vocab_size = vocab_size
         self._argmax = device_argmax    # (logits) -> int32[n]
         self._sample = device_sample    # (logits, temperature, top_p, top_k, uniform, rows) -> int32[n]
         self._to_device = to_device
+        self.host_greedy = host_greedy
+
+    @classmethod
+    def for_model(cls, model) -> "Sampler":
+        """The sampler of a loaded model (runtime.model.PagedModel)."""
+        return cls(model.vocab, model.argmax, model.sample, model.to_device, host_greedy=model.device_kind == "cpu")
 
     def sample(self, logits, params: Sequence[SamplingParams], histories: Sequence[Sequence[int]],
-               rngs: Sequence[np.random.Generator]) -> list[int]:
+               rngs: Sequence[np.random.Generator], rows: Sequence[int] | None = None) -> list[int]:
+        """One id for each request i, drawn from logits row rows[i] (default: row i) with generator rngs[i]."""
+        n = len(params)
+        rows = list(range(n)) if rows is None else list(rows)
         if not any(p.penalised for p in params):
             if all(p.greedy for p in params):
-                if self._argmax is not None:
-                    return [int(t) for t in self._argmax(logits).numpy()]
+                if self._argmax is not None and not self.host_greedy:
+                    ids = self._argmax(logits).numpy()
+                    return [int(ids[r]) for r in rows]
             elif self._sample is not None:
+                if rows != list(range(int(logits.shape[0]))):   # the compiled sampler draws one sample per row
+                    logits = self._to_device(np.ascontiguousarray(logits.numpy()[rows]))
                 return self._sample_on_device(logits, params, rngs)
-        rows = logits.numpy() if hasattr(logits, "numpy") else np.asarray(logits)
-        return [sample_row(rows[i], params[i], histories[i], rngs[i]) for i in range(len(params))]
+        host = logits.numpy() if hasattr(logits, "numpy") else np.asarray(logits)
+        return [sample_row(host[rows[i]], params[i], histories[i], rngs[i]) for i in range(n)]
 
     def device_draw(self, p: SamplingParams, rng: np.random.Generator) -> "DeviceDraw | None":
-        """How one request's next id is drawn on the device and left there (runtime.decode_pipeline), or None
+        """How one request's next id is drawn on the device and left there (runtime.decode_graph), or None
         where that needs the host (penalties) or the library lacks the sampler."""
         if p.penalised:
             return None

@@ -16,8 +16,9 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from pydantic import BaseModel, ConfigDict, Field
 
-from .engine import AsyncEngine, Engine
 from mlcc.errors import RequestError
+
+from .engine import AsyncEngine, Engine
 
 log = logging.getLogger(__name__)
 
@@ -77,12 +78,12 @@ class _Metrics:
         self.itl = Histogram("mlcc_inter_token_latency_seconds", "time between streamed tokens", buckets=buckets,
                              registry=r)
         self.aborted = Counter("mlcc_requests_aborted", "requests aborted by client disconnect", registry=r)
-        s = engine.scheduler
-        Gauge("mlcc_kv_pages_used", "KV cache pages in use", registry=r).set_function(s.pages_in_use)
-        Gauge("mlcc_kv_pages_free", "KV cache pages free", registry=r).set_function(lambda: s.model.free_pages())
-        Gauge("mlcc_kv_pages_total", "KV cache pages", registry=r).set_function(lambda: s.total_pages)
-        Gauge("mlcc_queue_length", "requests waiting for admission", registry=r).set_function(s.queue_length)
-        Gauge("mlcc_running_requests", "requests in the running batch", registry=r).set_function(s.num_running)
+        core = engine.core
+        Gauge("mlcc_kv_pages_used", "KV cache pages in use", registry=r).set_function(core.pages_in_use)
+        Gauge("mlcc_kv_pages_free", "KV cache pages free", registry=r).set_function(core.free_pages)
+        Gauge("mlcc_kv_pages_total", "KV cache pages", registry=r).set_function(lambda: core.total_pages)
+        Gauge("mlcc_queue_length", "requests waiting for admission", registry=r).set_function(core.queue_length)
+        Gauge("mlcc_running_requests", "requests in the running batch", registry=r).set_function(core.num_running)
 
 
 def create_app(engine: Engine, api_key: str | None = None, served_name: str | None = None) -> FastAPI:

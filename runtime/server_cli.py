@@ -21,18 +21,24 @@ def add_serve_parser(sub) -> None:
     s.add_argument("--served-model-name", default=None)
     s.add_argument("--tensor-parallel", type=int, default=None, metavar="N",
                    help="GPUs the model is sharded over (must match how it was compiled; default: as compiled)")
+    s.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
+                   help="compile option, repeatable (mlcc.options.CompileOptions): what a model compiled on first "
+                        "use is built with; an artifacts folder must have been built with it")
     s.set_defaults(func=run_serve)
 
 
 def run_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
+    from mlcc.options import CompileOptions
+
     from .engine import Engine
     from .server import create_app
 
     engine = Engine(args.model, target=args.target, quant=args.quant, max_batch=args.max_batch,
                     kv_cache_tokens=args.kv_cache_tokens, prefill_chunk=args.prefill_chunk, policy=args.policy,
-                    tensor_parallel=args.tensor_parallel)
+                    tensor_parallel=args.tensor_parallel,
+                    options=CompileOptions.parse(args.option) if args.option else None)
     app = create_app(engine, api_key=args.api_key, served_name=args.served_model_name)
     try:
         uvicorn.run(app, host=args.host, port=args.port, log_level="info")

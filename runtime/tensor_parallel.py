@@ -1,7 +1,7 @@
 """A tensor-parallel model: N GPUs of one host driven through TVM disco (worker processes) with NCCL all-reduce.
-It offers the subset of LoadedModel's interface the Engine and scheduler use, so `Engine(..., tensor_parallel=N)`
-runs unchanged on top. Greedy ids come from a compiled argmax on the workers; other sampling reads worker 0's
-logits on the host."""
+It offers the subset of LoadedModel's interface the Engine and scheduler use (runtime.model.PagedModel), so
+`Engine(..., tensor_parallel=N)` runs unchanged on top. Greedy ids come from a compiled argmax on the workers; other
+sampling reads worker 0's logits on the host."""
 
 from __future__ import annotations
 
@@ -10,12 +10,13 @@ import logging
 import os
 import threading
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Sequence
 
 import numpy as np
 
-from mlcc import artifact
+from mlcc import artifact, tvm_compat
 
+from .interface import KVCacheOps, ModelFunctions
 from .model import PagedModel, load_params
 
 log = logging.getLogger(__name__)
@@ -25,8 +26,9 @@ NCCL_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "N
 _LOAD_LOCK = threading.Lock()   # TVM's tensor cache is one per process (worker 0 shares the controller's)
 
 
-def _load_shard_params(model_dir: str, specs_json: str, weights: str):
-    """Runs on each disco worker: this rank's parameters onto this rank's GPU."""
+def load_shard_params(model_dir: str, specs_json: str, weights: str):
+    """Runs on each disco worker (registered as mlcc.tp.load_params): this rank's parameters onto this rank's
+    GPU."""
     import tvm
 
     rank = int(tvm.get_global_func("runtime.disco.worker_id")()[0])  # a Shape([id])
@@ -59,26 +61,12 @@ class _Ids:
         return self._ids
 
 
-class _WorkerFunctions:
-    """What the Engine looks up in `model.vm`: greedy argmax runs on the workers; the compiled top-p sampler is
-    not offered (those requests sample on the host from worker 0's logits)."""
-
-    def __init__(self, model: "TensorParallelModel"):
-        self.model = model
-
-    def __getitem__(self, name: str):
-        if name == "argmax_logits":
-            return self.model.argmax
-        raise AttributeError(name)
-
-
 class TensorParallelModel(PagedModel):
     def __init__(self, model_dir: str | Path, verify_checksums: bool = True, weights: str = "files"):
         import tvm
         from tvm.runtime import ShapeTuple
 
         from . import nccl_ccl
-        from .model import _load_backend_runtimes, _register_cuda_jit
 
         self.dir = Path(model_dir)
         self.config = artifact.read_config(self.dir)
@@ -89,7 +77,7 @@ class TensorParallelModel(PagedModel):
         if self.shards < 2:
             raise artifact.ArtifactError(f"{self.dir} was compiled for one GPU; recompile with "
                                          "`mlcc compile ... --tensor-parallel N` to shard it")
-        _load_backend_runtimes("cuda")
+        tvm_compat.load_backend_runtimes("cuda")
         n_gpus = sum(1 for i in range(16) if tvm.cuda(i).exist)
         if n_gpus < self.shards:
             raise artifact.ArtifactError(f"{self.dir} is sharded over {self.shards} GPUs but this machine has "
@@ -97,38 +85,35 @@ class TensorParallelModel(PagedModel):
         if verify_checksums and weights == "files":
             for rank in range(self.shards):
                 artifact.verify_shards(self.dir / artifact.shard_dir(rank))
-        if self.config.get("cuda_arch"):
-            _register_cuda_jit(self.config["cuda_arch"])
         for k, v in NCCL_ENV.items():
             os.environ.setdefault(k, v)
         nccl_ccl.load()
         from tvm.runtime import disco  # after nccl_ccl.load(): it needs libtvm_runtime_extra
 
-        tvm.register_global_func("mlcc.tp.load_params", _load_shard_params, override=True)
+        from .disco_worker import register_worker_functions
+
+        register_worker_functions()   # worker 0 runs in this process
 
         # Worker processes, not threads: TVM captures CUDA graphs in global mode, which forbids the other threads'
         # CUDA calls while one worker captures.
-        os.environ["MLCC_CUDA_ARCH"] = self.config.get("cuda_arch") or ""
         self.sess = disco.ProcessSession(num_workers=self.shards, entrypoint="mlcc.runtime.disco_worker")
+        if self.config.get("cuda_arch"):  # before the library is loaded: its CUDA source is compiled at load
+            self.sess.get_global_func("mlcc.tp.register_cuda_jit")(self.config["cuda_arch"])
         self.sess.init_ccl("nccl", *range(self.shards))
         self.mod = self.sess.load_vm_module(str(self.dir / self.config["library"]))
-        lib_stamp = json.loads(str(self._from_worker0(self.mod["_metadata"]())))
+        # the library was built for this job: every function the spec lists is there (a missing one fails on call)
+        self.fns = ModelFunctions.lookup(lambda n: self.mod[n], lambda n: n != artifact.GRAPH_DECODE_FUNCTION,
+                                         self.dir)
+        lib_stamp = json.loads(str(self._from_worker0(self.fns.metadata())))
         artifact.check_stamp(lib_stamp, self.config, self.dir)
         self.stamp = lib_stamp
         self.params = self.sess.get_global_func("mlcc.tp.load_params")(
             str(self.dir), json.dumps(self.config["params"]), weights)
         self._shape = ShapeTuple
-        g = self.sess.get_global_func
-        self._f = {n: self.mod[n] for n in ("embed", "prefill", "decode", "batch_prefill", "batch_decode",
-                                            "create_paged_kv_cache")}
-        self._kv_add, self._kv_remove = g("vm.builtin.kv_state_add_sequence"), g("vm.builtin.kv_state_remove_sequence")
-        self._kv_fork, self._kv_popn = g("vm.builtin.kv_state_fork_sequence"), g("vm.builtin.kv_state_popn")
-        self._kv_begin, self._kv_end = g("vm.builtin.kv_state_begin_forward"), g("vm.builtin.kv_state_end_forward")
-        self._kv_free_pages = g("vm.builtin.attention_kv_cache_get_num_available_pages")
-        self._reshape, self._getitem = g("vm.builtin.reshape"), g("vm.builtin.tuple_getitem")
-        self.kv = None
-        self._argmax = self.mod["argmax_logits"]
-        self.vm = _WorkerFunctions(self)
+        self.kv_ops = KVCacheOps.lookup(self.sess.get_global_func)
+        self._reshape = self.sess.get_global_func("vm.builtin.reshape")
+        self._getitem = self.sess.get_global_func("vm.builtin.tuple_getitem")
+        self.argmax = self._argmax_on_workers   # the compiled top-p sampler is not offered: it samples on the host
         self.device_kind = "cuda"
         self.dev = tvm.cuda(0)
         self.hidden = int(self.config["hidden_size"])
@@ -136,8 +121,8 @@ class TensorParallelModel(PagedModel):
         self.context_window = int(self.config["context_window_size"])
         log.info("tensor-parallel model on %d GPUs (disco + NCCL): %s", self.shards, self.dir)
 
-    def free_pages(self) -> int:
-        return int(self._from_worker0(self._kv_free_pages(self.kv)))
+    def _count(self, value) -> int:
+        return int(self._from_worker0(value))
 
     @staticmethod
     def _from_worker0(dref):
@@ -148,7 +133,7 @@ class TensorParallelModel(PagedModel):
         return _ffi_api.DRefDebugGetFromRemote(dref, 0)
 
     # -- forward -------------------------------------------------------------------------------------------------
-    def _to_dev(self, a: np.ndarray):
+    def to_device(self, a: np.ndarray):
         """Host tensors: with several workers, sampling happens on the host."""
         import tvm
 
@@ -156,7 +141,7 @@ class TensorParallelModel(PagedModel):
 
     def _embed_shaped(self, ids: Sequence[int], shape: list[int]):
         ids_ref = self.sess.broadcast(self._check_ids(ids))
-        return self._reshape(self._f["embed"](ids_ref, self.params), self._shape(shape))
+        return self._reshape(self.fns.embed(ids_ref, self.params), self._shape(shape))
 
     def _positions(self, pos: np.ndarray):
         return self.sess.broadcast(pos)
@@ -164,18 +149,14 @@ class TensorParallelModel(PagedModel):
     def _logits(self, out, rows: int) -> _WorkerLogits:
         return _WorkerLogits(self, self._reshape(self._getitem(out, 0), self._shape([rows, self.vocab])), rows)
 
-    def argmax(self, logits) -> _Ids:
+    def _argmax_on_workers(self, logits) -> _Ids:
         """Greedy ids: computed on the workers, only int32[rows] crosses to the host."""
         import tvm
 
         if not isinstance(logits, _WorkerLogits):  # rows already brought to the host
             return _Ids(np.asarray(logits.numpy()).argmax(axis=-1).astype(np.int32))
-        ids = self._argmax(logits.dref)
+        ids = self.fns.argmax_logits(logits.dref)
         host = tvm.runtime.empty((logits.shape[0],), "int32", tvm.cpu())
         self.sess.copy_from_worker_0(host, ids)
         self.sess.sync_worker_0()
         return _Ids(host.numpy())
-
-    def info(self) -> dict[str, Any]:
-        return {"dir": str(self.dir), "target": self.config["target"], "quantization": self.config["quantization"],
-                "stamp": self.stamp, "tensor_parallel": self.shards}

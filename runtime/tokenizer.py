@@ -32,13 +32,22 @@ class Tokenizer:
             eos.add(self.tok.token_to_id(self.eos_token))
         self.eos_ids = eos
         self._template = _compile_template(info.get("chat_template")) if info.get("chat_template") else None
+        # add_bos_token (tokenizer_config.json, or the GGUF's tokenizer.ggml.add_bos_token): a raw prompt starts
+        # with the BOS token. Chat templates write it into the text themselves ({{ bos_token }}).
+        bos_id = self.tok.token_to_id(self.bos_token) if self.bos_token else None
+        self.prompt_bos_id = bos_id if info.get("add_bos_token") else None
 
-    @property
-    def vocab_size(self) -> int:
-        return self.tok.get_vocab_size()
+    def encode(self, text: str) -> list[int]:
+        """The text's ids, special tokens written in it included; nothing added (a rendered chat template)."""
+        return self.tok.encode(text, add_special_tokens=False).ids
 
-    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
-        return self.tok.encode(text, add_special_tokens=add_special_tokens).ids
+    def encode_prompt(self, text: str) -> list[int]:
+        """A completions prompt: the text's ids after the BOS token where the tokenizer wants one, unless the text
+        already starts with it."""
+        ids = self.encode(text)
+        if self.prompt_bos_id is not None and ids[:1] != [self.prompt_bos_id]:
+            ids.insert(0, self.prompt_bos_id)
+        return ids
 
     def decode(self, ids: list[int]) -> str:
         return self.tok.decode(ids, skip_special_tokens=True)

@@ -10,11 +10,10 @@ import pytest
 from openai.types import Completion
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
-from mlcc.errors import ArtifactError
-from mlcc.runtime.engine import AsyncEngine, Engine
-from mlcc.errors import ContextWindowExceededError, RequestError
+from mlcc import AsyncEngine, Engine
+from mlcc.errors import ArtifactError, ContextWindowExceededError, RequestError
+from mlcc.runtime.request import Request
 from mlcc.runtime.sampler import SamplingParams
-from mlcc.runtime.scheduler import Request
 
 MSGS = [{"role": "user", "content": "Hello there"}]
 
@@ -130,7 +129,7 @@ def test_concurrent_requests_equal_sequential(engine):
         par = list(ex.map(lambda p: engine.completions.create(prompt=p, max_tokens=12, temperature=0)
                           .choices[0].text, prompts))
     assert par == seq
-    assert engine.scheduler.pages_in_use() == 0
+    assert engine.core.pages_in_use() == 0
 
 
 def test_async_engine(engine):
@@ -193,8 +192,8 @@ def test_compiled_sampler_follows_the_distribution(compiled):
     from mlcc.runtime.model import LoadedModel
 
     m = LoadedModel(compiled("llama", "q0f32"))
-    f = m.vm["sample_top_p_top_k"]
-    dev = m._to_dev
+    f = m.fns.sample_top_p_top_k
+    dev = m.to_device
     logits = np.full((1, m.vocab), -30.0, np.float32)
     logits[0, [3, 7, 11, 19]] = [0.0, 1.0, 2.0, 3.0]
 
@@ -219,11 +218,9 @@ def test_compiled_sampler_follows_the_distribution(compiled):
 
 @pytest.fixture(scope="module")
 def pipelined_engine(compiled):
-    """The same model decoding a lone request pipelined (runtime.decode_pipeline), as on CUDA: the compiled argmax
-    as the sampler's (on the CPU numpy's is used) and the loop on although reads cannot overlap here."""
-    e = Engine(compiled("llama", "q0f32"), target="llvm", max_batch=4)
-    e.scheduler.sampler._argmax = e.model.vm["argmax_logits"]
-    e.scheduler.pipeline_without_overlap = True
+    """The same model decoding a lone request pipelined (runtime.decode_graph.decode_pipelined), as on CUDA: ids
+    drawn by the compiled argmax/sampler and left on the device, the loop on although reads cannot overlap here."""
+    e = Engine(compiled("llama", "q0f32"), target="llvm", max_batch=4, pipeline=True)
     yield e
     e.shutdown()
 
@@ -232,11 +229,11 @@ def test_pipelined_decode_matches_the_synchronous_loop(engine, pipelined_engine)
     prompts = ["one", "two two", "three three three"]
     for p in prompts:
         want = engine.completions.create(prompt=p, max_tokens=24, temperature=0)
-        before = pipelined_engine.scheduler.stats["pipelined_tokens"]
+        before = pipelined_engine.core.stats["pipelined_tokens"]
         got = pipelined_engine.completions.create(prompt=p, max_tokens=24, temperature=0)
         assert got.choices[0].text == want.choices[0].text
         assert got.usage.completion_tokens == want.usage.completion_tokens
-        assert pipelined_engine.scheduler.stats["pipelined_tokens"] - before == got.usage.completion_tokens - 1
+        assert pipelined_engine.core.stats["pipelined_tokens"] - before == got.usage.completion_tokens - 1
     # a stop token in the middle: the step queued behind it is dropped, its pages freed with the sequence
     toks, _ = _token_ids(engine, "one", 24)
     stop = toks[10]
@@ -246,12 +243,11 @@ def test_pipelined_decode_matches_the_synchronous_loop(engine, pipelined_engine)
 
 
 def test_pipelined_decode_queues_a_step_only_after_the_previous_steps_tail(engine, pipelined_engine, monkeypatch):
-    """With a step tail (on CUDA: an event after the step's last KV-cache read, runtime.model), step k's KV-cache
-    metadata must not be queued before step k-1 has passed it (TVM copies it into one buffer); the ids are still
-    handed out in order and equal the synchronous loop's."""
+    """With a step tail (on CUDA: an event after the step's last KV-cache read, runtime.decode_graph), step k's
+    KV-cache metadata must not be queued before step k-1 has passed it (TVM copies it into one buffer); the ids are
+    still handed out in order and equal the synchronous loop's."""
     model, log = pipelined_engine.model, []
     queue = model.decode_fed_back
-    monkeypatch.setattr(model, "step_tail", None)  # restored after the test: the engine is shared by the module
 
     class Tail:
         def __init__(self, step):
@@ -263,9 +259,8 @@ def test_pipelined_decode_queues_a_step_only_after_the_previous_steps_tail(engin
     def decode_fed_back(seq_id, ids):
         step = sum(1 for e in log if e[0] == "queued")
         log.append(("queued", step))
-        out = queue(seq_id, ids)
-        model.step_tail = Tail(step)
-        return out
+        logits, _ = queue(seq_id, ids)
+        return logits, Tail(step)
 
     monkeypatch.setattr(model, "decode_fed_back", decode_fed_back)
     want = engine.completions.create(prompt="two two", max_tokens=12, temperature=0)
@@ -282,25 +277,25 @@ def test_pipelined_sampling_draws_what_the_synchronous_path_draws(engine, pipeli
     """Seeded temperature/top-p sampling: the same uniform stream, drawn one a step, gives the same text."""
     for seed in (1, 7):
         kw = dict(prompt="two two", max_tokens=24, temperature=0.9, top_p=0.9, seed=seed)
-        before = pipelined_engine.scheduler.stats["pipelined_tokens"]
+        before = pipelined_engine.core.stats["pipelined_tokens"]
         got = pipelined_engine.completions.create(**kw)
         assert got.choices[0].text == engine.completions.create(**kw).choices[0].text
-        assert pipelined_engine.scheduler.stats["pipelined_tokens"] - before == got.usage.completion_tokens - 1
+        assert pipelined_engine.core.stats["pipelined_tokens"] - before == got.usage.completion_tokens - 1
     # penalties need the history on the host: not pipelined, same answer
     kw = dict(prompt="aaaa", max_tokens=12, temperature=0, repetition_penalty=1.5)
-    before = pipelined_engine.scheduler.stats["pipelined_tokens"]
+    before = pipelined_engine.core.stats["pipelined_tokens"]
     assert pipelined_engine.completions.create(**kw).choices[0].text == engine.completions.create(**kw).choices[0].text
-    assert pipelined_engine.scheduler.stats["pipelined_tokens"] == before
+    assert pipelined_engine.core.stats["pipelined_tokens"] == before
 
 
 def test_pipelined_decode_stops_for_an_abandoned_stream(pipelined_engine):
-    before = pipelined_engine.scheduler.stats["pipelined_tokens"]
+    before = pipelined_engine.core.stats["pipelined_tokens"]
     it = pipelined_engine.chat.completions.create(messages=MSGS, max_tokens=400, temperature=0, stream=True,
                                                   ignore_eos=True)
     next(it), next(it)
     it.close()
     _wait_for_free_pages(pipelined_engine)
-    assert pipelined_engine.scheduler.stats["pipelined_tokens"] - before < 399  # the burst stopped early
+    assert pipelined_engine.core.stats["pipelined_tokens"] - before < 399  # the burst stopped early
     assert pipelined_engine.chat.completions.create(messages=MSGS, max_tokens=4, temperature=0).choices
 
 
@@ -321,18 +316,18 @@ def test_pipelined_decode_yields_to_new_requests(engine, pipelined_engine):
 
 def _wait_for_free_pages(engine) -> None:
     for _ in range(100):
-        if engine.scheduler.pages_in_use() == 0:
+        if engine.core.pages_in_use() == 0:
             return
         time.sleep(0.05)
-    assert engine.scheduler.pages_in_use() == 0
+    assert engine.core.pages_in_use() == 0
 
 
 def _token_ids(engine, prompt: str, n: int, **params) -> tuple[list[int], str]:
-    """The greedy ids themselves, straight from the scheduler, and the finish reason."""
+    """The greedy ids themselves, straight from the engine core, and the finish reason."""
     q: queue.Queue = queue.Queue()
     req = Request(engine.encode_prompt(prompt), SamplingParams(temperature=0, ignore_eos=True, **params), n, q.put,
                   None, set())
-    engine.scheduler.submit(req)
+    engine.core.submit(req)
     out = []
     while True:
         ev = q.get(timeout=60)

@@ -1,0 +1,178 @@
+"""The engine core: one worker thread that owns the model and executes the scheduler's plans.
+
+Each step it asks the scheduler (runtime.scheduler, deciding through runtime.policy) for a plan, then runs it: KV
+sequences removed (cancelled, preempted) and added (admitted), one ragged prefill chunk, forks of requests whose
+prompt is now read, one batched decode step — or, when a single request is running, a pipelined decode burst
+(runtime.decode_graph) that lasts until the request ends or another one arrives — and hands the sampled tokens to
+the requests, which report through their sinks (text deltas, then a finish event), so sync, async and HTTP
+callers share it.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import math
+import threading
+
+from mlcc.errors import ContextWindowExceededError
+
+from .decode_graph import decode_pipelined
+from .policy import Plan, make_policy
+from .request import Event, Request
+from .sampler import DeviceDraw, Sampler
+from .scheduler import Scheduler
+from .token_fetch import TokenFetcher
+
+log = logging.getLogger(__name__)
+
+
+class EngineCore:
+    """pipeline: decode a lone request pipelined — None: where the device reads sampled ids back without waiting
+    for the steps queued after them (CUDA); True: wherever the model can feed ids back (elsewhere it only adds a
+    wasted step at the end of each request: the same tokens, for tests); False: never."""
+
+    def __init__(self, model, sampler: Sampler, max_batch: int, max_total_tokens: int, prefill_chunk: int,
+                 page_size: int = 16, policy: str = "no_evict", pipeline: bool | None = None):
+        self.model = model
+        self.sampler = sampler
+        self.page_size = page_size
+        model.create_kv_cache(max_batch, max_total_tokens, prefill_chunk, page_size)
+        self.total_pages = model.free_pages()
+        self.policy = make_policy(policy, page_size, self.total_pages, prefill_chunk)
+        self.stats: collections.Counter = collections.Counter()
+        self.scheduler = Scheduler(self.policy, max_batch, self.stats)
+        feeds_back = hasattr(model, "decode_fed_back")
+        self._fetcher = TokenFetcher(model.dev) if feeds_back and pipeline is not False else None
+        self._pipeline = self._fetcher is not None and (pipeline or (pipeline is None and self._fetcher.overlaps))
+        self._thread = threading.Thread(target=self._loop, name="mlcc-engine-core", daemon=True)
+        self._thread.start()
+
+    # -- public, thread-safe -------------------------------------------------------------------------------------
+    def check_fits(self, n_prompt: int, max_new: int) -> None:
+        need = math.ceil((n_prompt + max_new) / self.page_size)
+        if need > self.total_pages:
+            raise ContextWindowExceededError(
+                f"prompt ({n_prompt} tokens) plus max_tokens ({max_new}) needs {need * self.page_size} KV-cache "
+                f"tokens but this engine holds {self.total_pages * self.page_size}; shorten the prompt, lower "
+                "max_tokens, or give the engine more KV memory")
+
+    def submit(self, req: Request) -> None:
+        self.scheduler.submit(req)
+
+    def abort(self, req: Request) -> None:
+        self.scheduler.abort(req)
+
+    def shutdown(self) -> None:
+        self.scheduler.close()
+        self._thread.join(timeout=10)
+
+    def pages_in_use(self) -> int:
+        return self.total_pages - self.model.free_pages()
+
+    def free_pages(self) -> int:
+        return self.model.free_pages()
+
+    def queue_length(self) -> int:
+        return self.scheduler.queue_length()
+
+    def num_running(self) -> int:
+        return self.scheduler.num_running()
+
+    # -- worker --------------------------------------------------------------------------------------------------
+    def _loop(self) -> None:
+        while self.scheduler.wait_for_work():
+            try:
+                self.step()
+            except Exception as e:  # noqa: BLE001 - fail the batch, keep the engine alive
+                log.exception("engine step failed")
+                for r in self.scheduler.fail_all():
+                    try:
+                        if r.seq_id >= 0:
+                            self.model.remove_sequence(r.seq_id)
+                    except Exception:  # noqa: BLE001 - not added, or already removed
+                        pass
+                    r.sink(Event("error", error=e))
+
+    def step(self) -> None:
+        plan, cancelled = self.scheduler.schedule(self.model.free_pages())
+        for r in cancelled + plan.preempt:
+            self.model.remove_sequence(r.seq_id)
+        for r in plan.admit:
+            self.model.add_sequence(r.seq_id)
+        if plan.prefill:
+            self._prefill(plan)
+        if plan.decode:
+            self._decode(plan.decode)
+        for r in [r for r in self.scheduler.running if r.finish_reason is not None]:
+            self._finish(r)
+
+    def _prefill(self, plan: Plan) -> None:
+        reqs = [r for r, _ in plan.prefill]
+        chunks = [r.prefill_ids[r.kv_len: r.kv_len + n] for r, n in plan.prefill]
+        logits = self.model.prefill([r.seq_id for r in reqs], chunks)
+        for r, c in zip(reqs, chunks):
+            r.kv_len += len(c)
+        self.stats["prefill_tokens"] += sum(len(c) for c in chunks)
+        sampled, rows = [], []
+        for i, r in enumerate(reqs):
+            if r.reading_prompt:
+                continue
+            group = [r]
+            if r.forks:
+                group += self.scheduler.forked(r)
+                for f in group[1:]:
+                    self.model.fork_sequence(r.seq_id, f.seq_id)
+            sampled += group   # every choice draws its first token from this row, with its own generator
+            rows += [i] * len(group)
+        if sampled:
+            self._sample_and_emit(sampled, logits, rows)
+
+    def _decode(self, running: list[Request]) -> None:
+        if len(running) == 1 and self.scheduler.num_running() == 1 and self._pipeline and \
+                self.policy.may_burst(running[0], self.model.free_pages()):
+            draw = self.sampler.device_draw(running[0].params, running[0].rng)
+            if draw is not None:
+                self._decode_pipelined(running[0], draw)
+                return
+        logits = self.model.decode([r.seq_id for r in running], [r.output_ids[-1] for r in running])
+        for r in running:
+            r.kv_len += 1
+        self.stats["decode_tokens"] += len(running)
+        self._sample_and_emit(running, logits)
+
+    def _decode_pipelined(self, r: Request, draw: DeviceDraw) -> None:
+        """Decode the only running request until it ends or another request arrives."""
+        def want_more(in_flight: int) -> bool:
+            if r.cancelled or r.finish_reason is not None or self.scheduler.closed:
+                return False
+            if len(r.output_ids) + in_flight >= r.max_new:
+                return False
+            return not self.scheduler.has_waiting()
+
+        def on_token(tid: int) -> bool:
+            r.kv_len += 1   # the step that produced it fed the previous token in
+            self.stats["decode_tokens"] += 1
+            self.stats["pipelined_tokens"] += 1
+            if r.cancelled:
+                r.finish_reason = "abort"
+            else:
+                r.on_token(tid)
+            return r.finish_reason is None
+
+        decode_pipelined(self.model, r.seq_id, r.output_ids[-1], draw, self._fetcher, want_more, on_token)
+
+    def _sample_and_emit(self, reqs: list[Request], logits, rows: list[int] | None = None) -> None:
+        ids = self.sampler.sample(logits, [r.params for r in reqs], [r.prompt_ids + r.output_ids for r in reqs],
+                                  [r.rng for r in reqs], rows=rows)
+        for r, t in zip(reqs, ids):
+            if not r.cancelled:
+                r.on_token(t)
+            else:
+                r.finish_reason = "abort"
+
+    def _finish(self, r: Request) -> None:
+        self.scheduler.finish(r)
+        self.model.remove_sequence(r.seq_id)
+        if not r.cancelled:
+            r.close()

@@ -1,0 +1,76 @@
+"""The compiled model as the runtime sees it: the library's functions and TVM's KV-cache builtins, each looked up
+once by name into a typed record. The single-device loader (runtime.model) and the tensor-parallel one
+(runtime.tensor_parallel) both build these, from a local VM or from disco's worker functions.
+
+The function names are the contract of DESIGN.md: relax_models' export spec, the sampling functions
+compiler/sampling.py adds, `_metadata` (the ABI stamp) and, in single-GPU CUDA libraries, compiler/graph_decode.py's
+`decode_graph`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any, Callable
+
+from mlcc import artifact
+from mlcc.errors import ArtifactError
+
+Function = Callable[..., Any]
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelFunctions:
+    """A library's entry points. Shapes are per call; `params` is the weights array, `kv` the paged KV cache."""
+
+    metadata: Function               # () -> JSON string: the ABI stamp
+    embed: Function                  # (ids int32[n], params) -> [n, hidden]
+    prefill: Function                # (embeds [1, n, hidden], kv, params) -> (logits [1, 1, vocab], kv)
+    decode: Function                 # (embeds [1, 1, hidden], kv, params) -> (logits [1, 1, vocab], kv)
+    batch_prefill: Function          # (embeds [1, n, hidden], last positions int32[b], kv, params) -> (logits [1, b, vocab], kv)
+    batch_decode: Function           # (embeds [b, 1, hidden], kv, params) -> (logits [b, 1, vocab], kv)
+    create_paged_kv_cache: Function  # (max_batch, max_total_len, prefill_chunk, page_size, sliding window) -> kv
+    argmax_logits: Function          # (logits [b, vocab]) -> int32[b]
+    # (logits [b, vocab], temperature, top_p, top_k, uniform, rows: all [b]) -> int32[b]; absent in WebGPU builds
+    sample_top_p_top_k: Function | None = None
+    # (ids int32[1], (KV cache id, metadata layout), kv, params) -> (logits, kv): batch-1 decode as one CUDA graph
+    decode_graph: Function | None = None
+
+    @classmethod
+    def lookup(cls, get: Callable[[str], Function], has: Callable[[str], bool], where: Path) -> "ModelFunctions":
+        """get(name) -> the function; has(name) -> whether the library defines it."""
+        lib_names = {"metadata": "_metadata", "decode_graph": artifact.GRAPH_DECODE_FUNCTION}
+        names = {f.name: lib_names.get(f.name, f.name) for f in dataclasses.fields(cls)}
+        optional = {"sample_top_p_top_k", "decode_graph"}
+        missing = [lib for field, lib in names.items() if field not in optional and not has(lib)]
+        if missing:
+            raise ArtifactError(f"{where}: the library lacks {', '.join(missing)}: not an mlcc library of this "
+                                "version; recompile with `mlcc compile`")
+        return cls(**{field: get(lib) if has(lib) else None for field, lib in names.items()})
+
+
+@dataclasses.dataclass(frozen=True)
+class KVCacheOps:
+    """TVM's builtins on a paged KV cache (`kv` first in every call)."""
+
+    add_sequence: Function           # (kv, seq_id)
+    remove_sequence: Function        # (kv, seq_id)
+    fork_sequence: Function          # (kv, parent, child, fork position or -1 for the end)
+    popn: Function                   # (kv, seq_id, n)
+    begin_forward: Function          # (kv, seq ids, appended lengths): a step's metadata
+    end_forward: Function            # (kv)
+    free_pages: Function             # (kv) -> pages not held by any sequence
+    query_positions: Function        # (kv) -> positions; copies this step's metadata to the device as a side effect
+
+    _BUILTINS = {"add_sequence": "vm.builtin.kv_state_add_sequence",
+                 "remove_sequence": "vm.builtin.kv_state_remove_sequence",
+                 "fork_sequence": "vm.builtin.kv_state_fork_sequence",
+                 "popn": "vm.builtin.kv_state_popn",
+                 "begin_forward": "vm.builtin.kv_state_begin_forward",
+                 "end_forward": "vm.builtin.kv_state_end_forward",
+                 "free_pages": "vm.builtin.attention_kv_cache_get_num_available_pages",
+                 "query_positions": "vm.builtin.attention_kv_cache_get_query_positions"}
+
+    @classmethod
+    def lookup(cls, get_global: Callable[[str], Function]) -> "KVCacheOps":
+        return cls(**{field: get_global(name) for field, name in cls._BUILTINS.items()})

@@ -1,0 +1,136 @@
+"""One generation request as the scheduler and the engine core see it: its prompt and sampling state, how much of
+it the KV cache holds, and its output handling (detokenize, stop checks, events to the caller's sink)."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+from typing import Callable
+
+import numpy as np
+
+from .sampler import SamplingParams
+from .tokenizer import StreamDecoder
+
+
+@dataclasses.dataclass
+class Event:
+    kind: str                      # "delta" | "finish" | "error"
+    text: str = ""
+    token_id: int | None = None
+    finish_reason: str | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    error: BaseException | None = None
+
+
+@dataclasses.dataclass(eq=False)
+class SharedPrefix:
+    """Full KV pages that forked sequences hold together (TVM frees them with the last holder)."""
+    pages: int
+    holders: set = dataclasses.field(default_factory=set)   # the Requests still running on them
+
+
+@dataclasses.dataclass(eq=False)
+class Request:
+    prompt_ids: list[int]
+    params: SamplingParams
+    max_new: int
+    sink: Callable[[Event], None]
+    decoder: StreamDecoder | None
+    eos_ids: set[int]
+    rng: np.random.Generator = dataclasses.field(default_factory=np.random.default_rng)
+    # further choices of the same prompt (n > 1): admitted with this request, they are forked from its KV state
+    # once its prompt is read, and each samples its first token from the same logits with its own generator
+    forks: list["Request"] = dataclasses.field(default_factory=list)
+    id: int = dataclasses.field(default_factory=itertools.count().__next__)
+    seq_id: int = -1
+    prefill_ids: list[int] = dataclasses.field(default_factory=list)  # what the KV cache must hold before sampling
+    kv_len: int = 0                # tokens in the KV cache: prefill chunks, then one per decode step
+    shared: SharedPrefix | None = None
+    output_ids: list[int] = dataclasses.field(default_factory=list)
+    text: str = ""
+    emitted: int = 0               # chars of `text` already sent
+    finish_reason: str | None = None
+    cancelled: bool = False
+
+    def __post_init__(self) -> None:
+        self.prefill_ids = list(self.prompt_ids)
+
+    @property
+    def reading_prompt(self) -> bool:
+        return self.kv_len < len(self.prefill_ids)
+
+    @property
+    def decoding(self) -> bool:
+        """Has sampled a token that the next decode step feeds in."""
+        return not self.reading_prompt and bool(self.output_ids) and self.finish_reason is None
+
+    def group(self) -> list["Request"]:
+        return [self, *self.forks]
+
+    def preempt(self) -> None:
+        """Drop the KV state; on re-admission prompt + output so far are recomputed and generation resumes."""
+        self.prefill_ids = self.prompt_ids + self.output_ids
+        self.kv_len = 0
+        self.leave_shared()
+
+    def leave_shared(self) -> None:
+        if self.shared is not None:
+            self.shared.holders.discard(self)
+            self.shared = None
+
+    # -- KV pages (the policy's arithmetic: TVM's paged cache gives a sequence ceil(tokens / page_size) pages; the
+    # pages of a SharedPrefix are counted once, by the policy, not here) ------------------------------------------
+    def held_pages(self, page_size: int) -> int:
+        """Pages this request alone holds: removing it frees them (and the shared ones, if it holds them last)."""
+        return math.ceil(self.kv_len / page_size) - (self.shared.pages if self.shared else 0)
+
+    def reserved_pages(self, page_size: int) -> int:
+        """Pages this request and the forks it will make may hold alone by the time they finish."""
+        total = len(self.prompt_ids) + self.max_new
+        own = math.ceil(total / page_size) - (self.shared.pages if self.shared else 0)
+        shared = len(self.prompt_ids) // page_size   # a fork shares the full pages of the prompt
+        return own + sum(math.ceil((len(f.prompt_ids) + f.max_new) / page_size) - shared for f in self.forks)
+
+    def fork_pages(self, page_size: int) -> int:
+        """Pages forking this request's children takes once its prompt is read: each child gets a copy of a
+        partly filled last page."""
+        return len(self.forks) if len(self.prefill_ids) % page_size else 0
+
+    # -- output handling (runs on the worker thread) -------------------------------------------------------------
+    def on_token(self, tid: int) -> None:
+        is_eos = tid in self.eos_ids and not self.params.ignore_eos
+        if is_eos or tid in self.params.stop_token_ids:
+            self.finish_reason = "stop"
+            self._emit(final=True)
+            return
+        self.output_ids.append(tid)
+        if self.decoder is not None:
+            self.text += self.decoder.push(tid)
+        for s in self.params.stop:
+            i = self.text.find(s, max(0, self.emitted - len(s)))
+            if i >= 0:
+                self.text = self.text[:i]
+                self.finish_reason = "stop"
+                self._emit(final=True)
+                return
+        if len(self.output_ids) >= self.max_new:
+            self.finish_reason = "length"
+        self._emit(final=self.finish_reason is not None, token_id=tid)
+
+    def _emit(self, final: bool, token_id: int | None = None) -> None:
+        # Hold back a tail that could still grow into a stop string.
+        hold = 0 if final else max((len(s) - 1 for s in self.params.stop), default=0)
+        upto = max(self.emitted, len(self.text) - hold)
+        delta = self.text[self.emitted: upto]
+        self.emitted = upto
+        if delta or token_id is not None:
+            self.sink(Event("delta", text=delta, token_id=token_id))
+        # the "finish" event comes from close(), after the engine core has released the request's KV pages: a
+        # caller that sees its request end sees its pages free
+
+    def close(self) -> None:
+        self.sink(Event("finish", finish_reason=self.finish_reason, prompt_tokens=len(self.prompt_ids),
+                        completion_tokens=len(self.output_ids)))
