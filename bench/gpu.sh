@@ -19,8 +19,8 @@
 # The decode table, two calls on one machine (the way its committed results were made):
 #   here:    ../shared/gpu/pack.sh && bash bench/gpu.sh prepare
 #            python bench/decode.py build --out .dev/bench && python bench/decode.py reference --out .dev/bench
-#   call 1:  run(command="bash bench/gpu.sh tests", carry=[".gpu"])
-#   call 2:  run(command="bash bench/gpu.sh decode", carry=[".gpu-rt", ".whl", ".dev/bench"])
+#   first:   run(command="bash bench/gpu.sh tests", carry=[".gpu"])
+#   then:    run(command="bash bench/gpu.sh decode", carry=[".gpu-rt", ".whl", ".dev/bench"])
 # Or one call, `bash bench/gpu.sh` with carry [".gpu"]: without .dev/bench the decode stage builds the libraries on
 # the device (its compile column then is the device's), which with the tests may not fit one call's 10 minutes.
 # Stage limits: TEST_S (default 300 s); LIBS (default .dev/bench) names the libraries folder.
