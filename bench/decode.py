@@ -11,7 +11,7 @@ roofline, every column from one device run.
     python3 bench/decode.py table $OUT/decode_mlcc.json $OUT/decode_hf.json [--markdown]
 
 Weights are random (speed does not depend on values); the output length is fixed (EOS ignored). mlcc decodes with
-the engine's pipelined loop (runtime.decode_pipeline: a lone greedy request) and, in alternating rounds over the
+the engine's pipelined loop (runtime.decode_graph: a lone greedy request) and, in alternating rounds over the
 same contexts, the synchronous loop (decode, argmax, read the id, repeat); every id reaches the host, as in
 serving. Before timing, every build is checked: argmax against numpy, decode_graph against plain decode (exact
 logits over several metadata layouts), pipelined against synchronous ids, and the small shapes' logits against
@@ -64,11 +64,11 @@ def teacher_forced_logits(m, forced: list[int]) -> tuple[np.ndarray, list[int]]:
 def decode_steps(m, tok: int, steps: int, pipelined: bool, fetcher=None, seq: int = 0) -> tuple[list[int], float]:
     """`steps` greedy batch-1 decode steps of sequence `seq` from token `tok`; (the new ids, seconds). Each id
     reaches the host, as in serving: pipelined = the engine's loop for a lone greedy request
-    (runtime.decode_pipeline), else the synchronous loop (decode, argmax, read, repeat)."""
-    from mlcc.runtime.decode_pipeline import decode_pipelined
+    (runtime.decode_graph), else the synchronous loop (decode, argmax, read, repeat)."""
+    from mlcc.runtime.decode_graph import decode_pipelined
     from mlcc.runtime.sampler import DeviceDraw
 
-    argmax = m.vm["argmax_logits"]
+    argmax = m.argmax
     got: list[int] = []
     t = time.perf_counter()
     if pipelined:
@@ -115,7 +115,7 @@ def check_argmax(m) -> bool:
     x = rng.standard_normal((4, vocab)).astype(np.float32)
     x[1, [5, vocab - 1]] = 100.0      # tie: the lower index wins, like numpy
     x[2, vocab - 1] = 100.0           # the last element
-    got = m.vm["argmax_logits"](tvm.runtime.tensor(x, m.dev)).numpy()
+    got = m.argmax(tvm.runtime.tensor(x, m.dev)).numpy()
     return bool((got == x.argmax(-1)).all())
 
 
@@ -125,7 +125,7 @@ def check_pipelined_decode(m, fetcher, steps: int = 100) -> dict:
     ids = {}
     for seq, pipelined in ((0, False), (1, True)):
         m.add_sequence(seq)
-        first = int(m.vm["argmax_logits"](m.prefill([seq], [[7, 1, 99, 3000, 42]])).numpy()[0])
+        first = int(m.argmax(m.prefill([seq], [[7, 1, 99, 3000, 42]])).numpy()[0])
         ids[pipelined] = [first] + decode_steps(m, first, steps, pipelined, fetcher, seq)[0]
     same = sum(a == b for a, b in zip(ids[False], ids[True]))
     return {"ok": ids[False] == ids[True], "same": same, "of": len(ids[False]), "overlaps": fetcher.overlaps}
@@ -133,18 +133,19 @@ def check_pipelined_decode(m, fetcher, steps: int = 100) -> dict:
 
 def check_graph_decode(m, steps: int = 200) -> dict:
     """decode_graph against plain decode: two sequences of one cache fed the same tokens (prompt 7, then `steps`
-    steps: several metadata layouts, so several captured graphs), logits compared exactly."""
-    if m._decode_graph is None:
+    steps: several metadata layouts, so several captured graphs), logits compared exactly. The graph is told to
+    forget sequence 1, which therefore decodes through the plain `decode` function."""
+    if m.graph is None:
         return {"graph": False}
-    keep = m._decode_graph
     m.create_kv_cache(2, 2 * (steps + 64), 512)
     toks = np.random.default_rng(2).integers(0, m.vocab, steps + 7).tolist()
     rows = {}
-    for seq, graph in ((1, None), (2, keep)):
-        m._decode_graph = graph
+    for seq in (1, 2):
         m.add_sequence(seq)
+        if seq == 1:
+            m.graph.forget(seq)
         rows[seq] = [m.prefill([seq], [toks[:7]]).numpy()] + [m.decode([seq], [t]).numpy() for t in toks[7:]]
-    m._decode_graph = keep
+    assert not m.graph.serves(1) and m.graph.serves(2)
     same = sum(bool(np.array_equal(a, b)) for a, b in zip(rows[1], rows[2]))
     m.remove_sequence(1)
     m.remove_sequence(2)
@@ -257,7 +258,7 @@ def cmd_mlcc(a) -> None:
                          "error": "pipelined decode differs from synchronous decode: not timed"})
             continue
         m.create_kv_cache(1, 4096, 2048)
-        argmax = m.vm["argmax_logits"]
+        argmax = m.argmax
         # decode: one token per step, every id reaches the host; the pipelined loop (what the engine runs for a
         # lone greedy request) and the synchronous one, in alternating rounds over the same context lengths
         m.add_sequence(0)

@@ -45,7 +45,7 @@ def main() -> None:
     m.create_kv_cache(1, 4096, 2048)
     m.add_sequence(0)
     m.prefill([0], [[7] * 128])
-    argmax = m.vm["argmax_logits"]
+    argmax = m.argmax
     tok = 7
     for _ in range(5):
         tok = int(argmax(m.decode([0], [tok])).numpy()[0])

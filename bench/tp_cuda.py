@@ -70,7 +70,7 @@ def _greedy(m, prompt: list[int], steps: int) -> tuple[np.ndarray, list[int]]:
     m.add_sequence(0)
     logits = m.prefill([0], [prompt])
     first = logits.numpy().copy()
-    argmax = m.vm["argmax_logits"]
+    argmax = m.argmax
     ids = [int(argmax(logits).numpy()[0])]
     for _ in range(steps - 1):
         ids.append(int(argmax(m.decode([0], [ids[-1]])).numpy()[0]))
@@ -80,7 +80,7 @@ def _greedy(m, prompt: list[int], steps: int) -> tuple[np.ndarray, list[int]]:
 
 def _decode_speed(m) -> float:
     m.create_kv_cache(1, 4096, 2048)
-    argmax = m.vm["argmax_logits"]
+    argmax = m.argmax
     m.add_sequence(0)
     tok = int(argmax(m.prefill([0], [[7] * PROMPT])).numpy()[0])
     for _ in range(5):

@@ -35,7 +35,7 @@ def test_device_sampler_draws_follow_the_softmax(builds):
     from mlcc.runtime.model import LoadedModel
 
     m = LoadedModel(builds / "cuda")
-    sample = m.vm["sample_top_p_top_k"]
+    sample = m.sample
 
     def dev(a: np.ndarray):
         return tvm.runtime.tensor(a, m.dev)
