@@ -114,6 +114,7 @@ class EngineCore:
         for r, c in zip(reqs, chunks):
             r.kv_len += len(c)
         self.stats["prefill_tokens"] += sum(len(c) for c in chunks)
+        self.stats["prefill_steps"] += 1
         sampled, rows = [], []
         for i, r in enumerate(reqs):
             if r.reading_prompt:
@@ -163,7 +164,7 @@ class EngineCore:
         decode_pipelined(self.model, r.seq_id, r.output_ids[-1], draw, self._fetcher, want_more, on_token)
 
     def _sample_and_emit(self, reqs: list[Request], logits, rows: list[int] | None = None) -> None:
-        ids = self.sampler.sample(logits, [r.params for r in reqs], [r.prompt_ids + r.output_ids for r in reqs],
+        ids = self.sampler.sample(logits, [r.params for r in reqs], [(r.prompt_ids, r.output_ids) for r in reqs],
                                   [r.rng for r in reqs], rows=rows)
         for r, t in zip(reqs, ids):
             if not r.cancelled:

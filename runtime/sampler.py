@@ -14,6 +14,8 @@ import numpy as np
 
 from mlcc.errors import RequestError
 
+History = tuple[Sequence[int], Sequence[int]]   # (prompt ids, generated ids): what penalties look at
+
 
 @dataclasses.dataclass
 class SamplingParams:
@@ -103,9 +105,10 @@ class Sampler:
         """The sampler of a loaded model (runtime.model.PagedModel)."""
         return cls(model.vocab, model.argmax, model.sample, model.to_device, host_greedy=model.device_kind == "cpu")
 
-    def sample(self, logits, params: Sequence[SamplingParams], histories: Sequence[Sequence[int]],
+    def sample(self, logits, params: Sequence[SamplingParams], histories: Sequence[History],
                rngs: Sequence[np.random.Generator], rows: Sequence[int] | None = None) -> list[int]:
-        """One id for each request i, drawn from logits row rows[i] (default: row i) with generator rngs[i]."""
+        """One id for each request i, drawn from logits row rows[i] (default: row i) with generator rngs[i];
+        histories[i] = (prompt ids, generated ids), read only where penalties are set."""
         n = len(params)
         rows = list(range(n)) if rows is None else list(rows)
         if not any(p.penalised for p in params):
@@ -164,19 +167,26 @@ class DeviceDraw:
     prepare: Callable[[], None] | None = None
 
 
-def apply_penalties(row: np.ndarray, p: SamplingParams, history: Sequence[int]) -> np.ndarray:
-    if not p.penalised or not history:
+def apply_penalties(row: np.ndarray, p: SamplingParams, history: History) -> np.ndarray:
+    """HF's repetition penalty (CTRL's, RepetitionPenaltyLogitsProcessor) over every token seen, prompt included:
+    a seen token's logit is divided by it when positive, multiplied by it otherwise. Then OpenAI's frequency and
+    presence penalties over the generated tokens: logit[j] -= count[j] * frequency_penalty + presence_penalty for
+    each token j generated count[j] > 0 times."""
+    if not p.penalised:
         return row
+    prompt, generated = history
     row = row.copy()
-    ids, counts = np.unique(np.asarray(history, dtype=np.int64), return_counts=True)
-    if p.repetition_penalty != 1.0:  # CTRL-style, as in HF's RepetitionPenaltyLogitsProcessor
-        sel = row[ids]
-        row[ids] = np.where(sel > 0, sel / p.repetition_penalty, sel * p.repetition_penalty)
-    row[ids] -= p.frequency_penalty * counts + p.presence_penalty  # OpenAI's definition
+    if p.repetition_penalty != 1.0 and (len(prompt) or len(generated)):
+        seen = np.unique(np.asarray([*prompt, *generated], dtype=np.int64))
+        sel = row[seen]
+        row[seen] = np.where(sel > 0, sel / p.repetition_penalty, sel * p.repetition_penalty)
+    if len(generated) and (p.frequency_penalty or p.presence_penalty):
+        ids, counts = np.unique(np.asarray(generated, dtype=np.int64), return_counts=True)
+        row[ids] -= p.frequency_penalty * counts + p.presence_penalty
     return row
 
 
-def sample_row(row: np.ndarray, p: SamplingParams, history: Sequence[int], rng: np.random.Generator) -> int:
+def sample_row(row: np.ndarray, p: SamplingParams, history: History, rng: np.random.Generator) -> int:
     # float64 and a clip: extreme (but valid) penalties or temperatures must not turn into inf - inf = NaN
     row = np.clip(apply_penalties(row.astype(np.float64), p, history), -1e300, 1e300)
     if p.greedy:

@@ -17,8 +17,9 @@ SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 VOCAB = 320  # 256 byte tokens + specials + unused rows, like real vocabularies padded for alignment
 
 
-def write_tokenizer(folder: Path) -> None:
-    """A byte-level BPE tokenizer (no merges) built with `tokenizers`, plus a ChatML template."""
+def write_tokenizer(folder: Path, bos_token: str | None = None) -> None:
+    """A byte-level BPE tokenizer (no merges) built with `tokenizers`, plus a ChatML template. bos_token: a special
+    token the tokenizer config asks to start every prompt with (add_bos_token), which the template writes first."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from tokenizers.pre_tokenizers import ByteLevel
 
@@ -27,10 +28,12 @@ def write_tokenizer(folder: Path) -> None:
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens(SPECIALS)
+    tok.add_special_tokens(SPECIALS + ([bos_token] if bos_token else []))
     tok.save(str(folder / "tokenizer.json"))
-    (folder / "tokenizer_config.json").write_text(json.dumps({
-        "chat_template": CHATML, "eos_token": "<|im_end|>", "bos_token": None}))
+    config = {"chat_template": CHATML, "eos_token": "<|im_end|>", "bos_token": bos_token}
+    if bos_token:
+        config.update(chat_template="{{ bos_token }}" + CHATML, add_bos_token=True)
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
 
 
 def make_hf_model(kind: str, folder: Path, seed: int = 0) -> Path:

@@ -1,16 +1,19 @@
-"""Engine: OpenAI types, streaming, determinism, stop strings, templates, errors, integrity checks."""
+"""Engine: OpenAI types, streaming, determinism, stop strings, templates, n > 1, penalties, echo, BOS, chunked
+prefill, preemption, compile options, errors, integrity checks."""
 
 import asyncio
 import json
 import queue
 import shutil
+import threading
 import time
 
+import numpy as np
 import pytest
 from openai.types import Completion
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
-from mlcc import AsyncEngine, Engine
+from mlcc import AsyncEngine, CompileOptions, Engine
 from mlcc.errors import ArtifactError, ContextWindowExceededError, RequestError
 from mlcc.runtime.request import Request
 from mlcc.runtime.sampler import SamplingParams
@@ -26,15 +29,13 @@ def engine(compiled):
 
 
 def test_chat_returns_openai_types(engine):
-    r = engine.chat.completions.create(messages=MSGS, max_tokens=8, temperature=0)
+    r = engine.chat.completions.create(messages=MSGS, max_tokens=8, temperature=0, ignore_eos=True)
     assert isinstance(r, ChatCompletion)
     ChatCompletion.model_validate(r.model_dump())  # round-trips through the openai schema
     assert r.choices[0].message.role == "assistant"
-    assert r.choices[0].finish_reason in ("length", "stop")
+    assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 8
     assert r.usage.prompt_tokens == len(engine.encode_chat(MSGS))
-    assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
-    if r.choices[0].finish_reason == "length":
-        assert r.usage.completion_tokens == 8
+    assert r.usage.total_tokens == r.usage.prompt_tokens + 8
 
 
 def test_stream_concatenates_to_non_stream(engine):
@@ -60,10 +61,25 @@ def test_greedy_is_deterministic_and_seed_reproduces(engine):
     assert len(others | {s1}) > 1  # sampling actually samples
 
 
-def test_n_choices_differ_with_seed(engine):
-    r = engine.chat.completions.create(messages=MSGS, max_tokens=12, temperature=1.0, n=3, seed=7)
-    assert [c.index for c in r.choices] == [0, 1, 2]
-    assert len({c.message.content for c in r.choices}) > 1
+def test_n_choices_read_the_prompt_once_and_equal_separately_seeded_requests(engine):
+    """n > 1 forks the prefilled sequence: choice i is what a lone request seeded seed + i returns."""
+    n_prompt = len(engine.encode_chat(MSGS))
+    for kw in (dict(temperature=1.0, top_p=0.9), dict(temperature=0.8, frequency_penalty=1.0)):  # device, host
+        kw.update(messages=MSGS, max_tokens=12, ignore_eos=True)
+        before = engine.core.stats["prefill_tokens"]
+        r = engine.chat.completions.create(n=3, seed=7, **kw)
+        assert engine.core.stats["prefill_tokens"] - before == n_prompt
+        assert [c.index for c in r.choices] == [0, 1, 2]
+        alone = [engine.chat.completions.create(seed=7 + i, **kw).choices[0].message.content for i in range(3)]
+        assert [c.message.content for c in r.choices] == alone
+        assert r.usage.prompt_tokens == n_prompt and r.usage.completion_tokens == 3 * 12
+    streamed = ["", ""]
+    for c in engine.chat.completions.create(messages=MSGS, max_tokens=10, temperature=0, n=2, stream=True):
+        for ch in c.choices:
+            streamed[ch.index] += ch.delta.content or ""
+    greedy = engine.chat.completions.create(messages=MSGS, max_tokens=10, temperature=0).choices[0].message.content
+    assert streamed == [greedy, greedy]
+    _wait_for_free_pages(engine)
 
 
 def test_stop_string_cuts_output(engine):
@@ -113,11 +129,28 @@ def test_context_window_overflow(engine):
     assert engine.chat.completions.create(messages=MSGS, max_tokens=2, temperature=0).choices
 
 
-def test_penalties_change_greedy_output(engine):
-    a = engine.completions.create(prompt="aaaa", max_tokens=24, temperature=0).choices[0].text
-    b = engine.completions.create(prompt="aaaa", max_tokens=24, temperature=0, repetition_penalty=1.8,
-                                  frequency_penalty=1.5).choices[0].text
-    assert a != b
+def test_penalised_greedy_decoding_follows_the_formula(engine, compiled):
+    """Each step's argmax over the model's logits after HF's repetition penalty (prompt and output) and OpenAI's
+    frequency/presence penalties (output), computed here by hand."""
+    from mlcc.runtime.model import LoadedModel
+
+    rep, freq, pres, steps = 1.8, 1.5, 0.5, 16
+    prompt = engine.encode_prompt("aaaa")
+    got, _ = _token_ids(engine, "aaaa", steps, repetition_penalty=rep, frequency_penalty=freq, presence_penalty=pres)
+    m = LoadedModel(compiled("llama", "q0f32"))
+    m.create_kv_cache(1, 256, 64)
+    m.add_sequence(0)
+    logits, want = m.prefill([0], [prompt]).numpy()[0], []
+    for _ in range(steps):
+        z = logits.astype(np.float64)
+        for t in set(prompt) | set(want):
+            z[t] = z[t] / rep if z[t] > 0 else z[t] * rep
+        for t in set(want):
+            z[t] -= freq * want.count(t) + pres
+        want.append(int(np.argmax(z)))
+        logits = m.decode([0], [want[-1]]).numpy()[0]
+    assert got == want
+    assert _token_ids(engine, "aaaa", steps)[0] != want   # the penalties change this prompt's greedy tokens
 
 
 def test_concurrent_requests_equal_sequential(engine):
@@ -312,6 +345,122 @@ def test_pipelined_decode_yields_to_new_requests(engine, pipelined_engine):
             time.sleep(0.05)
         assert [f.result() for f in futs] == seq
     _wait_for_free_pages(pipelined_engine)
+
+
+def test_completions_echo_the_prompt(engine):
+    kw = dict(max_tokens=6, temperature=0)
+    plain = engine.completions.create(prompt="abc", **kw)
+    echoed = engine.completions.create(prompt="abc", echo=True, **kw)
+    assert echoed.choices[0].text == "abc" + plain.choices[0].text and echoed.usage == plain.usage
+    streamed = "".join(c.choices[0].text for c in engine.completions.create(prompt="abc", echo=True, stream=True, **kw)
+                       if c.choices)
+    assert streamed == echoed.choices[0].text
+    ids = engine.encode_prompt("abc")
+    assert engine.completions.create(prompt=ids, echo=True, **kw).choices[0].text == echoed.choices[0].text
+
+
+def test_completions_start_with_bos_where_the_tokenizer_wants_it(compiled, tmp_path):
+    """add_bos_token (as compiler/tokenizer_files.py records it): a completions prompt gets the BOS token once;
+    a chat template that writes it is not doubled; token-id prompts are used as given."""
+    from conftest import write_tokenizer
+
+    from mlcc.compiler.tokenizer_files import tokenizer_info
+
+    d = tmp_path / "m"
+    shutil.copytree(compiled("llama", "q0f32"), d)
+    write_tokenizer(d, bos_token="<s>")
+    cfg = json.loads((d / "mlcc-config.json").read_text())
+    cfg["tokenizer"] = tokenizer_info(d)
+    assert cfg["tokenizer"]["add_bos_token"] is True and cfg["tokenizer"]["bos_token"] == "<s>"
+    (d / "mlcc-config.json").write_text(json.dumps(cfg))
+    with Engine(d, target="llvm", max_batch=2) as e:
+        bos = e.tokenizer.tok.token_to_id("<s>")
+        ids = e.encode_prompt("abc")
+        assert ids == [bos, *e.tokenizer.encode("abc")] and e.encode_prompt("<s>abc") == ids
+        r = e.completions.create(prompt="abc", max_tokens=8, temperature=0, echo=True)
+        assert r.usage.prompt_tokens == 4 and r.choices[0].text.startswith("abc")
+        by_ids = e.completions.create(prompt=ids, max_tokens=8, temperature=0)
+        assert r.choices[0].text == "abc" + by_ids.choices[0].text and by_ids.usage.prompt_tokens == 4
+        chat = e.encode_chat(MSGS)
+        assert chat[0] == bos and chat.count(bos) == 1
+        assert e.completions.create(prompt=ids[1:], max_tokens=2).usage.prompt_tokens == 3
+
+
+def test_prompts_longer_than_the_prefill_chunk_give_the_same_greedy_tokens(engine, compiled):
+    prompts = ["the quick brown fox jumps over the lazy dog " * 3, "short", "a longer prompt that is cut " * 2]
+    want = _all_token_ids(engine, prompts, 16)
+    with Engine(compiled("llama", "q0f32"), target="llvm", max_batch=4, prefill_chunk=24) as chunked:
+        got = _all_token_ids(chunked, prompts, 16)
+        total = sum(len(chunked.encode_prompt(p)) for p in prompts)
+        assert chunked.core.stats["prefill_tokens"] == total
+        assert chunked.core.stats["prefill_steps"] >= -(-total // 24) > len(prompts)
+    assert got == want
+
+
+def test_max_util_preempts_and_recomputes_to_the_same_greedy_tokens(engine, compiled):
+    """A KV cache of 6 pages for four requests of up to 4 pages each: max_util preempts the most recent ones and
+    recomputes them later; every request still gets the tokens it gets alone."""
+    prompts = ["one", "two two", "three three three", "four four four four"]
+    want = [_token_ids(engine, p, 40)[0] for p in prompts]
+    with Engine(compiled("llama", "q0f32"), target="llvm", max_batch=4, kv_cache_tokens=80,
+                policy="max_util") as small:
+        assert small.core.total_pages < 4 * 4
+        got = _all_token_ids(small, prompts, 40)
+        assert small.core.stats["preempted"] > 0
+        _wait_for_free_pages(small)
+    assert got == want
+
+
+def test_a_folder_built_with_other_compile_options_is_refused(compiled):
+    d = compiled("llama", "q0f32")
+    with pytest.raises(ArtifactError, match=r"asked for compile options pdl=False \(built with True\).*"
+                                            r"--option pdl=0 --output"):
+        Engine(d, target="llvm", options=CompileOptions(pdl=False))
+    with Engine(d, target="llvm", max_batch=1, options=CompileOptions()) as e:   # what it was built with
+        assert e.completions.create(prompt="abc", max_tokens=2).choices
+
+
+def test_jit_builds_are_keyed_by_their_compile_options(hf_models, tmp_path, monkeypatch):
+    from mlcc.compiler import build
+    from mlcc.runtime.jit import build_dir, resolve_model
+
+    monkeypatch.setenv("MLCC_CACHE_DIR", str(tmp_path))
+    src = hf_models("llama")
+    default = build_dir(src, "llvm", "q0f32", 1, CompileOptions())
+    assert build_dir(src, "llvm", "q0f32", 1, CompileOptions()) == default
+    assert build_dir(src, "llvm", "q0f32", 1, CompileOptions(decode_graph=False)) != default
+    assert build_dir(src, "llvm", "q0f32", 1, CompileOptions(decode_attention_splits=4)) != default
+    calls = []
+
+    def fake_compile(model, target, quant, out, tensor_parallel=1, options=None):
+        calls.append(options)
+        out.mkdir(parents=True)
+        (out / "mlcc-config.json").write_text("{}")
+
+    monkeypatch.setattr(build, "compile_model", fake_compile)
+    opts = CompileOptions(pdl=False)
+    out = resolve_model(src, "llvm", "q0f32", options=opts)
+    assert out == build_dir(src, "llvm", "q0f32", 1, opts) != default and calls == [opts]
+    assert resolve_model(src, "llvm", "q0f32", options=opts) == out and len(calls) == 1   # cached
+    assert resolve_model(src, "llvm", "q0f32") == default and calls[1] == CompileOptions()
+
+
+def _all_token_ids(engine, prompts: list[str], n: int, **params) -> list[list[int]]:
+    """Greedy ids of several requests submitted together (so that they run side by side)."""
+    queues = [queue.Queue() for _ in prompts]
+    reqs = [Request(engine.encode_prompt(p), SamplingParams(temperature=0, ignore_eos=True, **params), n, q.put,
+                    None, set()) for p, q in zip(prompts, queues)]
+    for r in reqs:
+        engine.core.submit(r)
+    out = []
+    for q in queues:
+        ids = []
+        while (ev := q.get(timeout=120)).kind == "delta":
+            if ev.token_id is not None:
+                ids.append(ev.token_id)
+        assert ev.kind == "finish", ev.error
+        out.append(ids)
+    return out
 
 
 def _wait_for_free_pages(engine) -> None:
