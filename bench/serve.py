@@ -65,27 +65,28 @@ def sweep(base: str, a) -> list[dict]:
 async def client_loop(base: str, model: str, stop_at: float, rng: random.Random, stats: dict) -> None:
     import openai
 
-    client = openai.AsyncOpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0, timeout=300)
-    while time.monotonic() < stop_at:
-        prompt = " ".join(rng.choice(WORDS) for _ in range(rng.randint(8, 200)))
-        max_tokens = rng.randint(16, 160)
-        cut = rng.randint(1, 20) if rng.random() < 0.2 else None
-        try:
-            stream = await client.chat.completions.create(model=model, messages=[{"role": "user", "content": prompt}],
-                                                          max_tokens=max_tokens, temperature=0.7, stream=True)
-            n = 0
-            async for _ in stream:
-                n += 1
-                if cut is not None and n >= cut:
-                    await stream.close()  # a client disconnecting mid-stream
-                    stats["disconnects"] += 1
-                    break
-            else:
-                stats["completed"] += 1
-            stats["chunks"] += n
-        except Exception as e:  # noqa: BLE001 - counted, reported
-            stats["errors"] += 1
-            stats["error_samples"].add(f"{type(e).__name__}: {e}"[:200])
+    async with openai.AsyncOpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0, timeout=300) as client:
+        while time.monotonic() < stop_at:
+            prompt = " ".join(rng.choice(WORDS) for _ in range(rng.randint(8, 200)))
+            max_tokens = rng.randint(16, 160)
+            cut = rng.randint(1, 20) if rng.random() < 0.2 else None
+            try:
+                stream = await client.chat.completions.create(
+                    model=model, messages=[{"role": "user", "content": prompt}], max_tokens=max_tokens,
+                    temperature=0.7, stream=True)
+                n = 0
+                async for _ in stream:
+                    n += 1
+                    if cut is not None and n >= cut:
+                        await stream.close()  # a client disconnecting mid-stream
+                        stats["disconnects"] += 1
+                        break
+                else:
+                    stats["completed"] += 1
+                stats["chunks"] += n
+            except Exception as e:  # noqa: BLE001 - counted, reported
+                stats["errors"] += 1
+                stats["error_samples"].add(f"{type(e).__name__}: {e}"[:200])
 
 
 def soak(base: str, seconds: int, clients: int) -> dict:
