@@ -42,11 +42,15 @@ def parse_options(items: list[str]):
 
 
 def source_commit() -> str:
-    """The checkout's short commit, with '+dirty' when tracked files differ from it ('unknown' outside git)."""
+    """The short commit of the mlcc being imported (a worktree of another commit counts as that commit), with
+    '+dirty' when its tracked files differ from it; 'unknown' outside git."""
+    import mlcc
+
+    where = str(Path(mlcc.__file__).resolve().parent)
     try:
-        rev = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True,
+        rev = subprocess.run(["git", "-C", where, "rev-parse", "--short", "HEAD"], capture_output=True,
                              text=True, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "-C", str(REPO), "diff", "--quiet", "HEAD", "--", "."],
+        dirty = subprocess.run(["git", "-C", where, "diff", "--quiet", "HEAD", "--", "."],
                                capture_output=True).returncode != 0
         return rev + ("+dirty" if dirty else "")
     except (OSError, subprocess.CalledProcessError):
