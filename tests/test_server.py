@@ -81,6 +81,24 @@ def test_completions_endpoint(client):
     assert s == r.choices[0].text
 
 
+def test_completions_echo_and_n_over_http(client):
+    plain = client.completions.create(model="tiny", prompt="abc", max_tokens=6, temperature=0)
+    r = client.completions.create(model="tiny", prompt="abc", max_tokens=6, temperature=0, echo=True, n=2)
+    assert [c.text for c in r.choices] == ["abc" + plain.choices[0].text] * 2
+    assert r.usage.prompt_tokens == 3 and r.usage.completion_tokens == 2 * plain.usage.completion_tokens
+
+
+def test_serve_refuses_a_folder_built_with_other_compile_options(compiled):
+    r = subprocess.run([sys.executable, "-m", "mlcc", "serve", str(compiled("llama", "q0f32")), "--target", "llvm",
+                        "--port", str(_free_port()), "--option", "decode_graph=0"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2
+    assert "asked for compile options decode_graph=False (built with True)" in r.stderr, r.stderr
+    bad = subprocess.run([sys.executable, "-m", "mlcc", "serve", "--option", "nonsense=1"], capture_output=True,
+                         text=True, timeout=120)
+    assert bad.returncode == 2 and "--option 'nonsense=1'" in bad.stderr, bad.stderr
+
+
 def test_concurrent_async_clients_equal_sequential(server, client):
     prompts = [f"prompt number {i} " * (i + 1) for i in range(8)]
     seq = [client.completions.create(model="tiny", prompt=p, max_tokens=12, temperature=0).choices[0].text
