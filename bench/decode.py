@@ -31,11 +31,9 @@ import time
 from pathlib import Path
 
 import numpy as np
-from harness import add_options_argument, build_info, cli, parse_options, write_json
+from harness import add_options_argument, build_info, cli, parse_options, presets, write_json
 
-from mlcc.relax_models.presets import PRESETS
-
-MODELS = {name: (p.family, p.config) for name, p in PRESETS.items()}
+MODELS = {name: (p.family, p.config) for name, p in presets().items()}
 RUNS = [("llama3-8b", "q4f16_1"), ("llama3-8b", "q0f16"), ("qwen2.5-0.5b", "q4f16_1"), ("smollm2-135m", "q4f16_1")]
 PROMPT, STEPS, ROUNDS = 128, 256, 4   # 2 x 256 steps: pipelined and synchronous rounds alternate
 CHECKED = ("smollm2-135m", "qwen2.5-0.5b")   # small enough to run on the CPU here as the reference

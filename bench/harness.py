@@ -11,6 +11,7 @@ import argparse
 import json
 import platform
 import subprocess
+import sys
 from pathlib import Path
 from typing import Any, Callable
 
@@ -28,6 +29,22 @@ def cli(doc: str | None, commands: dict[str, tuple[Callable, Callable[[argparse.
             configure(s)
     a = p.parse_args(argv)
     commands[a.cmd][0](a)
+
+
+def presets() -> dict:
+    """mlcc.relax_models.presets.PRESETS (name -> Preset: family, HF config). Loaded from its file, not through the
+    mlcc.relax_models package: importing that package builds the model families on TVM's compiler, which the
+    runtime-only TVM of a device run does not have, and the table itself needs nothing."""
+    import importlib.util
+
+    import mlcc
+
+    path = Path(mlcc.__file__).resolve().parent / "relax_models" / "presets.py"
+    spec = importlib.util.spec_from_file_location("mlcc_bench_presets", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up while the class is built
+    spec.loader.exec_module(module)
+    return module.PRESETS
 
 
 def add_options_argument(p: argparse.ArgumentParser) -> None:

@@ -29,7 +29,7 @@ import sys
 import time
 from pathlib import Path
 
-from harness import write_json
+from harness import presets, write_json
 
 WORDS = "the quick brown fox jumps over a lazy dog while seven wizards quietly judge boxing matches".split()
 
@@ -139,10 +139,8 @@ def batched_throughput(a, n_prompts: int = 256, new_tokens: int = 128) -> dict:
         import torch
         import transformers as tf
 
-        from mlcc.relax_models.presets import PRESETS
-
         with torch.device("cuda"):
-            hf = tf.LlamaForCausalLM(tf.LlamaConfig(**PRESETS["smollm2-135m"].config)).to(torch.float16).eval()
+            hf = tf.LlamaForCausalLM(tf.LlamaConfig(**presets()["smollm2-135m"].config)).to(torch.float16).eval()
         gc = tf.GenerationConfig(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
                                  eos_token_id=None, pad_token_id=0)
         with torch.no_grad():

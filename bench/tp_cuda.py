@@ -20,11 +20,9 @@ import time
 from pathlib import Path
 
 import numpy as np
-from harness import REPO, cli
+from harness import REPO, cli, presets
 
-from mlcc.relax_models.presets import PRESETS
-
-LLAMA3_8B = PRESETS["llama3-8b"].config
+LLAMA3_8B = presets()["llama3-8b"].config
 
 SMALL = dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=4, num_attention_heads=8,
              num_key_value_heads=4, vocab_size=320, max_position_embeddings=1024)  # the byte tokenizer's vocab
