@@ -59,10 +59,12 @@ def cmd_targets(args: argparse.Namespace) -> int:
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
+    from mlcc.options import CompileOptions
     from mlcc.runtime.chat_cli import run_chat
 
     return run_chat(args.model, target=args.target, quant=args.quant, prompt=args.prompt,
-                    max_tokens=args.max_tokens, temperature=args.temperature)
+                    max_tokens=args.max_tokens, temperature=args.temperature,
+                    options=CompileOptions.parse(args.option) if args.option else None)
 
 
 def cmd_web(args: argparse.Namespace) -> int:
@@ -119,6 +121,7 @@ def build_parser() -> argparse.ArgumentParser:
     ch.add_argument("--prompt", default=None, help="answer one prompt and exit")
     ch.add_argument("--max-tokens", type=int, default=256)
     ch.add_argument("--temperature", type=float, default=0.0)
+    add_option_flag(ch)
     ch.set_defaults(func=cmd_chat)
 
     w = sub.add_parser("web", help="write a static chat site (browser + Node.js) for WebGPU builds")
