@@ -105,3 +105,14 @@ def compiled_tp2(hf_models, tmp_path_factory):
     out = tmp_path_factory.mktemp("tp2") / "model"
     compile_model(hf_models("llama"), "llvm", "q4f32_1", out, tensor_parallel=2)
     return out
+
+
+def test_disco_workers_get_their_functions_by_registration():
+    """What the controller calls on every worker (the cuda arch is an argument, not an environment variable)."""
+    import tvm
+
+    from mlcc.runtime.disco_worker import register_worker_functions
+
+    register_worker_functions()
+    assert tvm.get_global_func("mlcc.tp.load_params", allow_missing=True) is not None
+    assert tvm.get_global_func("mlcc.tp.register_cuda_jit", allow_missing=True) is not None
