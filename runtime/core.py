@@ -96,6 +96,9 @@ class EngineCore:
 
     def step(self) -> None:
         plan, cancelled = self.scheduler.schedule(self.model.free_pages())
+        if not (cancelled or plan.preempt or plan.admit or plan.prefill or plan.decode):
+            self.scheduler.wait_for_change(0.05)   # queued requests wait for pages: no busy loop
+            return
         for r in cancelled + plan.preempt:
             self.model.remove_sequence(r.seq_id)
         for r in plan.admit:
@@ -130,8 +133,9 @@ class EngineCore:
             self._sample_and_emit(sampled, logits, rows)
 
     def _decode(self, running: list[Request]) -> None:
+        # a burst lasts until another request arrives: with one already waiting (for pages), decode step by step
         if len(running) == 1 and self.scheduler.num_running() == 1 and self._pipeline and \
-                self.policy.may_burst(running[0], self.model.free_pages()):
+                not self.scheduler.has_waiting() and self.policy.may_burst(running[0], self.model.free_pages()):
             draw = self.sampler.device_draw(running[0].params, running[0].rng)
             if draw is not None:
                 self._decode_pipelined(running[0], draw)

@@ -115,7 +115,9 @@ class MaxUtil(Policy):
         out = []
         for r in waiting:
             prompt = math.ceil(len(r.prefill_ids) / ps) + r.fork_pages(ps)
-            if len(r.group()) > free_slots or avail < prompt + 1:   # +1: room for its first decode step
+            # +1: room for its first decode step, beside others; alone, a request always fits (check_fits)
+            margin = 1 if running or out else 0
+            if len(r.group()) > free_slots or avail < prompt + margin:
                 break
             out.append(r)
             avail -= prompt

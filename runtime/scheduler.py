@@ -56,6 +56,11 @@ class Scheduler:
                 self._cv.wait()
             return not self._closed
 
+    def wait_for_change(self, timeout: float) -> None:
+        """A step found nothing to do: sleep until a submit or an abort, or the timeout."""
+        with self._cv:
+            self._cv.wait(timeout)
+
     def has_waiting(self) -> bool:
         with self._cv:
             return bool(self.waiting)

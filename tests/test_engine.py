@@ -463,6 +463,17 @@ def _all_token_ids(engine, prompts: list[str], n: int, **params) -> list[list[in
     return out
 
 
+def test_a_request_waiting_for_pages_does_not_stall_a_pipelined_one(engine, compiled):
+    """no_evict with room for one request at a time: the second waits while the first decodes (step by step once
+    it waits), then runs; both get their greedy tokens."""
+    prompts = ["one", "two two"]
+    want = [_token_ids(engine, p, 60)[0] for p in prompts]
+    with Engine(compiled("llama", "q0f32"), target="llvm", max_batch=4, kv_cache_tokens=80, pipeline=True) as e:
+        assert e.core.total_pages < 2 * 5
+        assert _all_token_ids(e, prompts, 60) == want
+        assert e.core.stats["pipelined_tokens"] > 0
+
+
 def _wait_for_free_pages(engine) -> None:
     for _ in range(100):
         if engine.core.pages_in_use() == 0:

@@ -184,3 +184,12 @@ def test_pages_follow_tvms_paged_cache():
     assert r.held_pages(PS) == math.ceil(24 / PS)
     assert MaxUtil(PS, 10, 512).may_burst(r, free_pages=1) is False   # 995 tokens left, one page free
     assert NoEvict(PS, 10, 512).may_burst(r, free_pages=0) is True
+
+
+def test_max_util_admits_a_lone_recomputed_request_that_fills_the_cache():
+    """A preempted request re-reads prompt + output: alone it is admitted even without a spare page."""
+    r = req(40, 56)                        # 96 tokens: 6 pages, the whole cache
+    r.output_ids = [7] * 55
+    r.preempt()
+    assert len(r.prefill_ids) == 95
+    assert MaxUtil(PS, total_pages=6, prefill_chunk=512).schedule([r], [], free_pages=6, free_slots=4).admit == [r]
