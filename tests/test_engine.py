@@ -5,7 +5,6 @@ import asyncio
 import json
 import queue
 import shutil
-import threading
 import time
 
 import numpy as np

