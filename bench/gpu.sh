@@ -9,7 +9,8 @@
 #
 # What TVM travels (one device call carries at most 64 MiB, the working tree included):
 #   .gpu/     full TVM, compiler included (~61 MiB; ../shared/gpu/pack.sh writes it). The tests compile, so they need
-#             it, and it leaves room for nothing else: no openai wheels, so the two Engine tests skip.
+#             it, and it leaves room for nothing else: no openai wheels, so the Engine tests skip (unless an
+#             earlier call on the same warm machine carried .whl: it stays there and setup uses it).
 #   .gpu-rt/  runtime-only TVM (~6 MiB: the tvm python tree with libtvm_runtime*.so, no libtvm_compiler.so, plus the
 #             tvm-ffi wheel). TVM drops into runtime-only mode, all that a library cross-compiled here needs (mlcc
 #             registers NVRTC for the arch the library was built for). With .whl/: the cp312 wheels the device image
