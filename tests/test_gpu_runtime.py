@@ -184,6 +184,7 @@ def _all_token_ids(engine, prompts: list[str], n: int) -> list[list[int]]:
 
 
 def test_engine_on_cuda(build):
+    pytest.importorskip("openai", reason="the Engine returns the openai package's types")
     from mlcc import Engine
 
     prompts = ["one", "two two", "three three three", "four four four four"]
