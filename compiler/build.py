@@ -103,7 +103,7 @@ def _attach_metadata(mod, stamp: dict[str, Any]):
 
 def builds_graph_decode(built: BuiltModule) -> bool:
     """CUDA, one GPU: batch-1 decode gets a whole-step CUDA graph (compiler/graph_decode.py). Disco workers (tensor
-    parallel) keep plain decode: the graph's attention alias is registered by runtime.model, not in their processes."""
+    parallel) keep plain decode: the graph's attention alias is registered by runtime.decode_graph, not in their processes."""
     return built.options.decode_graph and built.target.kind.name == "cuda" and built.cfg.tensor_parallel_shards == 1
 
 
