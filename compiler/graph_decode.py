@@ -1,4 +1,4 @@
-"""`decode_graph`: batch-1 decode replayed as one CUDA graph per step, the paged-attention calls included (issue 4).
+"""`decode_graph`: batch-1 decode replayed as one CUDA graph per step, the paged-attention calls included.
 
 TVM's RewriteCUDAGraph captures only the stretches between KV-cache calls, because `vm.builtin.*` calls and
 function inputs are never static. That left 2 graph launches per layer (3-4 us of idle GPU each on an H200), and

@@ -27,10 +27,21 @@ def fusion_passes(target: tvm.target.Target) -> list[tvm.transform.Pass]:
                relax.transform.DeadCodeElimination()])
 
 
+def gemv_fusion_passes(target: tvm.target.Target, options: CompileOptions) -> list[tvm.transform.Pass]:
+    """CUDA: RMSNorm and SwiGLU folded into the decode GEMV kernels (compiler/gemv_fusion.py), where asked for."""
+    if target.kind.name != "cuda" or not (options.decode_gemv and options.fuse_decode_gemv):
+        return []
+    from mlcc.schedules.cuda_pdl import enabled as pdl_enabled
+
+    from .gemv_fusion import fused_decode_gemv_pass
+
+    return [fused_decode_gemv_pass(pdl=pdl_enabled(target, options))]
+
+
 def kernel_passes(target: tvm.target.Target, options: CompileOptions) -> list[tvm.transform.Pass]:
     """The fused kernels with mlcc's hand-written ones already in place: what the default rules and tuning records
     schedule, and what tuning extracts its tasks from."""
-    return fusion_passes(target) + handwritten_kernel_passes(target, options)
+    return fusion_passes(target) + gemv_fusion_passes(target, options) + handwritten_kernel_passes(target, options)
 
 
 def relax_passes(target: tvm.target.Target, tuning_db: str | None, options: CompileOptions

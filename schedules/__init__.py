@@ -4,19 +4,29 @@ from __future__ import annotations
 
 import tvm
 
+from mlcc.options import CompileOptions
 from mlcc.tvm_compat import import_tensor_intrinsics, without_metal_simdgroup
 
 
-def handwritten_kernel_passes(target: tvm.target.Target, options) -> list[tvm.transform.Pass]:
-    """Kernels we write ourselves where the generic rules fall short; they run before tuning records and dlight."""
-    if target.kind.name == "cuda":
-        from .cuda_decode_attention import split_decode_attention_pass
-        from .cuda_prefill_attention import wide_prefill_attention_pass
-        from .cuda_gemv import decode_gemv_pass, fused_decode_gemv_pass
+def handwritten_kernel_passes(target: tvm.target.Target, options: CompileOptions) -> list[tvm.transform.Pass]:
+    """Kernels we write ourselves where the generic rules fall short, those `options` ask for; they run before
+    tuning records and dlight (and after the compiler's GEMV fusion, compiler/gemv_fusion.py, which needs the
+    projections before the plain GEMV kernel replaces them)."""
+    if target.kind.name != "cuda":
+        return []
+    from .cuda_decode_attention import split_decode_attention_pass
+    from .cuda_gemv import decode_gemv_pass
+    from .cuda_pdl import enabled as pdl_enabled
+    from .cuda_prefill_attention import wide_prefill_attention_pass
 
-        # the SwiGLU/RMSNorm fusions first: they need the projections before the plain GEMV kernel replaces them
-        return [fused_decode_gemv_pass, decode_gemv_pass, split_decode_attention_pass, wide_prefill_attention_pass]
-    return []
+    passes = []
+    if options.decode_gemv:
+        passes.append(decode_gemv_pass(pdl=pdl_enabled(target, options)))
+    if options.split_decode_attention:
+        passes.append(split_decode_attention_pass(options.decode_attention_splits, options.decode_attention_tokens))
+    if options.wide_prefill_attention:
+        passes.append(wide_prefill_attention_pass())
+    return passes
 
 
 def default_schedule_passes(target: tvm.target.Target) -> list[tvm.transform.Pass]:

@@ -1,12 +1,13 @@
-"""Split-KV paged decode attention for CUDA (issue 4: the decode step's attention).
+"""Split-KV paged decode attention for CUDA.
 
 TVM's `batch_decode_paged_kv` runs one thread block per (sequence, KV head): at batch 1 that is 8 blocks for a
 Llama-3-8B layer, each walking the whole context in a serial loop — 17 us per layer on an H200 at a few hundred
 tokens, a quarter of the decode step. This kernel has the same signature (the paged KV cache calls it in place of
-TVM's) and splits each sequence's context into chunks (splits_for), one block each, with flash-decoding's two phases in one
-PrimFunc: (1) per chunk, every query head of the KV head's group keeps an online softmax (max, sum, output) over its
-tokens, several tokens in flight per block, partials to a workspace; (2) one warp per query head merges the chunks.
-The number of chunks is fixed (the host cannot see the lengths, which live on the device); empty chunks add nothing.
+TVM's) and splits each sequence's context into chunks (splits_for), one block each, with flash-decoding's two phases
+in one PrimFunc: (1) per chunk, every query head of the KV head's group keeps an online softmax (max, sum, output)
+over its tokens, several tokens in flight per block, partials to a workspace; (2) one warp per query head merges the
+chunks. The number of chunks is fixed (the host cannot see the lengths, which live on the device); empty chunks add
+nothing.
 
 Scores are in log2 units (scaled by sm_scale·log2 e) and lse is max + log2(sum), as TVM's kernels write it. RoPE
 must already be applied (the KV cache's NORMAL rope mode, which mlcc's models use): `rotary_mode` is ignored.
@@ -22,38 +23,33 @@ import tvm
 log = logging.getLogger(__name__)
 
 # Each block walks its chunk tokens_in_flight() tokens at a time, and every step is a chain of dependent loads (page
-# table, K, then V), so a chunk's latency grows with its length: at batch 1 the kernel is latency-bound (session 6:
-# 8B tok/s fell 500 -> 390 from 200 to 1200 tokens of context with 4 tokens a step). More tokens per step shorten it.
+# table, K, then V), so a chunk's latency grows with its length: at batch 1 the kernel is latency-bound (with 4 tokens
+# a step, 8B decode on an H200 fell from 500 to 390 tok/s between 200 and 1200 tokens of context). More tokens per
+# step shorten it.
 BLOCKS_WANTED = 128  # chunks x KV heads at batch 1: about one block per SM of an H100/H200 (256 measured slower)
 MAX_TOKENS_IN_FLIGHT = 16
+MAX_THREADS = 1024   # per block, on every CUDA GPU
 VEC = 4              # head-dim elements per lane
 
 
-def _env_int(name: str, default: int) -> int:
-    import os
-
-    return int(os.environ.get(name) or default)
-
-
-def tokens_in_flight(h_kv: int, h_qo: int, d: int) -> int:
-    """Tokens a block scores per step: as many as fit in 1024 threads (lanes x query heads per KV head each),
-    a power of two up to MAX_TOKENS_IN_FLIGHT (MLCC_DECODE_TOKENS overrides it for A/B runs)."""
-    tp, limit = 1, _env_int("MLCC_DECODE_TOKENS", MAX_TOKENS_IN_FLIGHT)
-    while tp * 2 <= limit and (d // VEC) * (h_qo // h_kv) * tp * 2 <= 1024:
+def tokens_in_flight(h_kv: int, h_qo: int, d: int, limit: int = 0) -> int:
+    """Tokens a block scores per step: the largest power of two up to `limit` (0: MAX_TOKENS_IN_FLIGHT) whose
+    threads (head-dim lanes x query heads per KV head, each) fit in MAX_THREADS."""
+    tp, limit = 1, limit or MAX_TOKENS_IN_FLIGHT
+    while tp * 2 <= limit and (d // VEC) * (h_qo // h_kv) * tp * 2 <= MAX_THREADS:
         tp *= 2
     return tp
 
 
-def supported(h_kv: int, h_qo: int, d: int) -> bool:
+def supported(h_kv: int, h_qo: int, d: int, tokens: int = 0) -> bool:
     """Head dim split over a power-of-two number of lanes within a warp, and at least 4 tokens in flight."""
     lanes = d // VEC
-    return d % VEC == 0 and lanes in (4, 8, 16, 32) and tokens_in_flight(h_kv, h_qo, d) >= 4
+    return d % VEC == 0 and lanes in (4, 8, 16, 32) and tokens_in_flight(h_kv, h_qo, d, tokens) >= 4
 
 
-def splits_for(h_kv: int) -> int:
-    """Chunks per sequence: a power of two from 16 to 64 giving ~BLOCKS_WANTED blocks (Llama-3-8B's 8 KV heads: 16;
-    Qwen2.5-0.5B's 2 and SmolLM2's 3: 64). MLCC_DECODE_SPLITS overrides it (A/B runs)."""
-    splits = _env_int("MLCC_DECODE_SPLITS", 0)
+def splits_for(h_kv: int, splits: int = 0) -> int:
+    """Chunks per sequence: `splits` if given, else a power of two from 16 to 64 giving ~BLOCKS_WANTED blocks
+    at batch 1."""
     if splits:
         return splits
     splits = 16
@@ -62,26 +58,29 @@ def splits_for(h_kv: int) -> int:
     return splits
 
 
-def make_split_decode(h_kv: int, h_qo: int, d: int, dtype: str, page_size: int):
+def make_split_decode(h_kv: int, h_qo: int, d: int, dtype: str, page_size: int, splits: int = 0, tokens: int = 0):
+    """The kernel for one attention shape; `splits` (splits_for) and `tokens` (the limit of tokens_in_flight): 0 for
+    the automatic choice."""
     from tvm.script import tirx as T
 
-    assert supported(h_kv, h_qo, d), (h_kv, h_qo, d)
+    assert supported(h_kv, h_qo, d, tokens), (h_kv, h_qo, d, tokens)
     group = h_qo // h_kv
     vec = VEC
     lanes = d // vec
-    tp = tokens_in_flight(h_kv, h_qo, d)
-    splits = splits_for(h_kv)
+    tp = tokens_in_flight(h_kv, h_qo, d, tokens)
+    splits = splits_for(h_kv, splits)
     log2e = math.log2(math.e)
 
     @T.macro
-    def merge_state(st, o, m_other, d_other, o_other):
-        """Fold another online-softmax state (max, sum, output element v = o_other(v)) into (st[0], st[1], o)."""
-        st[2] = T.max(st[0], m_other)
-        st[3] = T.exp2(m_other - st[2])
-        st[1] = st[1] * T.exp2(st[0] - st[2]) + d_other * st[3]
+    def merge_state(m, l, o, new_m, w, m_other, l_other, o_other):
+        # fold another online-softmax state (max, sum, output element v = o_other(v)) into (m, l, o); new_m and w
+        # are scratch (the merged max and the other state's weight)
+        new_m[0] = T.max(m[0], m_other)
+        w[0] = T.exp2(m_other - new_m[0])
+        l[0] = l[0] * T.exp2(m[0] - new_m[0]) + l_other * w[0]
         for v in T.vectorized(vec):
-            o[v] = o[v] * T.exp2(st[0] - st[2]) + o_other(v) * st[3]
-        st[0] = st[2]
+            o[v] = o[v] * T.exp2(m[0] - new_m[0]) + o_other(v) * w[0]
+        m[0] = new_m[0]
 
     @T.prim_func(s_tir=True)
     def batch_decode_paged_kv_split(
@@ -129,7 +128,12 @@ def make_split_decode(h_kv: int, h_qo: int, d: int, dtype: str, page_size: int):
                                 T.writes()
                                 q = T.sblock_alloc_buffer((vec,), "float32", scope="local")
                                 o = T.sblock_alloc_buffer((vec,), "float32", scope="local")
-                                st = T.sblock_alloc_buffer((4,), "float32", scope="local")  # m, d, score, rescale
+                                # the running max and sum of this thread's tokens; the current token's score
+                                # and the factor rescaling the state before it
+                                m = T.sblock_alloc_buffer((1,), "float32", scope="local")
+                                l = T.sblock_alloc_buffer((1,), "float32", scope="local")
+                                score = T.sblock_alloc_buffer((1,), "float32", scope="local")
+                                rescale = T.sblock_alloc_buffer((1,), "float32", scope="local")
                                 n_tok = T.sblock_alloc_buffer((1,), "int32", scope="local")
                                 o_sh = T.sblock_alloc_buffer((tp, group, d), "float32", scope="shared")
                                 md_sh = T.sblock_alloc_buffer((tp, group, 2), "float32", scope="shared")
@@ -141,45 +145,50 @@ def make_split_decode(h_kv: int, h_qo: int, d: int, dtype: str, page_size: int):
                                 kv_head: T.let[T.int32] = by // splits
                                 start: T.let[T.int32] = by % splits * chunk
                                 for v in T.vectorized(vec):
-                                    q[v] = T.Cast("float32", Q[bx, kv_head * group + ty, tx * vec + v]) * sm_scale * log2e
+                                    q[v] = (T.Cast("float32", Q[bx, kv_head * group + ty, tx * vec + v])
+                                            * sm_scale * log2e)
                                     o[v] = T.float32(0)
-                                st[0] = T.float32(-5e4)
-                                st[1] = T.float32(0)
+                                m[0] = T.float32(-5e4)
+                                l[0] = T.float32(0)
                                 for it in T.serial((chunk + tp - 1) // tp):
                                     # every thread runs every step (the shuffles need whole warps, and a warp can
                                     # hold two token slots): tokens past the chunk read a valid one and score -5e4
                                     pos: T.let[T.int32] = T.min(start + it * tp + tz, n_tok[0] - 1)
                                     page: T.let[T.int32] = page_table_values[page_begin + pos // page_size]
                                     off: T.let[T.int32] = pos % page_size
-                                    st[2] = T.float32(0)
+                                    score[0] = T.float32(0)
                                     for v in T.unroll(vec):
-                                        st[2] = st[2] + q[v] * T.Cast("float32", pages[page, 0, kv_head, off, tx * vec + v])
+                                        score[0] = score[0] + q[v] * T.Cast(
+                                            "float32", pages[page, 0, kv_head, off, tx * vec + v])
                                     for sh in T.unroll(5):
                                         if (1 << sh) < lanes:
-                                            st[2] = st[2] + T.call_pure_extern(
-                                                "float32", "__shfl_xor_sync", T.uint32(0xFFFFFFFF), st[2], 1 << sh, lanes)
+                                            score[0] = score[0] + T.call_pure_extern(
+                                                "float32", "__shfl_xor_sync", T.uint32(0xFFFFFFFF), score[0],
+                                                1 << sh, lanes)
                                     if it * tp + tz >= chunk or start + it * tp + tz >= n_tok[0]:
-                                        st[2] = T.float32(-5e4)
-                                    st[3] = T.exp2(st[0] - T.max(st[0], st[2]))
-                                    st[0] = T.max(st[0], st[2])
-                                    st[2] = T.exp2(st[2] - st[0])
-                                    st[1] = st[1] * st[3] + st[2]
+                                        score[0] = T.float32(-5e4)
+                                    rescale[0] = T.exp2(m[0] - T.max(m[0], score[0]))
+                                    m[0] = T.max(m[0], score[0])
+                                    score[0] = T.exp2(score[0] - m[0])  # now the token's weight
+                                    l[0] = l[0] * rescale[0] + score[0]
                                     for v in T.vectorized(vec):
-                                        o[v] = o[v] * st[3] + st[2] * T.Cast("float32", pages[page, 1, kv_head, off, tx * vec + v])
+                                        o[v] = o[v] * rescale[0] + score[0] * T.Cast(
+                                            "float32", pages[page, 1, kv_head, off, tx * vec + v])
                                 # the tokens in flight meet in shared memory; tz == 0 merges them
                                 for v in T.vectorized(vec):
                                     o_sh[tz, ty, tx * vec + v] = o[v]
-                                md_sh[tz, ty, 0] = st[0]
-                                md_sh[tz, ty, 1] = st[1]
+                                md_sh[tz, ty, 0] = m[0]
+                                md_sh[tz, ty, 1] = l[0]
                                 T.evaluate(T.tvm_storage_sync("shared"))
                                 if tz == 0:
                                     for j in T.serial(tp - 1):
-                                        merge_state(st, o, md_sh[j + 1, ty, 0], md_sh[j + 1, ty, 1],
+                                        # (score and rescale are free after the token loop: the merge's scratch)
+                                        merge_state(m, l, o, score, rescale, md_sh[j + 1, ty, 0], md_sh[j + 1, ty, 1],
                                                     lambda v: o_sh[j + 1, ty, tx * vec + v])
                                     for v in T.vectorized(vec):
                                         part_o[bx, kv_head * group + ty, by % splits, tx * vec + v] = o[v]
-                                    part_md[bx, kv_head * group + ty, by % splits, 0] = st[0]
-                                    part_md[bx, kv_head * group + ty, by % splits, 1] = st[1]
+                                    part_md[bx, kv_head * group + ty, by % splits, 0] = m[0]
+                                    part_md[bx, kv_head * group + ty, by % splits, 1] = l[0]
 
         for bx in T.thread_binding(B, thread="blockIdx.x"):
             for by in T.thread_binding(h_qo, thread="blockIdx.y"):
@@ -188,18 +197,21 @@ def make_split_decode(h_kv: int, h_qo: int, d: int, dtype: str, page_size: int):
                         T.reads()
                         T.writes()
                         o = T.sblock_alloc_buffer((vec,), "float32", scope="local")
-                        st = T.sblock_alloc_buffer((4,), "float32", scope="local")  # m, d, new m, weight
-                        st[0] = T.float32(-5e4)
-                        st[1] = T.float32(1)  # TVM's convention: an empty sequence gives 0, not NaN
+                        m = T.sblock_alloc_buffer((1,), "float32", scope="local")
+                        l = T.sblock_alloc_buffer((1,), "float32", scope="local")
+                        new_m = T.sblock_alloc_buffer((1,), "float32", scope="local")
+                        w = T.sblock_alloc_buffer((1,), "float32", scope="local")
+                        m[0] = T.float32(-5e4)
+                        l[0] = T.float32(1)  # TVM's convention: an empty sequence gives 0, not NaN
                         for v in T.vectorized(vec):
                             o[v] = T.float32(0)
                         for s in T.serial(splits):
-                            merge_state(st, o, part_md[bx, by, s, 0], part_md[bx, by, s, 1],
+                            merge_state(m, l, o, new_m, w, part_md[bx, by, s, 0], part_md[bx, by, s, 1],
                                         lambda v: part_o[bx, by, s, tx * vec + v])
                         for v in T.vectorized(vec):
-                            output[bx, by, tx * vec + v] = T.Cast(dtype, o[v] / st[1])
+                            output[bx, by, tx * vec + v] = T.Cast(dtype, o[v] / l[0])
                         if tx == 0:
-                            lse[bx, by] = st[0] + T.log2(st[1])
+                            lse[bx, by] = m[0] + T.log2(l[0])
 
     return batch_decode_paged_kv_split
 
@@ -220,16 +232,22 @@ def _decode_kernel_shape(func) -> tuple[int, int, int, str, int] | None:
     return h_kv, h_qo, d, str(q.dtype), page_size
 
 
-@tvm.transform.module_pass(opt_level=0, name="mlcc_cuda_split_decode_attention")
-def split_decode_attention_pass(mod: tvm.ir.IRModule, _ctx) -> tvm.ir.IRModule:
-    for gv, func in list(mod.functions.items()):
-        if not isinstance(func, tvm.tirx.PrimFunc):
-            continue
-        shape = _decode_kernel_shape(func)
-        if shape is None:
-            continue
-        h_kv, h_qo, d, dtype, page_size = shape
-        if not supported(h_kv, h_qo, d):
-            continue
-        mod[gv] = make_split_decode(h_kv, h_qo, d, dtype, page_size)
-    return mod
+def split_decode_attention_pass(splits: int = 0, tokens: int = 0) -> tvm.transform.Pass:
+    """TVM's decode attention kernel replaced where the split-KV kernel supports its shape; `splits` and `tokens` as
+    for make_split_decode (CompileOptions.decode_attention_splits/_tokens)."""
+
+    @tvm.transform.module_pass(opt_level=0, name="mlcc_cuda_split_decode_attention")
+    def _pass(mod: tvm.ir.IRModule, _ctx) -> tvm.ir.IRModule:
+        for gv, func in list(mod.functions.items()):
+            if not isinstance(func, tvm.tirx.PrimFunc):
+                continue
+            shape = _decode_kernel_shape(func)
+            if shape is None:
+                continue
+            h_kv, h_qo, d, dtype, page_size = shape
+            if not supported(h_kv, h_qo, d, tokens):
+                continue
+            mod[gv] = make_split_decode(h_kv, h_qo, d, dtype, page_size, splits, tokens)
+        return mod
+
+    return _pass

@@ -1,4 +1,4 @@
-"""Programmatic dependent launch (PDL) for every CUDA kernel of a library (sm_90+; issue 4).
+"""Programmatic dependent launch (PDL) for every CUDA kernel of a library (sm_90+, CompileOptions.pdl).
 
 At batch-1 decode a Llama-3-8B step is ~330 short kernels; each one normally starts only after its predecessor has
 fully drained and the launch has gone through the front end again, so the GPU idles ~1 µs between kernels and every
@@ -11,7 +11,8 @@ one and a waiting kernel never holds slots its predecessor still needs.
 Correctness does not depend on the predecessor: `griddepcontrol.wait` is a no-op when a kernel was launched without
 the attribute, and a kernel that was launched with it waits for all its prerequisite grids (CUDA graphs keep the
 programmatic edges when they capture such launches). TVM's CUDA runtime launches with the attribute when the
-kernel's launch tags contain `tirx.use_programtic_dependent_launch` (sic), which the device pass below adds.
+kernel's launch tags contain `tirx.use_programtic_dependent_launch` (sic), which the device pass below adds. The
+device functions WAIT and LAUNCH_DEPENDENTS are in cuda/pdl.cuh.
 """
 
 from __future__ import annotations
@@ -23,15 +24,15 @@ LAUNCH_DEPENDENTS = "mlcc_pdl_launch_dependents"
 PDL_TAG = "tirx.use_programtic_dependent_launch"
 PIPELINE_NAME = "mlcc_cuda_pdl"
 
-CUDA_HELPERS = r"""
-__device__ __forceinline__ void mlcc_pdl_wait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
-__device__ __forceinline__ void mlcc_pdl_launch_dependents() { asm volatile("griddepcontrol.launch_dependents;"); }
-"""
-
 
 def supported(target: tvm.target.Target) -> bool:
     """griddepcontrol exists from sm_90 on."""
     return sm_version(target) >= 90
+
+
+def enabled(target: tvm.target.Target, options) -> bool:
+    """Whether a build's kernels use PDL: asked for (options.pdl) and the GPU has it."""
+    return bool(options.pdl) and supported(target)
 
 
 def sm_version(target: tvm.target.Target) -> int:
@@ -77,7 +78,7 @@ def _pdl_pipeline(**kwargs):
 def tir_pipeline_for(target: tvm.target.Target, options) -> str:
     """The TIR pipeline name to hand tvm.compile: PDL kernels where asked for and the GPU has them, TVM's default
     elsewhere."""
-    if not (options.pdl and supported(target)):
+    if not enabled(target, options):
         return "default"
     from tvm.tirx.compilation_pipeline import PIPELINE_MAP
 

@@ -1,4 +1,4 @@
-"""TVM's prefill attention kernels rebuilt with enough thread blocks for a big GPU (issue 4: prefill speed).
+"""TVM's prefill attention kernels rebuilt with enough thread blocks for a big GPU.
 
 TVM's `batch_prefill_ragged_kv` / `batch_prefill_paged_kv` walk the query tiles with a fixed grid of 16 blocks per
 KV head (NUM_BLKS in `_get_prefill_kernel_config`): 128 blocks of 4 warps for Llama-3-8B, one per SM with the SM's
@@ -13,6 +13,7 @@ what mlcc's models use), so the inline-RoPE branch they compile is never taken.
 from __future__ import annotations
 
 import logging
+
 import tvm
 
 from mlcc.tvm_compat import prefill_kernel_blocks
@@ -46,17 +47,22 @@ def _rebuild(kind: str, func, target):
 _KINDS = {"batch_prefill_ragged_kv": "ragged", "batch_prefill_paged_kv": "paged"}
 
 
-@tvm.transform.module_pass(opt_level=0, name="mlcc_cuda_wide_prefill_attention")
-def wide_prefill_attention_pass(mod: tvm.ir.IRModule, _ctx) -> tvm.ir.IRModule:
-    target = tvm.target.Target.current()
-    for gv, func in list(mod.functions.items()):
-        if not isinstance(func, tvm.tirx.PrimFunc) or func.attrs is None:
-            continue
-        kind = _KINDS.get(str(func.attrs.get("global_symbol", "")))
-        if kind is None:
-            continue
-        try:
-            mod[gv] = _rebuild(kind, func, target)
-        except Exception as e:  # noqa: BLE001 - a TVM whose kernel builder changed: keep its own kernel
-            log.warning("keeping TVM's %s prefill kernel: %s", kind, e)
-    return mod
+def wide_prefill_attention_pass() -> tvm.transform.Pass:
+    """TVM's two prefill attention kernels rebuilt for the current target with a grid of _num_blocks."""
+
+    @tvm.transform.module_pass(opt_level=0, name="mlcc_cuda_wide_prefill_attention")
+    def _pass(mod: tvm.ir.IRModule, _ctx) -> tvm.ir.IRModule:
+        target = tvm.target.Target.current()
+        for gv, func in list(mod.functions.items()):
+            if not isinstance(func, tvm.tirx.PrimFunc) or func.attrs is None:
+                continue
+            kind = _KINDS.get(str(func.attrs.get("global_symbol", "")))
+            if kind is None:
+                continue
+            try:
+                mod[gv] = _rebuild(kind, func, target)
+            except Exception as e:  # noqa: BLE001 - a TVM whose kernel builder changed: keep its own kernel
+                log.warning("keeping TVM's %s prefill kernel: %s", kind, e)
+        return mod
+
+    return _pass

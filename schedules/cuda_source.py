@@ -1,21 +1,22 @@
 """Device helpers that mlcc's hand-written CUDA kernels call, added to the generated source of any module that calls
-them (TVM hands every CUDA translation unit to `tvm_callback_cuda_postproc`; targets/toolchains.py hooks it), so a
-library carries complete source."""
+them, so a library carries complete source. compiler/build.py runs `add_cuda_helpers` on every CUDA translation
+unit TVM generates (through mlcc.tvm_compat.cuda_source_postproc).
+
+The helpers are plain CUDA in schedules/cuda/*.cuh (package data), one group per file.
+"""
 
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 _DEFINED = re.compile(r"__device__\s+__forceinline__\s+[\w\s*]+?\b(\w+)\s*\(")
 
-
-def _helper_groups() -> list[str]:
-    """The helper sources; each is added whole where the code, or another group added, calls any function it
-    defines. A group may call the groups listed before it."""
-    from . import cuda_gemv, cuda_gemv_tc, cuda_pdl
-
-    return [cuda_gemv.CUDA_HELPERS, cuda_gemv.F16_HELPERS, cuda_gemv.NORM_HELPERS, cuda_gemv_tc.CUDA_HELPERS,
-            cuda_pdl.CUDA_HELPERS]
+# In dependency order: a group may call the groups listed before it (none does today).
+HELPER_FILES = ("q4_gemv.cuh", "f16_gemv.cuh", "rms_norm.cuh", "pdl.cuh")
+HELPER_DIR = Path(__file__).with_name("cuda")
+# Each group is added whole where the code, or another group added, calls any function it defines.
+HELPER_GROUPS = tuple((HELPER_DIR / name).read_text() for name in HELPER_FILES)
 
 
 def _marker(name: str) -> str:
@@ -24,8 +25,8 @@ def _marker(name: str) -> str:
 
 def add_cuda_helpers(code: str) -> str:
     """Insert each helper group the code calls, directly or through a group it calls, once, before the first kernel
-    of the translation unit, in the order of _helper_groups."""
-    groups = [(src, _DEFINED.findall(src)) for src in _helper_groups()]
+    of the translation unit, in HELPER_FILES order."""
+    groups = [(src, _DEFINED.findall(src)) for src in HELPER_GROUPS]
     chosen, calls = set(), code
     for i in reversed(range(len(groups))):  # callers come after their callees: one pass from the end
         src, names = groups[i]

@@ -72,6 +72,9 @@ def tune(mod: tvm.ir.IRModule, target: tvm.target.Target, default_schedule: Call
     """Tune each task, compare with `default_schedule`, and merge the winners into the database at db_dir."""
     from tvm.s_tir import meta_schedule as ms
 
+    from mlcc.tvm_compat import import_tensor_intrinsics
+
+    import_tensor_intrinsics()  # meta-schedule's space generation imports them on first use: minutes in TVM's way
     db_dir = Path(db_dir)
     db_dir.mkdir(parents=True, exist_ok=True)
     db = ms.database.JSONDatabase(work_dir=str(db_dir))

@@ -1,0 +1,169 @@
+"""Which of TVM's fused PrimFuncs are batch-1 decode projections, and the RMSNorm and SwiGLU kernels around them.
+
+The matchers read the block structure TVM's legalization gives these operators (block names such as "dequantize",
+"matmul", "NT_matmul", "T_add", "T_rms_norm") and the buffers' shapes and dtypes; anything else returns None and
+keeps its default schedule. `GemvShape` is what the CUDA GEMV generator (cuda_gemv.make_gemv) builds a kernel for.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import tvm
+
+
+@dataclasses.dataclass(frozen=True)
+class GemvShape:
+    n: int                 # output features (rows of W; for "swiglu", half of them)
+    k: int                 # input features
+    epilogue: str          # "none" | "add" | "cast" | "swiglu"
+    residual_shape: tuple[int, ...] = ()
+    out_dtype: str = "float16"
+    weights: str = "q4f16_1"  # | "float16"
+    norm_eps: float | None = None  # RMSNorm prologue: x is the un-normalized input, with the norm weight after it
+
+    @property
+    def weight_rows(self) -> int:
+        """Rows of W: for "swiglu" the gate rows and then the up rows."""
+        return 2 * self.n if self.epilogue == "swiglu" else self.n
+
+    @property
+    def unit(self) -> int:
+        """Weights per 16-byte load of one row."""
+        return 32 if self.weights == "q4f16_1" else 8
+
+
+def _static_ints(shape) -> tuple[int, ...] | None:
+    try:
+        return tuple(int(d) for d in shape)
+    except TypeError:  # a symbolic dimension
+        return None
+
+
+def _blocks(func) -> dict | None:
+    from tvm import s_tir
+
+    try:
+        sch = s_tir.Schedule(func)
+        return {sch.get(b).name_hint: sch.get(b) for b in sch.get_child_blocks(sch.get_sblock("root"))}
+    except Exception:  # noqa: BLE001 - not a plain block-structured function: not ours
+        return None
+
+
+def is_unscheduled_prim_func(func) -> bool:
+    return isinstance(func, tvm.tirx.PrimFunc) and not (func.attrs is not None and "tirx.is_scheduled" in func.attrs)
+
+
+def match_gemv(func) -> GemvShape | None:
+    """The shape of a batch-1 decode projection PrimFunc — q4f16_1 dequantize→matmul or float16 NT_matmul,
+    [→add|cast] — or None if it is anything else."""
+    blocks = _blocks(func)
+    if blocks is None:
+        return None
+    if {"dequantize", "matmul"} <= set(blocks):
+        core, weights = {"dequantize", "matmul"}, "q4f16_1"
+        deq, mm = blocks["dequantize"], blocks["matmul"]
+        if len(deq.reads) != 2 or len(mm.reads) != 2:
+            return None
+        w, s = (r.source for r in deq.reads)
+        x = next((r.source for r in mm.reads if not r.source.same_as(deq.writes[0].source)), None)
+        if x is None or w.dtype != "uint32" or s.dtype != "float16":
+            return None
+    elif "NT_matmul" in blocks:
+        core, weights = {"NT_matmul"}, "float16"
+        mm = blocks["NT_matmul"]
+        if len(mm.reads) != 2:
+            return None
+        x, w = (r.source for r in mm.reads)
+        s = None
+        if w.dtype != "float16" or not _reads_row_major(mm, w):
+            return None
+    else:
+        return None
+    extra = set(blocks) - core
+    if len(extra) > 1 or not extra <= {"T_add", "compute"}:
+        return None
+    ws, xs, ys = (_static_ints(b.shape) for b in (w, x, mm.writes[0].source))
+    if None in (ws, xs, ys) or x.dtype != "float16" or len(ws) != 2:
+        return None
+    n, k = (ws[0], ws[1] * 8) if weights == "q4f16_1" else ws
+    if xs != (1, 1, k) or ys != (1, 1, n) or k % 32:
+        return None
+    if s is not None and _static_ints(s.shape) != (n, k // 32):
+        return None
+    if not extra:
+        epilogue, res, out = "none", None, mm.writes[0].source
+    else:
+        (name,) = extra
+        blk = blocks[name]
+        reads = [r.source for r in blk.reads]
+        out = blk.writes[0].source
+        others = [b for b in reads if not b.same_as(mm.writes[0].source)]
+        if name == "T_add":
+            if len(reads) != 2 or len(others) != 1 or not isinstance(blk.body.value, tvm.tirx.Add):
+                return None
+            res = others[0]
+            if res.dtype != "float16" or _static_ints(res.shape) not in ((n,), (1, 1, n)) or out.dtype != "float16":
+                return None
+            epilogue = "add"
+        else:
+            if len(reads) != 1 or others or not isinstance(blk.body.value, tvm.tirx.Cast):
+                return None
+            epilogue, res = "cast", None
+        if _static_ints(out.shape) != (1, 1, n):
+            return None
+    expected = [x, w] + ([s] if s is not None else []) + ([res] if res is not None else []) + [out]
+    if len(func.params) != len(expected) or not all(p.same_as(e) for p, e in zip(func.params, expected)):
+        return None
+    return GemvShape(n, k, epilogue, _static_ints(res.shape) if res is not None else (), str(out.dtype), weights)
+
+
+def _reads_row_major(block, w) -> bool:
+    """The NT matmul reads W[i, k] (row i of the output, the reduction index second), not W[k, i]."""
+    (region,) = [r for r in block.reads if r.source.same_as(w)]
+    iters = block.iter_vars
+    spatial = [iv.var for iv in iters if iv.iter_type == 0]
+    reduce = [iv.var for iv in iters if iv.iter_type == 2]
+    if len(reduce) != 1 or not spatial:
+        return False
+    first, second = (r.min for r in region.region)
+    return first.same_as(spatial[-1]) and second.same_as(reduce[0])
+
+
+def match_swiglu(func) -> int | None:
+    """I for the split → silu(first half) * second half kernel of a (1, 1, 2I) float16 input, else None."""
+    blocks = _blocks(func)
+    if blocks is None or set(blocks) != {"T_split_sections", "T_split_sections_1", "compute", "T_multiply",
+                                         "T_multiply1"}:
+        return None
+    if len(func.params) != 2:
+        return None
+    src, dst = (_static_ints(p.shape) for p in func.params)
+    dtypes = {str(p.dtype) for p in func.params}
+    value = blocks["compute"].body.value
+    if src is None or dst is None or dtypes != {"float16"} or len(src) != 3 or src[:2] != (1, 1) \
+            or dst != (1, 1, src[2] // 2) or src[2] % 2:
+        return None
+    if not (isinstance(value, tvm.ir.expr.Call) and value.op.same_as(tvm.ir.Op.get("tirx.sigmoid"))):
+        return None
+    return dst[2]
+
+
+def match_rms_norm(func) -> tuple[int, float] | None:
+    """(k, eps) of TVM's legalized float16 rms_norm over (1, 1, k) with a (k,) weight, else None."""
+    blocks = _blocks(func)
+    if blocks is None or set(blocks) != {"T_cast", "T_multiply", "T_multiply_red", "rsqrt", "T_cast_1", "T_rms_norm",
+                                         "T_cast_2"} or len(func.params) != 3:
+        return None
+    x, g, out = (_static_ints(p.shape) for p in func.params)
+    if x is None or len(x) != 3 or x[:2] != (1, 1) or g != x[2:] or out != x \
+            or {str(p.dtype) for p in func.params} != {"float16"}:
+        return None
+    value = blocks["rsqrt"].body.value  # rsqrt(sum / k + eps)
+    try:
+        mean, eps = value.args[0].a, value.args[0].b
+        if int(round(float(mean.b.value))) != x[2]:
+            return None
+        return x[2], float(eps.value)
+    except AttributeError:
+        return None
