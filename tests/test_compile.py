@@ -115,7 +115,7 @@ def test_targets_lists_every_preset_and_what_runs_here():
 
 def test_compile_options_are_in_the_stamp_and_refused_when_they_differ(hf_models, tmp_path):
     """A non-default build records its options; asking for other options than a folder was built with fails in
-    one line naming the option and the flag that rebuilds it."""
+    one line naming the option and the flags that rebuild the folder with the options asked for."""
     from mlcc.errors import ArtifactError
 
     out = tmp_path / "cuda-nopdl"
@@ -127,10 +127,16 @@ def test_compile_options_are_in_the_stamp_and_refused_when_they_differ(hf_models
     assert built == CompileOptions(pdl=False, decode_graph=False)
     assert cfg["stamp"]["options"]["pdl"] is False
     lib = (out / "model.so").read_bytes()
-    assert b"griddepcontrol" not in lib and b"decode_graph" not in lib
+    # (the option names are in the stamp, so look for what only a decode graph calls: the captured attention)
+    assert b"griddepcontrol" not in lib and artifact.GRAPH_ATTENTION.encode() not in lib
+    default = tmp_path / "cuda-default"
+    r = mlcc("compile", str(hf_models("llama")), "--target", "cuda", "--quant", "q4f16_1", "--output", str(default))
+    assert r.returncode == 0, r.stderr[-2000:]
+    lib = (default / "model.so").read_bytes()
+    assert b"griddepcontrol" in lib and artifact.GRAPH_ATTENTION.encode() in lib
     artifact.check_options(cfg, None, out)
     artifact.check_options(cfg, built, out)
-    with pytest.raises(ArtifactError, match=r"pdl=True \(built with False\).*--option pdl=0 --option decode_graph=0"):
+    with pytest.raises(ArtifactError, match=r"pdl=True \(built with False\).*--option decode_graph=0 --output"):
         artifact.check_options(cfg, CompileOptions(decode_graph=False), out)
 
 
