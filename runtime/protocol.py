@@ -221,8 +221,8 @@ class _Request(_Model):
 
 class ChatCompletionRequest(_Request):
     messages: list[Message] = Field(min_length=1)
-    max_tokens: int | None = Field(None, ge=1, description="deprecated by OpenAI for max_completion_tokens")
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_tokens: int | None = Field(None, ge=1, le=INT32_MAX, description="deprecated for max_completion_tokens")
+    max_completion_tokens: int | None = Field(None, ge=1, le=INT32_MAX)
     response_format: ResponseFormat | None = None
     tools: list[Tool] | None = Field(None, max_length=MAX_TOOLS)
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
@@ -243,7 +243,7 @@ class ChatCompletionRequest(_Request):
 class CompletionRequest(_Request):
     prompt: str | list[TokenId] | list[str] | list[list[TokenId]] = Field(
         description="a string or a list of token ids (a batch of one of either is accepted too)")
-    max_tokens: int | None = Field(None, ge=0, description="default 16; 0 with echo=true scores the prompt")
+    max_tokens: int | None = Field(None, ge=0, le=INT32_MAX, description="default 16; 0 with echo=true scores the prompt")
     echo: bool | None = None
     logprobs: int | None = Field(None, ge=0, le=20)
     best_of: int | None = Field(None, ge=1, le=16)
@@ -325,7 +325,8 @@ def _validate(model: type[_Request], kw: Any) -> Any:
 
 
 def _check_common(req: _Request) -> None:
-    if req.stream_options is not None and not req.stream:
+    # a caller that leaves stream out (the engine, which takes it as its own argument) is not refused for it
+    if req.stream_options is not None and not req.stream and "stream" in req.model_fields_set:
         raise RequestError("stream_options is only allowed with stream: true", param="stream_options",
                            code="invalid_value")
     so = req.structured_outputs
@@ -396,7 +397,7 @@ def _show(v: Any) -> str:
     return kind_of(v)
 
 
-def _data_path(loc: tuple[Any, ...], data: Any) -> tuple[Any, ...]:
+def _data_path(loc: tuple[Any, ...], data: Any, missing: bool) -> tuple[Any, ...]:
     """pydantic's loc without its union-member tags ('str', 'list[TextPart]', 'user'): walk the input alongside and
     keep only the keys and indices that are really there (and a missing field's name at the end)."""
     path: list[Any] = []
@@ -405,7 +406,7 @@ def _data_path(loc: tuple[Any, ...], data: Any) -> tuple[Any, ...]:
                                                        and p < len(data)):
             path.append(p)
             data = data[p]
-        elif isinstance(data, dict) and j == len(loc) - 1 and isinstance(p, str):
+        elif missing and isinstance(data, dict) and j == len(loc) - 1 and isinstance(p, str):
             path.append(p)
     return tuple(path)
 
@@ -418,7 +419,7 @@ _BOUNDS = {"greater_than_equal": (">=", "ge"), "greater_than": (">", "gt"), "les
 
 
 def _request_error(e: ValidationError, data: Any) -> RequestError:
-    errors = [(err, _data_path(err["loc"], data)) for err in e.errors(include_url=False)]
+    errors = [(err, _data_path(err["loc"], data, err["type"] == "missing")) for err in e.errors(include_url=False)]
     # a union reports each member: keep the member that got furthest (the deepest path) for the first field
     top = errors[0][1][:1]
     same = [(err, p) for err, p in errors if p[:1] == top]

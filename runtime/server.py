@@ -1,7 +1,8 @@
 """OpenAI-compatible HTTP server (FastAPI): /v1/chat/completions, /v1/completions, /v1/models, /health, /metrics.
 
-Bodies are parsed by hand so that every bad input becomes an OpenAI-shaped 4xx naming the field; the pydantic
-models below only describe the API in the OpenAPI document.
+Bodies are read and validated by runtime.protocol (a depth-limited JSON parser, then the request models), not by
+FastAPI, so every refusal is a 4xx in OpenAI's shape naming the field; unknown paths and wrong methods answer in
+that shape too. The request models are also the OpenAPI document's request bodies.
 """
 
 from __future__ import annotations
@@ -9,61 +10,38 @@ from __future__ import annotations
 import json
 import logging
 import time
-from typing import Any, AsyncIterator, Literal
+from collections.abc import AsyncIterator, Callable
+from typing import Any
 
 from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException
 
 from mlcc.errors import RequestError
 
 from .engine import AsyncEngine, Engine
+from .protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    parse_chat_request,
+    parse_completion_request,
+    parse_json_body,
+)
 
 log = logging.getLogger(__name__)
 
 MAX_BODY_BYTES = 4 << 20
-
-
-class _Message(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    role: Literal["system", "user", "assistant", "developer", "tool"]
-    content: str
-
-
-class _Sampling(BaseModel):
-    """The documented fields; fields OpenAI defines that we accept and ignore (user, logit_bias, …) are omitted."""
-
-    model_config = ConfigDict(extra="forbid")
-    model: str | None = None
-    max_tokens: int | None = Field(None, ge=1)
-    temperature: float | None = Field(None, ge=0, le=2)
-    top_p: float | None = Field(None, gt=0, le=1)
-    top_k: int | None = Field(None, ge=0)
-    n: int | None = Field(None, ge=1, le=16)
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    presence_penalty: float | None = Field(None, ge=-2, le=2)
-    frequency_penalty: float | None = Field(None, ge=-2, le=2)
-    repetition_penalty: float | None = Field(None, gt=0, le=10)
-    ignore_eos: bool | None = None
-    stream: bool | None = None
-    stream_options: dict[str, Any] | None = None
-
-
-class ChatCompletionRequest(_Sampling):
-    messages: list[_Message] = Field(min_length=1)
-    max_completion_tokens: int | None = None
-
-
-class CompletionRequest(_Sampling):
-    prompt: str | list[int]
-    echo: bool | None = None
+_STATUS_CODES = {"request_too_large": 413, "model_not_found": 404}
 
 
 def _error(status: int, message: str, param: str | None = None, code: str | None = None,
-           etype: str = "invalid_request_error") -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "type": etype, "param": param, "code": code}}, status_code=status)
+           etype: str = "invalid_request_error", headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "type": etype, "param": param, "code": code}},
+                        status_code=status, headers=headers)
 
 
 class _Metrics:
@@ -92,65 +70,70 @@ def create_app(engine: Engine, api_key: str | None = None, served_name: str | No
     metrics = _Metrics(engine)
     app = FastAPI(title="mlcc", version="1")
 
+    def endpoint_label(request: Request) -> str:
+        # the route's path, or one label for every unknown path (a label per path would let a client grow the
+        # metrics without bound)
+        route = request.scope.get("route")
+        return getattr(route, "path", None) or (request.url.path if request.url.path in known else "unmatched")
+
     @app.middleware("http")
     async def guard(request: Request, call_next):
-        endpoint = request.url.path
-        if api_key and endpoint != "/health":
-            if request.headers.get("authorization", "") != f"Bearer {api_key}":
-                metrics.requests.labels(endpoint, "401").inc()
-                return _error(401, "invalid or missing API key (Authorization: Bearer <key>)",
-                              etype="authentication_error", code="invalid_api_key")
+        if api_key and request.url.path != "/health" and \
+                request.headers.get("authorization", "") != f"Bearer {api_key}":
+            metrics.requests.labels(endpoint_label(request), "401").inc()
+            return _error(401, "invalid or missing API key (Authorization: Bearer <key>)",
+                          etype="authentication_error", code="invalid_api_key")
         length = request.headers.get("content-length")
         if length and length.isdigit() and int(length) > MAX_BODY_BYTES:
-            metrics.requests.labels(endpoint, "413").inc()
-            return _error(413, f"request body over {MAX_BODY_BYTES} bytes", code="request_too_large")
+            metrics.requests.labels(endpoint_label(request), "413").inc()
+            return _too_large()
         response = await call_next(request)
-        metrics.requests.labels(endpoint, str(response.status_code)).inc()
+        metrics.requests.labels(endpoint_label(request), str(response.status_code)).inc()
         return response
 
     @app.exception_handler(RequestError)
     async def on_request_error(_request: Request, e: RequestError):
-        status = 400
-        return _error(status, str(e), param=e.param, code=e.code)
+        return _error(_STATUS_CODES.get(e.code, 400), str(e), param=e.param, code=e.code)
+
+    @app.exception_handler(HTTPException)
+    async def on_http_error(request: Request, e: HTTPException):
+        if e.status_code == 404:
+            message, code = f"Invalid URL ({request.method} {request.url.path})", "unknown_url"
+        elif e.status_code == 405:
+            message, code = f"Method {request.method} is not allowed for {request.url.path}", "method_not_allowed"
+        else:
+            message, code = str(e.detail), None
+        return _error(e.status_code, message, code=code, headers=getattr(e, "headers", None))
+
+    @app.exception_handler(RequestValidationError)
+    async def on_validation_error(_request: Request, e: RequestValidationError):   # path parameters only
+        return _error(400, f"invalid request: {e.errors()[0].get('msg')}", code="invalid_value")
 
     @app.exception_handler(Exception)
     async def on_crash(_request: Request, e: Exception):
         log.exception("request failed")
         return _error(500, f"internal error: {type(e).__name__}", etype="server_error")
 
-    async def read_json(request: Request) -> dict[str, Any]:
-        body = await request.body()
-        if len(body) > MAX_BODY_BYTES:
-            raise RequestError(f"request body over {MAX_BODY_BYTES} bytes", code="request_too_large")
-        try:
-            data = json.loads(body)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise RequestError(f"body is not valid JSON: {e}", code="invalid_json") from e
-        if not isinstance(data, dict):
-            raise RequestError("body must be a JSON object", code="invalid_json")
-        model = data.pop("model", None)
-        if model is not None and model != name:
-            raise _ModelNotFound(model)
-        for key, kind in (("stream", bool), ("stream_options", dict), ("echo", bool)):
-            if data.get(key) is not None and not isinstance(data[key], kind):
-                raise RequestError(f"{key} must be a {kind.__name__}", param=key)
-        if data.get("stream_options") and not data.get("stream"):
-            raise RequestError("stream_options is only allowed with stream=true", param="stream_options")
-        return data
+    async def read_body(request: Request) -> dict[str, Any]:
+        chunks, size = [], 0
+        async for chunk in request.stream():   # a chunked body has no content-length: count as it arrives
+            size += len(chunk)
+            if size > MAX_BODY_BYTES:
+                raise RequestError(f"request body over {MAX_BODY_BYTES} bytes", code="request_too_large")
+            chunks.append(chunk)
+        # a megabyte-sized body takes a few hundred milliseconds to check: off the event loop, which streams
+        return await run_in_threadpool(parse_json_body, b"".join(chunks))
 
-    class _ModelNotFound(Exception):
-        def __init__(self, model: Any):
-            self.model = model
-
-    @app.exception_handler(_ModelNotFound)
-    async def on_model(_request: Request, e: _ModelNotFound):
-        return _error(404, f"model '{e.model}' does not exist; this server serves '{name}'", param="model",
-                      code="model_not_found")
-
-    async def respond(request: Request, api, data: dict[str, Any]):
-        stream = bool(data.pop("stream", False))
+    async def handle(request: Request, parse: Callable[[dict[str, Any]], BaseModel], api):
+        req = parse(await read_body(request))
+        if req.model is not None and req.model != name:
+            raise RequestError(f"The model '{req.model[:200]}' does not exist; this server serves '{name}'",
+                               param="model", code="model_not_found")
+        fields = req.model_dump(exclude_unset=True, by_alias=True)
+        fields.pop("model", None)
+        stream = bool(fields.pop("stream", False))
         t0 = time.perf_counter()
-        result = await api.create(stream=stream, model=name, **data)
+        result = await api.create(stream=stream, model=name, **fields)
         if not stream:
             metrics.prompt_tokens.inc(result.usage.prompt_tokens)
             metrics.generation_tokens.inc(result.usage.completion_tokens)
@@ -175,7 +158,7 @@ def create_app(engine: Engine, api_key: str | None = None, served_name: str | No
                 yield f"data: {chunk.model_dump_json(exclude_none=True)}\n\n".encode()
             yield b"data: [DONE]\n\n"
             done = True
-        except Exception as e:  # noqa: BLE001 - headers are out; report in-band as OpenAI does
+        except Exception as e:  # headers are out; report in-band as OpenAI does
             log.exception("stream failed")
             yield f"data: {json.dumps({'error': {'message': str(e), 'type': 'server_error'}})}\n\n".encode()
             done = True
@@ -186,21 +169,25 @@ def create_app(engine: Engine, api_key: str | None = None, served_name: str | No
 
     @app.post("/v1/chat/completions", openapi_extra=_body_schema(ChatCompletionRequest))
     async def chat_completions(request: Request):
-        data = await read_json(request)
-        if "messages" not in data:
-            raise RequestError("messages is required", param="messages")
-        return await respond(request, aengine.chat.completions, data)
+        return await handle(request, parse_chat_request, aengine.chat.completions)
 
     @app.post("/v1/completions", openapi_extra=_body_schema(CompletionRequest))
     async def completions(request: Request):
-        data = await read_json(request)
-        if "prompt" not in data:
-            raise RequestError("prompt is required", param="prompt")
-        return await respond(request, aengine.completions, data)
+        return await handle(request, parse_completion_request, aengine.completions)
+
+    def model_card() -> dict[str, Any]:
+        return {"id": name, "object": "model", "created": 0, "owned_by": "mlcc"}
+
+    @app.get("/v1/models/{model:path}")
+    async def model(model: str):
+        if model != name:
+            raise RequestError(f"The model '{model[:200]}' does not exist; this server serves '{name}'",
+                               param="model", code="model_not_found")
+        return model_card()
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": name, "object": "model", "created": 0, "owned_by": "mlcc"}]}
+        return {"object": "list", "data": [model_card()]}
 
     @app.get("/health")
     async def health():
@@ -211,8 +198,13 @@ def create_app(engine: Engine, api_key: str | None = None, served_name: str | No
         return PlainTextResponse(generate_latest(metrics.registry).decode(),
                                  media_type="text/plain; version=0.0.4")
 
+    known = {getattr(r, "path", None) for r in app.routes}
     app.state.engine = engine
     return app
+
+
+def _too_large() -> JSONResponse:
+    return _error(413, f"request body over {MAX_BODY_BYTES} bytes", code="request_too_large")
 
 
 def _has_text(chunk: Any) -> bool:
@@ -228,7 +220,8 @@ def _body_schema(model: type[BaseModel]) -> dict[str, Any]:
         if isinstance(node, dict):
             if "$ref" in node:
                 return inline(defs[node["$ref"].rsplit("/", 1)[-1]])
-            return {k: inline(v) for k, v in node.items()}
+            # a discriminator's mapping points into $defs; each member's const tag already tells them apart
+            return {k: inline(v) for k, v in node.items() if k != "discriminator"}
         return [inline(v) for v in node] if isinstance(node, list) else node
 
     return {"requestBody": {"required": True, "content": {"application/json": {"schema": inline(schema)}}}}

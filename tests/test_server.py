@@ -207,6 +207,25 @@ def test_openapi_fuzz_finds_no_5xx(server):
     assert 200 in statuses and any(400 <= s < 500 for s in statuses), statuses  # both paths exercised
 
 
+def test_openapi_documents_the_request_models(server):
+    doc = httpx.get(f"{server}/openapi.json", headers={"Authorization": f"Bearer {KEY}"}).json()
+    for path, fields in (("/v1/chat/completions", {"messages", "tools", "tool_choice", "response_format", "logprobs",
+                                                   "top_logprobs", "logit_bias", "structured_outputs"}),
+                         ("/v1/completions", {"prompt", "echo", "logprobs", "best_of", "logit_bias"})):
+        op = doc["paths"][path]["post"]
+        schema = op["requestBody"]["content"]["application/json"]["schema"]
+        assert fields <= set(schema["properties"]) and schema["additionalProperties"] is False
+        assert "422" not in op.get("responses", {})   # FastAPI does not validate these bodies: protocol does
+        assert "$ref" not in json.dumps(schema)
+
+
+def test_errors_are_openai_shaped_for_paths_and_methods(server):
+    for method, path, status in (("GET", "/v1/nope", 404), ("GET", "/v1/chat/completions", 405)):
+        r = httpx.request(method, f"{server}{path}", headers={"Authorization": f"Bearer {KEY}"})
+        assert r.status_code == status
+        assert set(r.json()["error"]) == {"message", "type", "param", "code"}
+
+
 def test_mlcc_bench_against_the_server(server, tmp_path):
     out = tmp_path / "bench.json"
     r = subprocess.run([sys.executable, "-m", "mlcc", "bench", "--base-url", f"{server}/v1", "--api-key", KEY,
