@@ -28,6 +28,7 @@ INT32_MAX = (1 << 31) - 1
 TokenId = Annotated[int, Field(ge=0, le=INT32_MAX)]
 NAME_PATTERN = r"^[a-zA-Z0-9_-]{1,64}$"
 
+
 class _Model(BaseModel):
     # strict: "10" is not an integer and 1 is not a boolean, as in OpenAI's API; NaN and inf are not numbers
     model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False, populate_by_name=True)
