@@ -21,7 +21,7 @@ from mlcc.relax_models import Family, family_for
 from mlcc.targets import TargetPreset, get_target
 
 from .quantize import Quantization, get_quantization, group_quantize, quantize_model
-from .sampling import attach_argmax, attach_sampler
+from .sampling import attach_argmax, attach_logit_functions, attach_sampler
 from .weights import ModelSource, iter_float_params, load_source
 
 log = logging.getLogger(__name__)
@@ -80,6 +80,8 @@ def export_module(source: ModelSource, preset: TargetPreset, quant: Quantization
     if target.kind.name != "webgpu":
         # TVM's GPU sort (top-p) needs blockIdx.z, which WGSL lacks; the JS engine samples from logits instead
         mod = attach_sampler(mod, cfg.vocab_size)
+    # grammar masks, logit_bias and logprobs on the device, for every target (schedules/logits.py)
+    mod = attach_logit_functions(mod, cfg.vocab_size, target)
     return BuiltModule(mod, params, stamp, family, cfg, quant, preset, target, options)
 
 

@@ -3,8 +3,10 @@ once by name into a typed record. The single-device loader (runtime.model) and t
 (runtime.tensor_parallel) both build these, from a local VM or from disco's worker functions.
 
 The function names are the contract of DESIGN.md: relax_models' export spec, the sampling functions
-compiler/sampling.py adds, `_metadata` (the ABI stamp) and, in single-GPU CUDA libraries, compiler/graph_decode.py's
-`decode_graph`.
+compiler/sampling.py adds (`argmax_logits`, `sample_top_p_top_k`, and the logit functions `apply_bitmask`,
+`apply_logit_bias`, `logprobs`), `_metadata` (the ABI stamp) and, in single-GPU CUDA libraries,
+compiler/graph_decode.py's `decode_graph`. Libraries built before the logit functions existed lack them; the runtime
+then refuses the request fields that need them (runtime.model).
 """
 
 from __future__ import annotations
@@ -35,14 +37,23 @@ class ModelFunctions:
     sample_top_p_top_k: Function | None = None
     # (ids int32[1], (KV cache id, metadata layout), kv, params) -> (logits, kv): batch-1 decode as one CUDA graph
     decode_graph: Function | None = None
+    # the logit functions (compiler/sampling.attach_logit_functions), absent from older libraries:
+    # (logits [b, vocab], bitmask int32 [b, ceil(vocab / 32)]) -> logits, -inf where a token's bit is 0
+    apply_bitmask: Function | None = None
+    # (logits [b, vocab], rows int32[m], token ids int32[m], bias f32[m]) -> logits with the bias added (pairs unique)
+    apply_logit_bias: Function | None = None
+    # (logits [b, vocab], ids int32[b]) -> (logprob of ids f32[b], top ids int32[b, K], top logprobs f32[b, K])
+    logprobs: Function | None = None
+
+    OPTIONAL = frozenset({"sample_top_p_top_k", "decode_graph", "apply_bitmask", "apply_logit_bias", "logprobs"})
+    LOGIT_FUNCTIONS = ("apply_bitmask", "apply_logit_bias", "logprobs")
 
     @classmethod
     def lookup(cls, get: Callable[[str], Function], has: Callable[[str], bool], where: Path) -> "ModelFunctions":
         """get(name) -> the function; has(name) -> whether the library defines it."""
         lib_names = {"metadata": "_metadata", "decode_graph": artifact.GRAPH_DECODE_FUNCTION}
         names = {f.name: lib_names.get(f.name, f.name) for f in dataclasses.fields(cls)}
-        optional = {"sample_top_p_top_k", "decode_graph"}
-        missing = [lib for field, lib in names.items() if field not in optional and not has(lib)]
+        missing = [lib for field, lib in names.items() if field not in cls.OPTIONAL and not has(lib)]
         if missing:
             raise ArtifactError(f"{where}: the library lacks {', '.join(missing)}: not an mlcc library of this "
                                 "version; recompile with `mlcc compile`")

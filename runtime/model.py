@@ -13,6 +13,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from mlcc import artifact, tvm_compat
+from mlcc.errors import RequestError
 
 from .decode_graph import GraphDecode, register_graph_attention
 from .interface import KVCacheOps, ModelFunctions
@@ -139,6 +140,71 @@ class PagedModel:
         return self._logits(out, n)
 
 
+    def prefill_all(self, seq_id: int, ids: Sequence[int]):
+        """Prefill of one sequence returning the logits of every position, [len(ids), vocab] (echo's prompt
+        logprobs); at most the prefill chunk of tokens."""
+        n = len(ids)
+        emb = self._embed_shaped(ids, [1, n, self.hidden])
+        self.kv_ops.begin_forward(self.kv, self._shape([seq_id]), self._shape([n]))
+        out = self.fns.batch_prefill(emb, self._positions(np.arange(n, dtype=np.int32)), self.kv, self.params)
+        self.kv_ops.end_forward(self.kv)
+        self._grow([seq_id], [n])
+        return self._logits(out, n)
+
+    # -- logit functions (compiler/sampling.attach_logit_functions), on the logits where they are -------------------
+    @property
+    def has_logit_functions(self) -> bool:
+        return all(getattr(self.fns, name) is not None for name in ModelFunctions.LOGIT_FUNCTIONS)
+
+    def _logit_function(self, name: str, param: str) -> Callable:
+        fn = getattr(self.fns, name)
+        if fn is None:
+            raise RequestError(f"'{param}' needs the library function {name}, which {self.dir} was built without "
+                               "(an older mlcc); recompile the model with `mlcc compile` to use it", param=param)
+        return fn
+
+    def _upload(self, name: str, a: np.ndarray):
+        """`a` in a device buffer kept per (name, shape), so a decode step allocates nothing."""
+        raise NotImplementedError
+
+    def mask_logits(self, logits, bitmask: np.ndarray):
+        """-inf wherever bit v % 32 of word v // 32 of a row's mask is 0 (llguidance's layout); bitmask int32
+        [rows, ceil(vocab / 32)]. Returns new logits."""
+        fn = self._logit_function("apply_bitmask", "response_format")
+        bitmask = np.ascontiguousarray(bitmask, dtype=np.int32)
+        words = -(-self.vocab // 32)
+        if bitmask.shape != (int(logits.shape[0]), words):
+            raise ValueError(f"bitmask of shape {bitmask.shape}: need [{int(logits.shape[0])}, {words}] int32 words")
+        return fn(logits, self._upload("bitmask", bitmask))
+
+    def bias_logits(self, logits, rows: np.ndarray, token_ids: np.ndarray, bias: np.ndarray):
+        """logits[rows[i], token_ids[i]] += bias[i]; repeated pairs add up. Returns new logits."""
+        fn = self._logit_function("apply_logit_bias", "logit_bias")
+        rows, token_ids = np.asarray(rows, dtype=np.int64).ravel(), np.asarray(token_ids, dtype=np.int64).ravel()
+        bias = np.asarray(bias, dtype=np.float32).ravel()
+        if not (rows.size == token_ids.size == bias.size) or rows.size == 0:
+            raise ValueError(f"logit bias: rows, token_ids and bias need one equal, non-zero length "
+                             f"(got {rows.size}, {token_ids.size}, {bias.size})")
+        if token_ids.min() < 0 or token_ids.max() >= self.vocab or rows.min() < 0 or rows.max() >= logits.shape[0]:
+            # the kernel writes where it is told: never let a bad index reach it
+            raise ValueError(f"logit bias: token id out of range [0, {self.vocab}) or row out of range "
+                             f"[0, {int(logits.shape[0])})")
+        keys, where = np.unique(rows * self.vocab + token_ids, return_inverse=True)
+        if keys.size < rows.size:  # the GPU kernel gives each pair one thread: repeated pairs would race
+            bias = np.bincount(where, weights=bias).astype(np.float32)
+        rows, token_ids = (keys // self.vocab).astype(np.int32), (keys % self.vocab).astype(np.int32)
+        return fn(logits, self._upload("bias_rows", rows), self._upload("bias_ids", token_ids),
+                  self._upload("bias", bias))
+
+    def logprobs(self, logits, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Log-softmax of each row at ids[i], and the row's K most likely tokens (K = 20; descending, ties in
+        index order, -inf for masked tokens): (f32[rows], int32[rows, K], f32[rows, K]). Only these cross to the
+        host."""
+        fn = self._logit_function("logprobs", "logprobs")
+        out = fn(logits, self._upload("logprob_ids", self._check_ids(np.asarray(ids).ravel())))
+        return out[0].numpy(), out[1].numpy(), out[2].numpy()
+
+
 class LoadedModel(PagedModel):
     def __init__(self, model_dir: str | Path, device_id: int = 0, verify_checksums: bool = True,
                  weights: str = "files"):
@@ -188,6 +254,7 @@ class LoadedModel(PagedModel):
             layers = self.config.get("model_config", {}).get("num_hidden_layers")
             self.graph = GraphDecode(self.fns.decode_graph, self.kv_ops, ShapeTuple, self.params, self.dev, layers)
         self._ids_buffers: dict = {}
+        self._buffers: dict = {}
         self.hidden = int(self.config["hidden_size"])
         self.vocab = int(self.config["vocab_size"])
         self.context_window = int(self.config["context_window_size"])
@@ -213,6 +280,19 @@ class LoadedModel(PagedModel):
 
             buf = self._ids_buffers[ids.size] = tvm.runtime.empty(ids.shape, str(ids.dtype), self.dev)
         buf.copyfrom(ids)
+        return buf
+
+    def _upload(self, name: str, a: np.ndarray):
+        """Like _ids_to_dev: the next copy into a buffer is ordered after the kernels that read it."""
+        key = (name, a.shape, str(a.dtype))
+        buf = self._buffers.get(key)
+        if buf is None:
+            import tvm
+
+            if len(self._buffers) >= 64:  # logit_bias lengths vary with the batch: keep only recent ones
+                self._buffers.clear()
+            buf = self._buffers[key] = tvm.runtime.empty(a.shape, str(a.dtype), self.dev)
+        buf.copyfrom(np.ascontiguousarray(a))
         return buf
 
     def ids_to_device(self, ids: Sequence[int]):

@@ -15,6 +15,7 @@ from typing import Sequence
 import numpy as np
 
 from mlcc import artifact, tvm_compat
+from mlcc.errors import RequestError
 
 from .interface import KVCacheOps, ModelFunctions
 from .model import PagedModel, load_params
@@ -101,9 +102,10 @@ class TensorParallelModel(PagedModel):
             self.sess.get_global_func("mlcc.tp.register_cuda_jit")(self.config["cuda_arch"])
         self.sess.init_ccl("nccl", *range(self.shards))
         self.mod = self.sess.load_vm_module(str(self.dir / self.config["library"]))
-        # the library was built for this job: every function the spec lists is there (a missing one fails on call)
-        self.fns = ModelFunctions.lookup(lambda n: self.mod[n], lambda n: n != artifact.GRAPH_DECODE_FUNCTION,
-                                         self.dir)
+        # the library was built for this job: every function the spec lists is there (a missing one fails on call);
+        # the logit functions are not offered yet (their results would have to be gathered from worker 0)
+        unused = {artifact.GRAPH_DECODE_FUNCTION, *ModelFunctions.LOGIT_FUNCTIONS}
+        self.fns = ModelFunctions.lookup(lambda n: self.mod[n], lambda n: n not in unused, self.dir)
         lib_stamp = json.loads(str(self._from_worker0(self.fns.metadata())))
         artifact.check_stamp(lib_stamp, self.config, self.dir)
         self.stamp = lib_stamp
@@ -123,6 +125,10 @@ class TensorParallelModel(PagedModel):
 
     def _count(self, value) -> int:
         return int(self._from_worker0(value))
+
+    def _logit_function(self, name: str, param: str):
+        raise RequestError(f"'{param}' is not supported with tensor parallelism yet; run the model on one GPU "
+                           "(compile without --tensor-parallel) to use it", param=param)
 
     @staticmethod
     def _from_worker0(dref):
