@@ -117,6 +117,7 @@ def test_cuda_library_source_carries_the_helpers_and_compiles(hf_models, tmp_pat
     helper = Q4_HELPER if quant == "q4f16_1" else F16_HELPER
     assert src.count(f"{helper}(") > 10                                 # the decode GEMVs call it
     assert "argmax_partial_kernel" in src and "part_md" in src          # GPU argmax, split-KV decode attention
+    assert "apply_bitmask_tir_kernel" in src and "topk_chunk_next_kernel" in src  # the logit functions
     assert src.count("void mlcc_pdl_wait()") == 1 and src.count("mlcc_pdl_wait();") > 10  # every kernel waits
     _assert_compiles(nvrtc, src)
 
@@ -148,3 +149,19 @@ def test_every_gemv_and_decode_attention_variant_compiles(nvrtc, preset):
     src = _cuda_source(lib.mod)
     assert len(_kernels(src)) >= len(funcs)  # (the attention is two kernels)
     _assert_compiles(nvrtc, src, str(target.attrs["arch"]))
+
+
+def test_logit_functions_compile_for_a_real_vocabulary(nvrtc):
+    """apply_bitmask, apply_logit_bias and logprobs for Qwen2.5's 151936-token vocabulary: the top-K rounds over
+    2048-token pieces and the merge of their picks (the tiny model's vocabulary fits one piece)."""
+    from mlcc.compiler.pipeline import build_pipeline
+    from mlcc.compiler.sampling import attach_logit_functions
+    from mlcc.options import CompileOptions
+
+    target = get_target("cuda").tvm_target()
+    mod = attach_logit_functions(tvm.IRModule(), 151936, target)
+    lib = tvm.compile(mod, target, relax_pipeline=build_pipeline(target, None, CompileOptions()))
+    src = _cuda_source(lib.mod)
+    assert {"logit_bias_scatter_kernel", "topk_chunk_first_kernel", "topk_merge_next_kernel",
+            "logprobs_sum_exp_kernel"} <= set(_kernels(src))
+    _assert_compiles(nvrtc, src)
