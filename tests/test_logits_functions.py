@@ -204,3 +204,32 @@ def test_bad_inputs_and_missing_functions_are_clear(model):
     with pytest.raises(RequestError, match="tensor parallelism") as e:
         TensorParallelModel._logit_function(None, "logprobs", "logprobs")
     assert e.value.param == "logprobs"
+
+
+def test_webgpu_library_carries_the_logit_kernels(hf_models):
+    """The tiny model's WebGPU module (TVM's compile only: linking the .wasm needs emscripten) has the three
+    functions, and its WGSL spells -inf as a bit pattern (WGSL has no infinity literal)."""
+    from mlcc.compiler.build import export_module
+    from mlcc.compiler.pipeline import build_pipeline
+    from mlcc.compiler.quantize import get_quantization
+    from mlcc.compiler.weights import load_source
+    from mlcc.schedules.cuda_pdl import tir_pipeline_for
+    from mlcc.targets import get_target
+    from mlcc.tvm_compat import pass_config
+
+    built = export_module(load_source(hf_models("llama")), get_target("webgpu"), get_quantization("q4f32_1"))
+    with tvm.transform.PassContext(config=pass_config(built.target, built.cfg.rope_scaling)):
+        ex = tvm.compile(built.mod, built.target, relax_pipeline=build_pipeline(built.target, None, built.options),
+                         tir_pipeline=tir_pipeline_for(built.target, built.options))
+
+    def walk(m):
+        yield m
+        for i in m.imports:
+            yield from walk(i)
+
+    (wgsl,) = [m.inspect_source() for m in walk(ex.mod) if m.kind == "webgpu"]
+    for kernel in ("apply_bitmask_tir_kernel", "logit_bias_scatter_kernel", "topk_chunk_next_kernel",
+                   "logprobs_finish_kernel"):
+        assert f"fn {kernel}(" in wgsl
+    assert "inff" not in wgsl and "bitcast<f32>(4286578688u)" in wgsl
+    assert {"apply_bitmask", "apply_logit_bias", "logprobs"} <= {gv.name_hint for gv in built.mod.get_global_vars()}
