@@ -55,7 +55,8 @@ class PagedModel:
     """The KV-cache calls and forward passes shared by LoadedModel (local VM functions) and TensorParallelModel
     (disco functions run on every worker). Subclasses set fns, kv_ops, params, _shape, _reshape, hidden, vocab,
     context_window, device_kind, dev, argmax and sample, and say how ids, positions and logits move:
-    _embed_shaped(ids, shape), _positions(int32 array), _logits(outputs, rows), to_device(array), _count(value)."""
+    _embed_shaped(ids, shape), _positions(int32 array), _logits(outputs, rows), to_device(array), _count(value),
+    and, for the logit functions, _upload(name, array) (or _logit_function raising where they are not offered)."""
 
     fns: ModelFunctions
     kv_ops: KVCacheOps
