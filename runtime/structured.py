@@ -34,7 +34,7 @@ JSON_OPTIONS: dict[str, Any] = {"whitespace_flexible": True, "whitespace_pattern
 # Fewer lexer states and less lexer fuel than llguidance's defaults (250k states ≈ 0.5 GB): a grammar that needs
 # more is refused at compile time; ordinary schemas use a few hundred states.
 _LIMITS = {"initial_lexer_fuel": 300_000, "step_lexer_fuel": 200_000, "max_lexer_states": 50_000,
-               "max_grammar_size": 200_000}
+           "max_grammar_size": 200_000}
 _CACHE_SIZE = 256
 # Marks the trigger in GrammarSpec.special_text; a NUL never survives json.dumps, so it cannot come from a schema.
 TRIGGER_MARK = "\x00"
