@@ -264,11 +264,13 @@ class GrammarCompiler:
         eos = tuple(sorted({int(e) for e in eos_ids}))
         if not eos:
             raise ValueError("GrammarCompiler needs at least one EOS id: a finished grammar allows only EOS")
-        base = llguidance.LLTokenizer(str(tokenizer_json))
-        n_vocab = max(int(vocab_size), base.vocab_size)
-        if any(e >= n_vocab for e in eos):
-            raise ValueError(f"EOS ids {eos} are outside the vocabulary of {n_vocab} tokens")
-        self.tokenizer = llguidance.LLTokenizer(str(tokenizer_json), n_vocab=n_vocab, eos_token=list(eos))
+        try:
+            self.tokenizer = llguidance.LLTokenizer(str(tokenizer_json), n_vocab=int(vocab_size), eos_token=list(eos))
+        except ValueError:  # the tokenizer has ids past the model's rows: masks are built wide, then cut
+            self.tokenizer = llguidance.LLTokenizer(str(tokenizer_json), eos_token=list(eos))
+        n_vocab = self.tokenizer.vocab_size
+        if any(e >= min(n_vocab, int(vocab_size)) for e in eos):
+            raise ValueError(f"EOS ids {eos} are outside the vocabulary of {vocab_size} tokens")
         self.vocab_size = int(vocab_size)
         self.mask_words = (self.vocab_size + 31) // 32
         self._scratch_words = (n_vocab + 31) // 32
