@@ -15,9 +15,12 @@ import logging
 import math
 import threading
 
+import numpy as np
+
 from mlcc.errors import ContextWindowExceededError
 
 from .decode_graph import decode_pipelined
+from .logit_processing import LogitProcessor
 from .policy import Plan, make_policy
 from .request import Event, Request
 from .sampler import DeviceDraw, Sampler
@@ -42,6 +45,7 @@ class EngineCore:
         self.policy = make_policy(policy, page_size, self.total_pages, prefill_chunk)
         self.stats: collections.Counter = collections.Counter()
         self.scheduler = Scheduler(self.policy, max_batch, self.stats)
+        self.processor = LogitProcessor(model, model.vocab)
         feeds_back = hasattr(model, "decode_fed_back")
         self._fetcher = TokenFetcher(model.dev) if feeds_back and pipeline is not False else None
         self._pipeline = self._fetcher is not None and (pipeline or (pipeline is None and self._fetcher.overlaps))
@@ -111,30 +115,67 @@ class EngineCore:
             self._finish(r)
 
     def _prefill(self, plan: Plan) -> None:
-        reqs = [r for r, _ in plan.prefill]
-        chunks = [r.prefill_ids[r.kv_len: r.kv_len + n] for r, n in plan.prefill]
-        logits = self.model.prefill([r.seq_id for r in reqs], chunks)
+        scored = [(r, n) for r, n in plan.prefill if self._scores_prompt(r)]
+        batched = [(r, n) for r, n in plan.prefill if not self._scores_prompt(r)]
+        sampled, all_logits, rows = [], [], []
+        if batched:
+            reqs = [r for r, _ in batched]
+            chunks = [r.prefill_ids[r.kv_len: r.kv_len + n] for r, n in batched]
+            logits = self.model.prefill([r.seq_id for r in reqs], chunks)
+            self._read(reqs, chunks)
+            self._ready_to_sample(reqs, logits, sampled, all_logits, rows)
+        for r, n in scored:   # its own call: logits at every position of the chunk
+            start, chunk = r.kv_len, r.prefill_ids[r.kv_len: r.kv_len + n]
+            logits = self.model.prefill_all(r.seq_id, chunk)
+            self._read([r], [chunk])
+            targets = r.prefill_ids[start + 1: start + n + 1]
+            scored_rows = self.processor.prompt_logprobs(logits, targets + [0] * (n - len(targets)),
+                                                         r.prompt_top_logprobs)
+            r.prompt_logprobs += scored_rows[: len(targets)]
+            if not r.reading_prompt:
+                last = self.model.to_device(np.ascontiguousarray(logits.numpy()[n - 1: n]))
+                self._ready_to_sample([r], last, sampled, all_logits, rows)
+        self.stats["prefill_steps"] += 1
+        for logits, group, group_rows in zip(all_logits, sampled, rows):
+            self._sample_and_emit(group, logits, group_rows)
+
+    @staticmethod
+    def _scores_prompt(r: Request) -> bool:
+        """echo with logprobs: the prompt's own tokens are scored (once: not again after a preemption)."""
+        return r.prompt_top_logprobs is not None and r.kv_len < len(r.prompt_ids)
+
+    def _read(self, reqs: list[Request], chunks: list[list[int]]) -> None:
         for r, c in zip(reqs, chunks):
             r.kv_len += len(c)
         self.stats["prefill_tokens"] += sum(len(c) for c in chunks)
-        self.stats["prefill_steps"] += 1
-        sampled, rows = [], []
+
+    def _ready_to_sample(self, reqs: list[Request], logits, sampled: list, all_logits: list, rows: list) -> None:
+        """Those of reqs (rows of logits) whose prompt is now read draw their first token; with n > 1 every
+        choice draws from that row with its own generator. A request with max_tokens 0 ends here."""
+        group, group_rows = [], []
         for i, r in enumerate(reqs):
             if r.reading_prompt:
                 continue
-            group = [r]
+            members = [r]
             if r.forks:
-                group += self.scheduler.forked(r)
-                for f in group[1:]:
+                members += self.scheduler.forked(r)
+                for f in members[1:]:
                     self.model.fork_sequence(r.seq_id, f.seq_id)
-            sampled += group   # every choice draws its first token from this row, with its own generator
-            rows += [i] * len(group)
-        if sampled:
-            self._sample_and_emit(sampled, logits, rows)
+                    f.prompt_logprobs = list(r.prompt_logprobs)
+            if r.max_new == 0:
+                for m in members:
+                    m.finish_reason = "length"
+                continue
+            group += members
+            group_rows += [i] * len(members)
+        if group:
+            sampled.append(group)
+            all_logits.append(logits)
+            rows.append(group_rows)
 
     def _decode(self, running: list[Request]) -> None:
         # a burst lasts until another request arrives: with one already waiting (for pages), decode step by step
-        if len(running) == 1 and self.scheduler.num_running() == 1 and self._pipeline and \
+        if len(running) == 1 and self.scheduler.num_running() == 1 and self._pipeline and not running[0].processed and \
                 not self.scheduler.has_waiting() and self.policy.may_burst(running[0], self.model.free_pages()):
             draw = self.sampler.device_draw(running[0].params, running[0].rng)
             if draw is not None:
@@ -168,11 +209,16 @@ class EngineCore:
         decode_pipelined(self.model, r.seq_id, r.output_ids[-1], draw, self._fetcher, want_more, on_token)
 
     def _sample_and_emit(self, reqs: list[Request], logits, rows: list[int] | None = None) -> None:
+        raw = None
+        if self.processor.active(reqs):
+            logits, raw = self.processor.before_sampling(logits, reqs, rows)
+            rows = None
         ids = self.sampler.sample(logits, [r.params for r in reqs], [(r.prompt_ids, r.output_ids) for r in reqs],
                                   [r.rng for r in reqs], rows=rows)
-        for r, t in zip(reqs, ids):
+        logprobs = self.processor.after_sampling(raw, reqs, ids) if raw is not None else [None] * len(reqs)
+        for r, t, lp in zip(reqs, ids, logprobs):
             if not r.cancelled:
-                r.on_token(t)
+                r.on_token(t, lp)
             else:
                 r.finish_reason = "abort"
 

@@ -7,33 +7,25 @@ callers are batched together.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import queue
-import time
-import uuid
 from pathlib import Path
 from typing import Any, AsyncIterator, Iterator
 
 import numpy as np
-from openai.types import Completion, CompletionChoice, CompletionUsage
-from openai.types.chat import ChatCompletion, ChatCompletionChunk, ChatCompletionMessage
-from openai.types.chat.chat_completion import Choice as ChatChoice
-from openai.types.chat.chat_completion_chunk import Choice as ChunkChoice
-from openai.types.chat.chat_completion_chunk import ChoiceDelta
 
 from mlcc import artifact
-from mlcc.errors import ContextWindowExceededError, RequestError
+from mlcc.errors import RequestError
 from mlcc.options import CompileOptions
 
+from . import prepare, protocol, structured, tool_calls
+from .call import Call
 from .core import EngineCore
 from .request import Event, Request
-from .sampler import Sampler, SamplingParams
+from .sampler import Sampler
 
 log = logging.getLogger(__name__)
-
-_SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "presence_penalty", "frequency_penalty", "repetition_penalty",
-                    "seed", "stop", "ignore_eos")
-
 
 def _kv_bytes_per_token(cfg: dict[str, Any]) -> int:
     m = cfg["model_config"]
@@ -48,13 +40,14 @@ class Engine:
     options: the compile options a model compiled on first use is built with (part of its cache key); for an
     artifacts folder, the options it must have been built with (a mismatch is refused). None: the defaults, or
     whatever the folder was built with. policy: "no_evict" (admit only what can finish) or "max_util" (admit
-    eagerly, preempt and recompute). pipeline: decode a lone request pipelined (runtime.core.EngineCore)."""
+    eagerly, preempt and recompute). pipeline: decode a lone request pipelined (runtime.core.EngineCore).
+    weights: "files", or "random" for a shape-only build (speed benchmarks: `compile_shape_only`)."""
 
     def __init__(self, model: str | Path | None = None, target: str = "auto", quant: str | None = None, *,
                  max_batch: int = 4, context_window: int | None = None, kv_cache_tokens: int | None = None,
                  prefill_chunk: int = 512, device_id: int = 0, policy: str = "no_evict",
                  tensor_parallel: int | None = None, options: CompileOptions | None = None,
-                 pipeline: bool | None = None):
+                 pipeline: bool | None = None, weights: str = "files"):
         from mlcc.targets import detect_local
 
         from .jit import resolve_model
@@ -74,7 +67,7 @@ class Engine:
 
             self.model = TensorParallelModel(self.model_dir)
         else:
-            self.model = LoadedModel(self.model_dir, device_id=device_id)
+            self.model = LoadedModel(self.model_dir, device_id=device_id, weights=weights)
         cfg = self.model.config
         self.model_name = Path(cfg["source"]["path"]).stem if "source" in cfg else self.model_dir.name
         self.tokenizer = Tokenizer(self.model_dir, cfg["tokenizer"])
@@ -103,29 +96,10 @@ class Engine:
         return int(min(self.context_window * max_batch, max(budget // per_token, 256)))
 
     # -- request plumbing ----------------------------------------------------------------------------------------
-    def _prepare(self, prompt_ids: list[int], max_tokens: int | None, kw: dict[str, Any]) -> tuple[SamplingParams, int]:
-        params = SamplingParams.from_request(max_tokens=max_tokens, **{k: kw.get(k) for k in _SAMPLING_FIELDS})
-        n = len(prompt_ids)
-        if n == 0:
-            raise RequestError("the prompt is empty", param="prompt")
-        if n >= self.context_window:
-            raise ContextWindowExceededError(
-                f"this model's maximum context length is {self.context_window} tokens; the prompt has {n}. "
-                "Shorten the prompt or the conversation.")
-        room = self.context_window - n
-        if max_tokens is not None and max_tokens > room:
-            raise ContextWindowExceededError(
-                f"this model's maximum context length is {self.context_window} tokens; the prompt has {n} and "
-                f"max_tokens is {max_tokens}. Lower max_tokens to at most {room}.")
-        max_new = max_tokens if max_tokens is not None else room
-        max_new = min(max_new, self.kv_cache_tokens - n)
-        self.core.check_fits(n, max_new)
-        return params, max_new
-
-    def run_sync(self, call: "_Call") -> Iterator[tuple[int, Event]]:
+    def run_sync(self, call: Call) -> Iterator[tuple[int, Event]]:
         """(choice index, event) as they happen; closing the iterator aborts what is still running."""
         q: queue.Queue[tuple[int, Event]] = queue.Queue()
-        reqs = call.submit(self, lambda i, e: q.put((i, e)))
+        reqs = call.submit(lambda i, e: q.put((i, e)))
         pending = call.n
         try:
             while pending:
@@ -135,10 +109,10 @@ class Engine:
         finally:
             self.abort(reqs)
 
-    async def run_async(self, call: "_Call") -> AsyncIterator[tuple[int, Event]]:
+    async def run_async(self, call: Call) -> AsyncIterator[tuple[int, Event]]:
         loop = asyncio.get_running_loop()
         q: asyncio.Queue[tuple[int, Event]] = asyncio.Queue()
-        reqs = call.submit(self, lambda i, e: loop.call_soon_threadsafe(q.put_nowait, (i, e)))
+        reqs = call.submit(lambda i, e: loop.call_soon_threadsafe(q.put_nowait, (i, e)))
         pending = call.n
         try:
             while pending:
@@ -153,11 +127,30 @@ class Engine:
             if r.finish_reason is None:
                 self.core.abort(r)
 
-    def encode_chat(self, messages: list[dict[str, Any]]) -> list[int]:
-        if not isinstance(messages, list) or not messages:
-            raise RequestError("messages must be a non-empty list", param="messages")
-        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    def encode_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> list[int]:
+        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tools=tools)
         return self.tokenizer.encode(text)
+
+    @functools.cached_property
+    def grammars(self) -> "structured.GrammarCompiler":
+        """Compiles structured-output grammars for this tokenizer (built on first use: about 0.3 s for a
+        50k-token vocabulary)."""
+        return structured.GrammarCompiler(self.model_dir / "tokenizer.json", self.model.vocab,
+                                          self.tokenizer.eos_ids)
+
+    @functools.cached_property
+    def tool_format(self) -> "tool_calls.ToolFormat":
+        """How this model writes tool calls (runtime.tool_calls), from its chat template and architecture."""
+        return tool_calls.tool_call_format(self.tokenizer.chat_template or "",
+                                           self.model.config.get("model_type"))
+
+    def token_text(self, token_id: int) -> tuple[str, list[int]]:
+        """A token as logprobs show it: its text and its UTF-8 bytes (a token may hold part of a character)."""
+        raw = self.grammars.tokenizer.decode_bytes([token_id])   # special tokens as their text
+        try:
+            return raw.decode("utf-8"), list(raw)
+        except UnicodeDecodeError:   # part of a character: shown as OpenAI shows it
+            return "bytes:" + "".join(f"\\x{b:02x}" for b in raw), list(raw)
 
     def encode_prompt(self, prompt: str | list[int]) -> list[int]:
         """A completions prompt: text (after the BOS token where the tokenizer wants one) or token ids as given."""
@@ -186,116 +179,14 @@ def _finished(ev: Event) -> bool:
     return ev.kind == "finish"
 
 
-def _check_n(n: int | None) -> int:
-    n = 1 if n is None else n
-    if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= 16:
-        raise RequestError(f"n must be an integer in [1, 16], got {n!r}", param="n")
-    return n
-
-
-_IGNORED = {"user", "logit_bias", "logprobs", "top_logprobs", "response_format", "tools", "tool_choice",
-            "parallel_tool_calls", "metadata", "store", "service_tier", "suffix", "best_of"}
-
-
-def _reject_unknown(kw: dict[str, Any]) -> None:
-    for k in list(kw):
-        if k in _SAMPLING_FIELDS:
-            continue
-        if k in _IGNORED:
-            kw.pop(k)
-            continue
-        raise RequestError(f"unknown request field '{k}'", param=k)
-
-
-class _Call:
-    """One validated create() call: submits its n samples and shapes events into openai objects."""
-
-    def __init__(self, engine: Engine, chat: bool, ids: list[int], max_tokens: int | None, n: int | None,
-                 model: str | None, stream_options: dict[str, Any] | None, kw: dict[str, Any], prefix: str = ""):
-        _reject_unknown(kw)
-        self.chat, self.ids, self.n = chat, ids, _check_n(n)
-        self.params, self.max_new = engine._prepare(ids, max_tokens, kw)
-        self.rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-        self.created, self.name = int(time.time()), model or engine.model_name
-        self.include_usage = bool((stream_options or {}).get("include_usage"))
-        self.prefix = prefix   # echo: the prompt's text before each choice's
-        self.texts, self.reasons, self.completion_tokens = [prefix] * self.n, ["stop"] * self.n, 0
-
-    def submit(self, engine: Engine, sink) -> list[Request]:
-        """The n choices as one request and its forks: the prompt is read once. Choice i draws from a generator
-        seeded seed + i, so it equals a lone request with that seed."""
-        reqs = []
-        for i in range(self.n):
-            seed = None if self.params.seed is None else (self.params.seed + i) % (1 << 64)  # any int64 is valid
-            reqs.append(Request(self.ids, self.params, self.max_new, lambda e, i=i: sink(i, e),
-                                engine.tokenizer.stream(), engine.tokenizer.eos_ids, rng=np.random.default_rng(seed)))
-        reqs[0].forks = reqs[1:]
-        engine.core.submit(reqs[0])
-        return reqs
-
-    def usage(self) -> CompletionUsage:
-        return CompletionUsage(prompt_tokens=len(self.ids), completion_tokens=self.completion_tokens,
-                               total_tokens=len(self.ids) + self.completion_tokens)
-
-    # -- non-streaming -----------------------------------------------------------------------------------------
-    def collect(self, i: int, ev: Event) -> None:
-        if ev.kind == "delta":
-            self.texts[i] += ev.text
-        elif ev.kind == "finish":
-            self.reasons[i] = ev.finish_reason
-            self.completion_tokens += ev.completion_tokens
-
-    def result(self) -> ChatCompletion | Completion:
-        if self.chat:
-            return ChatCompletion(
-                id=self.rid, created=self.created, model=self.name, object="chat.completion", usage=self.usage(),
-                choices=[ChatChoice(index=i, finish_reason=self.reasons[i],
-                                    message=ChatCompletionMessage(role="assistant", content=self.texts[i]))
-                         for i in range(self.n)])
-        return Completion(id=self.rid, created=self.created, model=self.name, object="text_completion",
-                          usage=self.usage(),
-                          choices=[CompletionChoice(index=i, text=self.texts[i], finish_reason=self.reasons[i])
-                                   for i in range(self.n)])
-
-    # -- streaming ---------------------------------------------------------------------------------------------
-    def _chunk(self, i: int | None, text: str | None, finish: str | None = None, role: bool = False):
-        if self.chat:
-            choices = [] if i is None else [ChunkChoice(index=i, finish_reason=finish, delta=ChoiceDelta(
-                content=text, role="assistant" if role else None))]
-            return ChatCompletionChunk(id=self.rid, created=self.created, model=self.name,
-                                       object="chat.completion.chunk", choices=choices,
-                                       usage=self.usage() if i is None else None)
-        # the API streams finish_reason=null until the end; the openai type only admits the final values
-        choices = [] if i is None else [CompletionChoice.model_construct(index=i, text=text or "",
-                                                                          finish_reason=finish, logprobs=None)]
-        return Completion(id=self.rid, created=self.created, model=self.name, object="text_completion",
-                          choices=choices, usage=self.usage() if i is None else None)
-
-    def stream_start(self) -> list[Any]:
-        if self.chat:
-            return [self._chunk(i, "", role=True) for i in range(self.n)]
-        return [self._chunk(i, self.prefix) for i in range(self.n)] if self.prefix else []
-
-    def stream_event(self, i: int, ev: Event) -> list[Any]:
-        if ev.kind == "delta" and ev.text:
-            return [self._chunk(i, ev.text)]
-        if ev.kind == "finish":
-            self.completion_tokens += ev.completion_tokens
-            return [self._chunk(i, None if self.chat else "", finish=ev.finish_reason)]
-        return []
-
-    def stream_end(self) -> list[Any]:
-        return [self._chunk(None, None)] if self.include_usage else []
-
-
-def _sync_stream(engine: Engine, call: _Call) -> Iterator[Any]:
+def _sync_stream(engine: Engine, call: Call) -> Iterator[Any]:
     yield from call.stream_start()
     for i, ev in engine.run_sync(call):
         yield from call.stream_event(i, ev)
     yield from call.stream_end()
 
 
-async def _async_stream(engine: Engine, call: _Call) -> AsyncIterator[Any]:
+async def _async_stream(engine: Engine, call: Call) -> AsyncIterator[Any]:
     for c in call.stream_start():
         yield c
     async for i, ev in engine.run_async(call):
@@ -311,16 +202,16 @@ class _Chat:
 
 
 class _CreateAPI:
-    """create() for both endpoints; subclasses say how a request becomes a _Call."""
+    """create() for both endpoints; subclasses say how a validated request becomes a Call."""
 
     def __init__(self, engine: Engine):
         self.engine = engine
 
-    def make_call(self, **kw: Any) -> _Call:
+    def make_call(self, **kw: Any) -> Call:
         raise NotImplementedError
 
     def create(self, *, stream: bool = False, **kw: Any):
-        call = self.make_call(**kw)
+        call = self.make_call(stream=stream, **kw)
         if stream:
             return _sync_stream(self.engine, call)
         for i, ev in self.engine.run_sync(call):
@@ -331,22 +222,17 @@ class _CreateAPI:
 class _ChatCompletions(_CreateAPI):
     """engine.chat.completions: create(messages=..., stream=...) → ChatCompletion | Iterator[ChatCompletionChunk]"""
 
-    def make_call(self, messages: list[dict[str, Any]], model: str | None = None, max_tokens: int | None = None,
-                  max_completion_tokens: int | None = None, n: int | None = None,
-                  stream_options: dict[str, Any] | None = None, **kw: Any) -> _Call:
-        ids = self.engine.encode_chat(messages)
-        return _Call(self.engine, True, ids, max_completion_tokens or max_tokens, n, model, stream_options, kw)
+    def make_call(self, **kw: Any) -> Call:
+        req = protocol.parse_chat_request(kw)
+        return prepare.chat_call(self.engine, req.model_dump(exclude_none=True, by_alias=True))
 
 
 class _Completions(_CreateAPI):
     """engine.completions: create(prompt=..., stream=...) → Completion | Iterator[Completion]"""
 
-    def make_call(self, prompt: str | list[int], model: str | None = None, max_tokens: int | None = 16,
-                  n: int | None = None, echo: bool = False, stream_options: dict[str, Any] | None = None,
-                  **kw: Any) -> _Call:
-        ids = self.engine.encode_prompt(prompt)
-        prefix = "" if not echo else prompt if isinstance(prompt, str) else self.engine.tokenizer.decode(ids)
-        return _Call(self.engine, False, ids, max_tokens, n, model, stream_options, kw, prefix=prefix)
+    def make_call(self, **kw: Any) -> Call:
+        req = protocol.parse_completion_request(kw)
+        return prepare.completion_call(self.engine, req.model_dump(exclude_none=True, by_alias=True))
 
 
 # -- asyncio -----------------------------------------------------------------------------------------------------
@@ -370,7 +256,7 @@ class _AsyncCreate:
         self.engine, self.sync_api = engine, sync_api
 
     async def create(self, *, stream: bool = False, **kw: Any):
-        call = self.sync_api.make_call(**kw)   # validation errors raise here, at the await
+        call = self.sync_api.make_call(stream=stream, **kw)   # validation errors raise here, at the await
         if stream:
             return _async_stream(self.engine, call)
         async for i, ev in self.engine.run_async(call):

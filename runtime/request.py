@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
-from typing import Callable
+from typing import Any, Callable
 
 import numpy as np
 
@@ -23,6 +23,8 @@ class Event:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     error: BaseException | None = None
+    logprob: Any = None            # delta: the token's runtime.logit_processing.TokenLogprob, where asked for
+    prompt_logprobs: list | None = None   # finish: the prompt's TokenLogprobs (None for its first token), echo
 
 
 @dataclasses.dataclass(eq=False)
@@ -54,6 +56,13 @@ class Request:
     emitted: int = 0               # chars of `text` already sent
     finish_reason: str | None = None
     cancelled: bool = False
+    # what happens to this request's logits (runtime.logit_processing): token id -> bias, a grammar matcher
+    # (runtime.structured.Matcher), and the number of top alternatives its logprobs carry (None: no logprobs)
+    logit_bias: dict[int, float] | None = None
+    matcher: Any = None
+    top_logprobs: int | None = None
+    prompt_top_logprobs: int | None = None     # echo with logprobs: score the prompt too
+    prompt_logprobs: list = dataclasses.field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.prefill_ids = list(self.prompt_ids)
@@ -61,6 +70,11 @@ class Request:
     @property
     def reading_prompt(self) -> bool:
         return self.kv_len < len(self.prefill_ids)
+
+    @property
+    def processed(self) -> bool:
+        """Its logits go through runtime.logit_processing (no pipelined decode: each mask needs the last token)."""
+        return bool(self.logit_bias) or self.matcher is not None or self.top_logprobs is not None
 
     @property
     def decoding(self) -> bool:
@@ -100,7 +114,7 @@ class Request:
         return len(self.forks) if len(self.prefill_ids) % page_size else 0
 
     # -- output handling (runs on the worker thread) -------------------------------------------------------------
-    def on_token(self, tid: int) -> None:
+    def on_token(self, tid: int, logprob: Any = None) -> None:
         is_eos = tid in self.eos_ids and not self.params.ignore_eos
         if is_eos or tid in self.params.stop_token_ids:
             self.finish_reason = "stop"
@@ -118,19 +132,20 @@ class Request:
                 return
         if len(self.output_ids) >= self.max_new:
             self.finish_reason = "length"
-        self._emit(final=self.finish_reason is not None, token_id=tid)
+        self._emit(final=self.finish_reason is not None, token_id=tid, logprob=logprob)
 
-    def _emit(self, final: bool, token_id: int | None = None) -> None:
+    def _emit(self, final: bool, token_id: int | None = None, logprob: Any = None) -> None:
         # Hold back a tail that could still grow into a stop string.
         hold = 0 if final else max((len(s) - 1 for s in self.params.stop), default=0)
         upto = max(self.emitted, len(self.text) - hold)
         delta = self.text[self.emitted: upto]
         self.emitted = upto
         if delta or token_id is not None:
-            self.sink(Event("delta", text=delta, token_id=token_id))
+            self.sink(Event("delta", text=delta, token_id=token_id, logprob=logprob))
         # the "finish" event comes from close(), after the engine core has released the request's KV pages: a
         # caller that sees its request end sees its pages free
 
     def close(self) -> None:
         self.sink(Event("finish", finish_reason=self.finish_reason, prompt_tokens=len(self.prompt_ids),
-                        completion_tokens=len(self.output_ids)))
+                        completion_tokens=len(self.output_ids),
+                        prompt_logprobs=self.prompt_logprobs if self.prompt_top_logprobs is not None else None))

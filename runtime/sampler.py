@@ -1,4 +1,4 @@
-"""Sampling parameters (validated like the OpenAI API) and the sampler.
+"""Sampling parameters and the sampler.
 
 Without penalties, sampling runs in the compiled library on the model's device (argmax for greedy batches,
 temperature/top-k/top-p otherwise, drawing with a uniform from each request's seeded generator), so only token
@@ -12,7 +12,6 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from mlcc.errors import RequestError
 
 History = tuple[Sequence[int], Sequence[int]]   # (prompt ids, generated ids): what penalties look at
 
@@ -33,48 +32,10 @@ class SamplingParams:
 
     @classmethod
     def from_request(cls, **kw: Any) -> "SamplingParams":
+        """From a request validated by runtime.protocol (ranges and types are checked there); None: the default."""
         kw = {k: v for k, v in kw.items() if v is not None}
         stop = kw.pop("stop", [])
-        if isinstance(stop, str):
-            stop = [stop]
-        if not isinstance(stop, list):
-            raise RequestError("stop must be a string or a list of strings", param="stop")
-        p = cls(stop=list(stop), **kw)
-        p.validate()
-        return p
-
-    def validate(self) -> None:
-        def bad(field: str, msg: str) -> RequestError:
-            return RequestError(f"{field} {msg}", param=field)
-
-        for f in ("temperature", "top_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
-            v = getattr(self, f)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or v != v:
-                raise bad(f, f"must be a number, got {v!r}")
-        for f in ("top_k", "max_tokens", "seed"):
-            v = getattr(self, f)
-            if v is not None and (isinstance(v, bool) or not isinstance(v, int)):
-                raise bad(f, f"must be an integer, got {v!r}")
-        if not isinstance(self.stop_token_ids, list) or not all(isinstance(t, int) for t in self.stop_token_ids):
-            raise bad("stop_token_ids", "must be a list of integers")
-        if not isinstance(self.ignore_eos, bool):
-            raise bad("ignore_eos", f"must be a boolean, got {self.ignore_eos!r}")
-
-        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
-            raise bad("max_tokens", f"must be a positive integer, got {self.max_tokens!r}")
-        if not 0.0 <= float(self.temperature) <= 2.0:
-            raise bad("temperature", f"must be in [0, 2], got {self.temperature}")
-        if not 0.0 < float(self.top_p) <= 1.0:
-            raise bad("top_p", f"must be in (0, 1], got {self.top_p}")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
-            raise bad("top_k", f"must be a non-negative integer (0 disables it), got {self.top_k!r}")
-        for f in ("presence_penalty", "frequency_penalty"):
-            if not -2.0 <= float(getattr(self, f)) <= 2.0:
-                raise bad(f, f"must be in [-2, 2], got {getattr(self, f)}")
-        if not 0.0 < float(self.repetition_penalty) <= 10.0:
-            raise bad("repetition_penalty", f"must be in (0, 10], got {self.repetition_penalty}")
-        if len(self.stop) > 4 or not all(isinstance(s, str) and s for s in self.stop):
-            raise bad("stop", "must be a non-empty string or a list of at most 4 non-empty strings")
+        return cls(stop=[stop] if isinstance(stop, str) else list(stop), **kw)
 
     @property
     def greedy(self) -> bool:

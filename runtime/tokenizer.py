@@ -14,9 +14,6 @@ from tokenizers.decoders import DecodeStream
 
 from mlcc.errors import RequestError
 
-ROLES = {"system", "user", "assistant", "developer", "tool"}
-
-
 class Tokenizer:
     def __init__(self, model_dir: Path, info: dict[str, Any]):
         path = Path(model_dir) / "tokenizer.json"
@@ -31,7 +28,8 @@ class Tokenizer:
         if self.eos_token is not None and self.tok.token_to_id(self.eos_token) is not None:
             eos.add(self.tok.token_to_id(self.eos_token))
         self.eos_ids = eos
-        self._template = _compile_template(info.get("chat_template")) if info.get("chat_template") else None
+        self.chat_template: str | None = info.get("chat_template") or None
+        self._template = _compile_template(self.chat_template) if self.chat_template else None
         # add_bos_token (tokenizer_config.json, or the GGUF's tokenizer.ggml.add_bos_token): a raw prompt starts
         # with the BOS token. Chat templates write it into the text themselves ({{ bos_token }}).
         bos_id = self.tok.token_to_id(self.bos_token) if self.bos_token else None
@@ -52,40 +50,24 @@ class Tokenizer:
     def decode(self, ids: list[int]) -> str:
         return self.tok.decode(ids, skip_special_tokens=True)
 
-    def stream(self) -> "StreamDecoder":
-        return StreamDecoder(self)
+    def stream(self, skip_special_tokens: bool = True) -> "StreamDecoder":
+        """skip_special_tokens=False where a parser reads tags that are special tokens (Mistral's [TOOL_CALLS])."""
+        return StreamDecoder(self, skip_special_tokens)
 
-    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
-        for i, m in enumerate(messages):
-            if not isinstance(m, dict) or "role" not in m:
-                raise RequestError(f"messages[{i}] must be an object with 'role' and 'content'", param="messages")
-            if m["role"] not in ROLES:
-                raise RequestError(f"messages[{i}].role '{m['role']}' is not one of {sorted(ROLES)}",
-                                   param="messages")
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                            tools: list[dict[str, Any]] | None = None) -> str:
+        """messages as validated by runtime.protocol (content a string or None); tools in OpenAI's form, given to
+        templates that render them (`tools` in HF's apply_chat_template)."""
         if self._template is None:
             raise RequestError("this model has no chat template; use completions.create(prompt=...) instead",
                                param="messages")
-        msgs = [_flatten_content(m) for m in messages]
+        msgs = [{**m, "content": m.get("content") or ""} for m in messages]
+        extra = {"tools": tools} if tools else {}
         try:
             return self._template.render(messages=msgs, add_generation_prompt=add_generation_prompt,
-                                         bos_token=self.bos_token or "", eos_token=self.eos_token or "")
+                                         bos_token=self.bos_token or "", eos_token=self.eos_token or "", **extra)
         except jinja2.TemplateError as e:
             raise RequestError(f"the model's chat template rejected these messages: {e}", param="messages") from e
-
-
-def _flatten_content(m: dict[str, Any]) -> dict[str, Any]:
-    """OpenAI content parts ([{type: text, text}]) → one string, which every text-only template understands."""
-    content = m.get("content")
-    if isinstance(content, list):
-        texts = []
-        for part in content:
-            if not isinstance(part, dict) or part.get("type") != "text":
-                raise RequestError("only text content parts are supported", param="messages")
-            texts.append(part.get("text", ""))
-        return {**m, "content": "".join(texts)}
-    if content is not None and not isinstance(content, str):
-        raise RequestError("message content must be a string or a list of text parts", param="messages")
-    return {**m, "content": content or ""}
 
 
 def _compile_template(source: str) -> jinja2.Template:
@@ -103,9 +85,9 @@ def _compile_template(source: str) -> jinja2.Template:
 class StreamDecoder:
     """Incremental detokenisation that never emits half a UTF-8 character."""
 
-    def __init__(self, tokenizer: Tokenizer):
+    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True):
         self._tok = tokenizer.tok
-        self._ds = DecodeStream(skip_special_tokens=True)
+        self._ds = DecodeStream(skip_special_tokens=skip_special_tokens)
 
     def push(self, token_id: int) -> str:
         return self._ds.step(self._tok, token_id) or ""

@@ -42,9 +42,14 @@ def make_hf_model(kind: str, folder: Path, seed: int = 0) -> Path:
 
     torch.manual_seed(seed)
     common = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=512)
+                  num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=512,
+                  # transformers' default eos_token_id (2) is a byte token of this vocabulary: use <|im_end|>
+                  eos_token_id=SPECIALS.index("<|im_end|>") + 256, bos_token_id=None)
     if kind == "llama":
         model = tf.LlamaForCausalLM(tf.LlamaConfig(**common, tie_word_embeddings=False))
+    elif kind == "llama_2k":   # room for long prompts (tool descriptions, one token per byte here)
+        model = tf.LlamaForCausalLM(tf.LlamaConfig(**{**common, "max_position_embeddings": 2048},
+                                                   tie_word_embeddings=False))
     elif kind == "llama_tied_llama3":
         cfg = tf.LlamaConfig(**common, tie_word_embeddings=True,
                              rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,

@@ -108,14 +108,14 @@ def test_multi_turn_uses_the_template(engine):
 
 @pytest.mark.parametrize("kw,param", [
     (dict(temperature=3.0), "temperature"), (dict(top_p=0.0), "top_p"), (dict(max_tokens=0), "max_tokens"),
-    (dict(n=0), "n"), (dict(presence_penalty=5), "presence_penalty"), (dict(top_k=-1), "top_k"),
+    (dict(n=0), "n"), (dict(presence_penalty=5), "presence_penalty"), (dict(top_k=-2), "top_k"),
     (dict(messages=[{"role": "wizard", "content": "x"}]), "messages"), (dict(messages=[]), "messages"),
     (dict(frobnicate=1), "frobnicate"),
 ])
 def test_bad_params_raise_clear_errors_and_engine_keeps_working(engine, kw, param):
     with pytest.raises(RequestError) as ei:
         engine.chat.completions.create(**{"messages": MSGS, "max_tokens": 4, **kw})
-    assert ei.value.param == param
+    assert ei.value.param.split("[")[0] == param   # messages[0].role: OpenAI's path to the field
     assert engine.chat.completions.create(messages=MSGS, max_tokens=2, temperature=0).choices
 
 

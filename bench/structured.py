@@ -1,0 +1,188 @@
+"""What constrained decoding costs: per-token time of JSON-schema-constrained vs free decoding at 1 and 16
+concurrent requests, and the time to the first token mask of a 50-property schema and of a 20-tool request.
+
+    # the CPU default (the bundled SmolLM2, compiled on first use), here
+    python bench/structured.py cpu --out bench/results/tmp
+    # the H200, the Llama-3-8B shape (random weights) with a real tokenizer's vocabulary: build here, time there
+    python bench/structured.py build --out .dev/structured [--tokenizer-gguf QWEN.gguf]
+    python3 bench/structured.py gpu --libs .dev/structured --out $OUT      # on the device (bench/gpu.sh run ...)
+    python bench/structured.py table RESULT.json...
+
+Constrained requests answer a schema that forces a fixed-length output (an array of 48 one-digit integers, ~97
+tokens), so both kinds decode the same number of tokens: free requests ignore EOS and stop at that length. The
+per-token time is taken between the first and the last streamed token of each request (time to the first token
+is reported apart). With 16 requests the number is the aggregate decode rate. The random-weight model's tokens
+carry no meaning; the grammar makes its output valid anyway, which is what the mask costs are measured on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+import statistics
+import time
+from pathlib import Path
+
+from harness import build_info, cli, presets, write_json
+
+LENGTH = 48
+SCHEMA = {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 9},
+          "minItems": LENGTH, "maxItems": LENGTH}
+RESPONSE_FORMAT = {"type": "json_schema", "json_schema": {"name": "digits", "schema": SCHEMA, "strict": True}}
+MESSAGES = [{"role": "user", "content": f"Write {LENGTH} random digits as a JSON array."}]
+ROUNDS = 3
+
+
+def _wide_schema(n: int = 50) -> dict:
+    kinds = [{"type": "string", "maxLength": 20}, {"type": "integer", "minimum": 0}, {"type": "boolean"},
+             {"enum": ["red", "green", "blue"]}, {"type": "array", "items": {"type": "number"}, "maxItems": 4}]
+    props = {f"field_{i}": kinds[i % len(kinds)] for i in range(n)}
+    return {"type": "object", "properties": props, "required": list(props), "additionalProperties": False}
+
+
+def _tools(n: int = 20) -> list[dict]:
+    return [{"type": "function", "function": {
+        "name": f"tool_{i}", "description": f"tool number {i}",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"},
+                                                        "unit": {"enum": ["c", "f"]}},
+                       "required": ["city"]}}} for i in range(n)]
+
+
+def first_mask(engine) -> dict:
+    """Milliseconds from a request's grammar to its first mask (compile, matcher, fill), cold (first of its kind)
+    and cached (the same grammar again)."""
+    import numpy as np
+
+    from mlcc.runtime import prepare, protocol
+
+    def once(fields: dict) -> float:
+        t0 = time.perf_counter()
+        req = protocol.parse_chat_request(fields)
+        call = prepare.chat_call(engine, req.model_dump(exclude_none=True, by_alias=True))
+        matcher = call.make_matcher()
+        mask = np.zeros((1, (engine.model.vocab + 31) // 32), np.int32)
+        matcher.fill_mask(mask, 0)
+        return (time.perf_counter() - t0) * 1e3
+
+    engine.grammars  # noqa: B018 - the tokenizer is built once per engine, before any request
+    schema = {"messages": MESSAGES, "max_tokens": 8, "response_format": {
+        "type": "json_schema", "json_schema": {"name": "wide", "schema": _wide_schema()}}}
+    tools = {"messages": MESSAGES, "max_tokens": 8, "tools": _tools(), "tool_choice": "required"}
+    return {"schema_50_properties_ms": once(schema), "schema_50_properties_cached_ms": once(schema),
+            "tools_20_required_ms": once(tools), "tools_20_required_cached_ms": once(tools)}
+
+
+async def _one(aengine, constrained: bool, seed: int) -> dict:
+    kw = dict(messages=MESSAGES, temperature=1.0, seed=seed, stream=True, stream_options={"include_usage": True})
+    if constrained:
+        kw.update(response_format=RESPONSE_FORMAT, max_tokens=4 * LENGTH)
+    else:
+        kw.update(max_tokens=2 * LENGTH + 1, ignore_eos=True)
+    t0, stamps, tokens = time.perf_counter(), [], 0
+    async for chunk in await aengine.chat.completions.create(**kw):
+        if chunk.choices and chunk.choices[0].delta.content:
+            stamps.append(time.perf_counter())
+        if chunk.usage:
+            tokens = chunk.usage.completion_tokens
+    return {"ttft_s": stamps[0] - t0, "decode_s": stamps[-1] - stamps[0], "tokens": tokens, "end": stamps[-1],
+            "start": t0}
+
+
+def decode_costs(engine, concurrency: list[int]) -> list[dict]:
+    from mlcc import AsyncEngine
+
+    aengine = AsyncEngine(engine)
+    rows = []
+    for c in concurrency:
+        for constrained in (False, True):
+            rates, per_token = [], []
+            for r in range(ROUNDS):
+                async def run():
+                    return await asyncio.gather(*[_one(aengine, constrained, 1000 * r + i) for i in range(c)])
+
+                res = asyncio.run(run())
+                per_token += [x["decode_s"] / max(x["tokens"] - 1, 1) for x in res]
+                wall = max(x["end"] for x in res) - min(x["start"] for x in res)
+                rates.append(sum(x["tokens"] for x in res) / wall)
+            rows.append({"concurrency": c, "constrained": constrained,
+                         "per_token_ms": 1e3 * statistics.median(per_token),
+                         "aggregate_tok_s": statistics.median(rates)})
+            print(rows[-1], flush=True)
+    for c in concurrency:
+        free, con = [r for r in rows if r["concurrency"] == c]
+        con["cost_vs_free"] = con["per_token_ms"] / free["per_token_ms"] - 1
+    return rows
+
+
+def cmd_cpu(a) -> None:
+    from mlcc import Engine
+
+    with Engine(max_batch=16) as e:
+        e.chat.completions.create(messages=MESSAGES, max_tokens=4)   # warm: the first call loads kernels
+        result = {"where": "cpu", "model": e.model_name, "vocab": e.model.vocab, **build_info(),
+                  "first_mask": first_mask(e), "decode": decode_costs(e, [1, 16])}
+    print(json.dumps(result, indent=1))
+    write_json(a.out, "structured_cpu.json", result)
+
+
+def cmd_build(a) -> None:
+    """The 8B shape for CUDA with the vocabulary of a real tokenizer (the bundled SmolLM2's, or --tokenizer-gguf)."""
+    from mlcc import artifact
+    from mlcc.compiler.build import compile_shape_only
+    from mlcc.compiler.tokenizer_files import write_tokenizer
+    from mlcc.runtime.jit import default_model_path
+
+    gguf = Path(a.tokenizer_gguf) if a.tokenizer_gguf else default_model_path()
+    out = Path(a.out) / "llama3-8b-q4f16_1"
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir(parents=True)
+    info = write_tokenizer("gguf", gguf, out)
+    vocab = json.loads((out / "tokenizer.json").read_text())
+    n_tokens = max([*vocab["model"]["vocab"].values(), *[t["id"] for t in vocab.get("added_tokens", [])]]) + 1
+    cfg = presets()["llama3-8b"].hf_config()
+    cfg["vocab_size"] = (n_tokens + 63) // 64 * 64
+    seconds = compile_shape_only("llama", cfg, "cuda", "q4f16_1", out)
+    config = artifact.read_config(out)
+    config["tokenizer"] = info
+    (out / artifact.CONFIG_FILE).write_text(json.dumps(config, indent=1))
+    print(f"built {out} (vocab {cfg['vocab_size']}, tokenizer of {gguf.name}) in {seconds:.0f} s")
+
+
+def cmd_gpu(a) -> None:
+    from mlcc import Engine
+
+    lib = Path(a.libs) / "llama3-8b-q4f16_1"
+    with Engine(lib, target="cuda", max_batch=16, weights="random", context_window=2048) as e:
+        e.chat.completions.create(messages=MESSAGES, max_tokens=4)
+        result = {"where": "cuda", "model": "llama3-8b-shape q4f16_1 (random weights)", "vocab": e.model.vocab,
+                  **build_info(), "first_mask": first_mask(e), "decode": decode_costs(e, [1, 16])}
+    print(json.dumps(result, indent=1))
+    write_json(a.out, "structured_gpu.json", result)
+
+
+def cmd_table(a) -> None:
+    print("| where | concurrency | free ms/token | constrained ms/token | cost | first mask: 50-prop schema / 20 tools (ms) |")
+    print("|---|---|---|---|---|---|")
+    for path in a.results:
+        r = json.loads(Path(path).read_text())
+        fm = r["first_mask"]
+        for c in sorted({x["concurrency"] for x in r["decode"]}):
+            free, con = [x for x in r["decode"] if x["concurrency"] == c]
+            print(f"| {r['where']} ({r['model']}) | {c} | {free['per_token_ms']:.2f} | {con['per_token_ms']:.2f} | "
+                  f"{100 * con['cost_vs_free']:+.1f}% | {fm['schema_50_properties_ms']:.1f} / "
+                  f"{fm['tools_20_required_ms']:.1f} |")
+
+
+def main() -> None:
+    cli(__doc__, {
+        "cpu": (cmd_cpu, lambda p: p.add_argument("--out", required=True)),
+        "build": (cmd_build, lambda p: (p.add_argument("--out", required=True),
+                                        p.add_argument("--tokenizer-gguf"))),
+        "gpu": (cmd_gpu, lambda p: (p.add_argument("--libs", required=True), p.add_argument("--out", required=True))),
+        "table": (cmd_table, lambda p: p.add_argument("results", nargs="+")),
+    })
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,140 @@
+"""From a validated request (runtime.protocol) to a runtime.call.Call: the prompt's ids (chat template, tools),
+sampling parameters, the limits of the context window and the KV cache, logit_bias, logprobs, and the grammar
+that constrains the output (response_format, structured_outputs, or the tools for tool_choice required/named)."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from mlcc.errors import ContextWindowExceededError, RequestError
+
+from . import structured, tool_calls
+from .call import Call
+from .logit_processing import TOP_LOGPROBS
+from .sampler import SamplingParams
+
+_SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "presence_penalty", "frequency_penalty", "repetition_penalty",
+                    "seed", "stop", "stop_token_ids", "ignore_eos")
+
+
+def chat_call(engine: Any, fields: dict[str, Any]) -> Call:
+    """fields: a ChatCompletionRequest as a dict (model_dump(exclude_none=True))."""
+    tools = fields.get("tools") or []
+    choice = fields.get("tool_choice", "auto" if tools else "none")
+    calling = bool(tools) and choice != "none"
+    fmt = engine.tool_format if tools else None
+    messages = [_template_message(m) for m in fields["messages"]]
+    if tools and not tool_calls.template_takes_tools(engine.tokenizer.chat_template):
+        messages = _with_tools_prompt(messages, tool_calls.tools_system_prompt(tools, fmt))
+        template_tools = None
+    else:
+        template_tools = [t for t in tools] or None
+    ids = engine.encode_chat(messages, tools=template_tools)
+    spec = _grammar_spec(fields)
+    if calling and (choice != "auto" or fmt is not None):
+        if spec is not None:
+            raise RequestError("tools with tool_choice other than 'none' cannot be combined with response_format or "
+                               "structured_outputs: drop one of them", param="tool_choice")
+        spec = tool_calls.tool_grammar(tools, choice, fields.get("parallel_tool_calls", True), fmt)
+    top = fields.get("top_logprobs", 0) if fields.get("logprobs") else None
+    max_tokens = fields.get("max_completion_tokens", fields.get("max_tokens"))
+    return _make(engine, True, fields, ids, max_tokens, spec, top, None,
+                 make_parser=(lambda: tool_calls.ToolCallParser(fmt, tools)) if calling else None)
+
+
+def completion_call(engine: Any, fields: dict[str, Any]) -> Call:
+    """fields: a CompletionRequest as a dict (model_dump(exclude_none=True))."""
+    prompt = fields["prompt"]
+    ids = engine.encode_prompt(prompt)
+    echo = bool(fields.get("echo"))
+    top = fields.get("logprobs")
+    if echo and top is not None and fields.get("stream"):
+        raise RequestError("echo with logprobs is answered whole, not streamed: set stream=false", param="echo")
+    prefix = "" if not echo else prompt if isinstance(prompt, str) else engine.tokenizer.decode(ids)
+    return _make(engine, False, fields, ids, fields.get("max_tokens", 16), _grammar_spec(fields), top,
+                 top if echo else None, prefix=prefix, prefix_ids=ids if echo else None)
+
+
+def _make(engine: Any, chat: bool, fields: dict[str, Any], ids: list[int], max_tokens: int | None,
+          spec: Any, top: int | None, prompt_top: int | None, **kw: Any) -> Call:
+    params = SamplingParams.from_request(max_tokens=max_tokens or None, **{k: fields.get(k) for k in _SAMPLING_FIELDS})
+    max_new = _max_new(engine, ids, max_tokens)
+    bad = [t for t in fields.get("stop_token_ids") or [] if t >= engine.model.vocab]
+    if bad:
+        raise RequestError(f"stop_token_ids: {bad[0]} is not in this model's vocabulary [0, {engine.model.vocab})",
+                           param="stop_token_ids")
+    if top is not None and top > TOP_LOGPROBS:
+        raise RequestError(f"at most {TOP_LOGPROBS} top logprobs are supported", param="top_logprobs")
+    grammar = engine.grammars.compile(spec) if spec is not None else None
+    stream_options = fields.get("stream_options") or {}
+    return Call(engine, chat, ids, params, max_new, fields.get("n", 1), fields.get("model") or engine.model_name,
+                bool(stream_options.get("include_usage")), logit_bias=_logit_bias(engine, fields.get("logit_bias")),
+                top_logprobs=top, prompt_top_logprobs=prompt_top,
+                make_matcher=(lambda: engine.grammars.matcher(grammar)) if grammar is not None else None, **kw)
+
+
+def _max_new(engine: Any, ids: list[int], max_tokens: int | None) -> int:
+    n, window = len(ids), engine.context_window
+    if n == 0:
+        raise RequestError("the prompt is empty", param="prompt")
+    if n >= window:
+        raise ContextWindowExceededError(f"this model's maximum context length is {window} tokens; the prompt has "
+                                         f"{n}. Shorten the prompt or the conversation.")
+    room = window - n
+    if max_tokens is not None and max_tokens > room:
+        raise ContextWindowExceededError(
+            f"this model's maximum context length is {window} tokens; the prompt has {n} and max_tokens is "
+            f"{max_tokens}. Lower max_tokens to at most {room}.")
+    max_new = min(max_tokens if max_tokens is not None else room, engine.kv_cache_tokens - n)
+    engine.core.check_fits(n, max_new)
+    return max_new
+
+
+def _logit_bias(engine: Any, bias: dict[str, float] | None) -> dict[int, float] | None:
+    if not bias:
+        return None
+    out = {int(k): float(v) for k, v in bias.items()}
+    bad = [k for k in out if not 0 <= k < engine.model.vocab]
+    if bad:
+        raise RequestError(f"logit_bias token id {bad[0]} is not in this model's vocabulary [0, {engine.model.vocab})",
+                           param="logit_bias")
+    return out
+
+
+def _grammar_spec(fields: dict[str, Any]) -> Any:
+    rf, so = fields.get("response_format"), fields.get("structured_outputs")
+    if rf is not None and rf.get("type") != "text" and so is not None:
+        raise RequestError("give either response_format or structured_outputs, not both", param="structured_outputs")
+    if so is not None:
+        return structured.spec_from_structured_outputs(so)
+    return structured.spec_from_response_format(rf)
+
+
+def _template_message(m: dict[str, Any]) -> dict[str, Any]:
+    """OpenAI's message → what HF chat templates read: content parts joined into one string, tool-call arguments
+    as objects (templates render them with tojson)."""
+    m = dict(m)
+    content = m.get("content")
+    if isinstance(content, list):
+        m["content"] = "".join(part["text"] for part in content)
+    if m.get("tool_calls"):
+        calls = []
+        for c in m["tool_calls"]:
+            fn = dict(c["function"])
+            try:
+                fn["arguments"] = json.loads(fn["arguments"])
+            except (json.JSONDecodeError, TypeError):
+                pass   # a template that prints arguments as given still gets the string
+            calls.append({**c, "function": fn})
+        m["tool_calls"] = calls
+    return m
+
+
+def _with_tools_prompt(messages: list[dict[str, Any]], prompt: str) -> list[dict[str, Any]]:
+    """For a template that never renders `tools`: the tools' description leads the system message."""
+    if messages and messages[0]["role"] in ("system", "developer"):
+        first = dict(messages[0])
+        first["content"] = f"{first.get('content') or ''}\n\n{prompt}".strip()
+        return [first, *messages[1:]]
+    return [{"role": "system", "content": prompt}, *messages]
