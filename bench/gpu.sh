@@ -55,7 +55,7 @@ SETUP
     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl \
     openai jiter distro httpx2 httpcore2 anyio sniffio h11 idna truststore typing-extensions pydantic pydantic-core \
     typing-inspection annotated-types fastapi starlette uvicorn click prometheus-client annotated-doc \
-    opentelemetry-api httpx==0.28.1 httpcore==1.0.9 certifi || return 1
+    opentelemetry-api httpx==0.28.1 httpcore==1.0.9 certifi llguidance || return 1
   du -sh .gpu-rt .whl
 }
 

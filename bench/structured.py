@@ -149,20 +149,55 @@ def cmd_build(a) -> None:
     print(f"built {out} (vocab {cfg['vocab_size']}, tokenizer of {gguf.name}) in {seconds:.0f} s")
 
 
+def check_logit_functions(model) -> dict:
+    """The device's apply_bitmask, apply_logit_bias and logprobs against numpy on random logits (before timing)."""
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    b, v = 3, model.vocab
+    host = rng.normal(0, 4, (b, v)).astype(np.float32)
+    logits = model.to_device(host)
+    mask = rng.integers(-(2 ** 31), 2 ** 31, (b, (v + 31) // 32), dtype=np.int64).astype(np.int32)
+    allowed = np.unpackbits(mask.view(np.uint8), bitorder="little").reshape(b, -1)[:, :v].astype(bool)
+    masked = model.mask_logits(logits, mask).numpy()
+    ok_mask = bool(np.array_equal(masked, np.where(allowed, host, -np.inf)))
+    rows, toks = np.array([0, 2, 2], np.int32), np.array([5, 7, v - 1], np.int32)
+    bias = np.array([100, -50, 3], np.float32)
+    want = host.copy()
+    want[rows, toks] += bias
+    ok_bias = bool(np.array_equal(model.bias_logits(logits, rows, toks, bias).numpy(), want))
+    ids = np.array([1, 2, 3], np.int32)
+    lp, top_ids, top_lp = model.logprobs(logits, ids)
+    x = host.astype(np.float64)
+    ref = x - x.max(1, keepdims=True)
+    ref -= np.log(np.exp(ref).sum(1, keepdims=True))
+    order = np.argsort(-ref, axis=1, kind="stable")[:, :20]
+    err = float(max(np.abs(lp - ref[np.arange(b), ids]).max(),
+                    np.abs(top_lp - np.take_along_axis(ref, order, 1)).max()))
+    ok = ok_mask and ok_bias and err < 1e-4 and bool(np.array_equal(top_ids, order))
+    return {"ok": ok, "mask_exact": ok_mask, "bias_exact": ok_bias, "logprobs_max_abs_err": err,
+            "top_ids_equal": bool(np.array_equal(top_ids, order))}
+
+
 def cmd_gpu(a) -> None:
     from mlcc import Engine
 
     lib = Path(a.libs) / "llama3-8b-q4f16_1"
     with Engine(lib, target="cuda", max_batch=16, weights="random", context_window=2048) as e:
+        check = check_logit_functions(e.model)
+        print("check:", check, flush=True)
+        if not check["ok"]:
+            raise SystemExit("the device's logit functions disagree with numpy: not timing")
         e.chat.completions.create(messages=MESSAGES, max_tokens=4)
         result = {"where": "cuda", "model": "llama3-8b-shape q4f16_1 (random weights)", "vocab": e.model.vocab,
-                  **build_info(), "first_mask": first_mask(e), "decode": decode_costs(e, [1, 16])}
+                  **build_info(), "check": check, "first_mask": first_mask(e), "decode": decode_costs(e, [1, 16])}
     print(json.dumps(result, indent=1))
     write_json(a.out, "structured_gpu.json", result)
 
 
 def cmd_table(a) -> None:
-    print("| where | concurrency | free ms/token | constrained ms/token | cost | first mask: 50-prop schema / 20 tools (ms) |")
+    print("| where | concurrency | free ms/token | constrained ms/token | cost | "
+          "first mask: 50-property schema / 20 tools (ms) |")
     print("|---|---|---|---|---|---|")
     for path in a.results:
         r = json.loads(Path(path).read_text())

@@ -175,9 +175,9 @@ class EngineCore:
 
     def _decode(self, running: list[Request]) -> None:
         # a burst lasts until another request arrives: with one already waiting (for pages), decode step by step
-        if len(running) == 1 and self.scheduler.num_running() == 1 and self._pipeline and not running[0].processed and \
+        if len(running) == 1 and self.scheduler.num_running() == 1 and self._pipeline and \
                 not self.scheduler.has_waiting() and self.policy.may_burst(running[0], self.model.free_pages()):
-            draw = self.sampler.device_draw(running[0].params, running[0].rng)
+            draw = self._device_draw(running[0])
             if draw is not None:
                 self._decode_pipelined(running[0], draw)
                 return
@@ -186,6 +186,18 @@ class EngineCore:
             r.kv_len += 1
         self.stats["decode_tokens"] += len(running)
         self._sample_and_emit(running, logits)
+
+    def _device_draw(self, r: Request) -> DeviceDraw | None:
+        """How a lone request's next id is drawn on the device: with its logit_bias and grammar mask applied
+        first (logprobs need the host: never pipelined)."""
+        draw = self.sampler.device_draw(r.params, r.rng)
+        if draw is None or not r.processed:
+            return draw
+        if r.top_logprobs is not None:
+            return None
+        process, sample = self.processor.before_sampling, draw.sample
+        return DeviceDraw(lambda logits: sample(process(logits, [r], None)[0]), draw.prepare,
+                          after_token=r.matcher is not None)
 
     def _decode_pipelined(self, r: Request, draw: DeviceDraw) -> None:
         """Decode the only running request until it ends or another request arrives."""
@@ -203,6 +215,8 @@ class EngineCore:
             if r.cancelled:
                 r.finish_reason = "abort"
             else:
+                if r.matcher is not None:
+                    r.matcher.accept(tid)
                 r.on_token(tid)
             return r.finish_reason is None
 

@@ -13,7 +13,9 @@ k-1's sampled id still on the device, and step k-1's id is handed out while step
 TVM's KV-cache metadata copy: BeginForward's arrays go to the device on a separate stream into one buffer, so step
 k's may only be queued once step k-1 has read its own. With decode_graph that is once step k-1 has passed its last
 attention (the step tail: an event recorded inside the graph; on an H200 this gains 5% on the 8B q4f16_1 decode and
-2.5% on q0f16 over waiting for the whole step), else once step k-1 has finished. When a token ends the request, the
+2.5% on q0f16 over waiting for the whole step), else once step k-1 has finished. A draw that needs step k-1's
+token (a grammar mask, DeviceDraw.after_token) is queued after that token is handed out, while step k's model
+still runs: the host's share (the id read, the mask) overlaps the device's. When a token ends the request, the
 step queued behind it is wasted; its KV entry belongs to a sequence the caller removes. Greedy tokens are the same
 as the synchronous loop's (tests/test_engine.py, and tests/test_cuda_kernels.py on a GPU).
 """
@@ -124,6 +126,13 @@ def decode_pipelined(model, seq_id: int, token: int, draw: DeviceDraw, fetcher: 
             if draw.prepare is not None:
                 draw.prepare()
             logits, following_tail = model.decode_fed_back(seq_id, ids)
+            if draw.after_token and unread:
+                # the draw needs step k-1's token (a grammar's mask): hand it out while step k's model runs
+                if got is None:
+                    got = fetcher.pop()[0]
+                if not on_token(got):
+                    return   # step k is wasted, as below; its id is never drawn
+                unread = False
             following = draw.sample(logits)
             fetcher.push(following)
         if unread:

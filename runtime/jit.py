@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import importlib.metadata
 import json
@@ -11,6 +12,8 @@ from pathlib import Path
 from mlcc import artifact
 from mlcc.cache import cache_lock, cache_root
 from mlcc.options import CompileOptions
+
+from .interface import ModelFunctions
 
 log = logging.getLogger(__name__)
 
@@ -39,10 +42,12 @@ def _source_fingerprint(path: Path) -> str:
 
 def build_dir(source: Path, target: str, quant: str, tensor_parallel: int, options: CompileOptions) -> Path:
     """Where the JIT cache keeps the build of `source` for these choices: keyed by the source file(s), target,
-    quantization, shard count, compile options and the mlcc/TVM versions, so that no build is reused for other
-    choices."""
+    quantization, shard count, compile options, the mlcc/TVM versions and the library functions the runtime
+    knows (a library built before one was added is rebuilt, not reused without it), so that no build is reused for
+    other choices."""
+    functions = [f.name for f in dataclasses.fields(ModelFunctions)]
     key = hashlib.sha256(json.dumps([_source_fingerprint(source), target, quant, artifact.mlcc_version(),
-                                     artifact.tvm_version(), tensor_parallel, options.to_dict()],
+                                     artifact.tvm_version(), tensor_parallel, options.to_dict(), functions],
                                     sort_keys=True).encode()).hexdigest()[:20]
     tp = f"-tp{tensor_parallel}" if tensor_parallel > 1 else ""
     return cache_root() / f"{source.stem}-{quant}-{target}{tp}-{key}"

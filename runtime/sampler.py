@@ -123,9 +123,11 @@ class Sampler:
 @dataclasses.dataclass
 class DeviceDraw:
     """sample(logits) -> device int32[1] ids; prepare(), if any, runs before each step is queued, while the device
-    has finished every earlier step (a synchronous upload there costs no overlap)."""
+    has finished every earlier step (a synchronous upload there costs no overlap). after_token: sample reads state
+    that the previous token sets (a grammar's mask), so that token is handed out before the draw is queued."""
     sample: Callable
     prepare: Callable[[], None] | None = None
+    after_token: bool = False
 
 
 def apply_penalties(row: np.ndarray, p: SamplingParams, history: History) -> np.ndarray:

@@ -6,10 +6,10 @@ strictly after round r-1's pick in the order "value descending, index ascending"
 (like numpy's stable argsort of -x) and -inf tokens (masked out) still fill the list in index order once the finite
 ones are used up. TVM lowers a reduction across threads only for the reducers it knows, so a round is the argmax of
 schedules/argmax.py (identity (-1, lowest float)) over keys where -inf is raised to NEG_KEY, above that identity;
-the final kernel turns NEG_KEY back into -inf. An ineligible element is the identity itself. On GPUs each round runs over chunks of the row in parallel (every block one chunk, as the chunked
-argmax does) and a second set of rounds picks the row's K from the chunks' K each; reductions use TVM's
-cross-thread reduction, the same lowering the device argmax uses on every GPU target, WebGPU included. CPUs run
-plain loops over the whole row.
+the final kernel turns NEG_KEY back into -inf. An ineligible element is the identity itself. On GPUs each round runs
+over chunks of the row in parallel (every block one chunk, as the chunked argmax does) and a second set of rounds
+picks the row's K from the chunks' K each; reductions use TVM's cross-thread reduction, the same lowering the device
+argmax uses on every GPU target, WebGPU included. CPUs run plain loops over the whole row.
 
 WGSL has no infinity literal (TVM would print `-inff`), so -inf is the bit pattern 0xff800000 reinterpreted.
 """
@@ -84,7 +84,10 @@ def copy_func(vocab: int, threads: int | None):
 
     batch = tirx.Var("batch_size", "int64")
     logits = te.placeholder((batch, vocab), "float32", name="logits")
-    out = te.compute((batch, vocab), lambda i, v: logits[i, v], name="copy")
+    # a plain copy is a reshape to RewriteDataflowReshape, which makes it a view of the input (the scatter would
+    # then write into the caller's logits); a bit-level round trip is not
+    out = te.compute((batch, vocab), lambda i, v: tirx.reinterpret("float32", tirx.reinterpret("uint32", logits[i, v])),
+                     name="copy")
     return _elementwise([logits, out], threads)
 
 

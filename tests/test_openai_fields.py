@@ -271,3 +271,32 @@ def test_tool_result_turns_are_accepted_in_the_history(long_engine):
     r = long_engine.chat.completions.create(messages=history, max_tokens=4, temperature=0, tools=[WEATHER],
                                        tool_choice="none")
     assert r.choices[0].message.tool_calls is None and r.choices[0].finish_reason in ("stop", "length")
+
+
+def test_a_lone_constrained_request_decodes_pipelined_to_the_same_tokens(compiled):
+    """The pipelined loop hands each token to the grammar before the next mask is drawn (DeviceDraw.after_token):
+    the same outputs as the synchronous loop, greedy and seeded, with logit_bias too."""
+    rf = {"type": "json_schema", "json_schema": {"name": "p", "schema": SCHEMA}}
+    outs = {}
+    for pipeline in (False, True):
+        with Engine(compiled("llama", "q0f32"), target="llvm", max_batch=2, pipeline=pipeline) as e:
+            outs[pipeline] = [
+                e.chat.completions.create(messages=MSGS, max_tokens=400, temperature=t, seed=s, response_format=rf,
+                                          logit_bias={"65": 2.0}).choices[0].message.content
+                for t, s in ((0, None), (1.0, 11))]
+            if pipeline:
+                assert e.core.stats["pipelined_tokens"] > 0
+    assert outs[True] == outs[False]
+    for text in outs[True]:
+        jsonschema.validate(json.loads(text), SCHEMA)
+
+
+def test_logprobs_are_of_the_models_own_logits_under_a_logit_bias(engine, reference):
+    """A bias changes what is sampled, not the reported distribution (vLLM's default, raw logprobs)."""
+    forced = engine.tokenizer.encode("Z")[0]
+    r = engine.chat.completions.create(messages=MSGS, max_tokens=1, temperature=0, logprobs=True, top_logprobs=1,
+                                       logit_bias={str(forced): 100})
+    t = r.choices[0].logprobs.content[0]
+    row = _log_softmax(reference.forced(engine.encode_chat(MSGS), []))[0]
+    assert bytes(t.bytes) == b"Z" and t.logprob == pytest.approx(row[forced], abs=1e-4)
+    assert t.top_logprobs[0].logprob == pytest.approx(row.max(), abs=1e-4)
