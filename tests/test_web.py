@@ -12,7 +12,7 @@ import os
 import shutil
 
 import pytest
-from web_support import JS, cpu_answer, in_browser, in_node, node_path, run_node  # noqa: F401 - node_path: fixture
+from web_support import JS, PROMPT, cpu_answer, in_browser, in_node, node_path, run_node, serve  # noqa: F401
 
 pytestmark = pytest.mark.web
 
@@ -61,6 +61,93 @@ def test_sampling_runs_in_the_wasm(tiny_site, node_path):
            for _ in range(2)]
     assert hot[0]["token_ids"] == hot[1]["token_ids"]
     assert hot[0]["token_ids"] != narrow["token_ids"]
+
+
+ASK = [{"role": "user", "content": PROMPT}]
+OK_SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+             "additionalProperties": False}
+
+
+def run_requests(site, node_path, tmp_path, requests: list[dict]) -> list[dict]:
+    """engine.chat.completions.create for each request in one Node.js process (one engine load)."""
+    path = tmp_path / "requests.json"
+    path.write_text(json.dumps(requests))
+    proc = run_node(["node_chat.mjs", "models/tiny-q4f32", "--requests", str(path)], node_path, cwd=site)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_requests_in_node_logit_bias_logprobs_grammars_and_refusals(tiny_site, node_path, tmp_path):
+    """The OpenAI fields in the web engine, against the Python engine on the CPU build where both answer."""
+    from mlcc.runtime.engine import Engine
+
+    site, cpu = tiny_site
+    lp, bias, bias_sampled, choice, schema, stream, *refused, again = run_requests(site, node_path, tmp_path, [
+        {"messages": ASK, "max_tokens": 6, "temperature": 0, "logprobs": True, "top_logprobs": 3},
+        {"messages": ASK, "max_tokens": 4, "temperature": 0, "logit_bias": {"65": 100}},
+        {"messages": ASK, "max_tokens": 4, "temperature": 1.0, "seed": 3, "logit_bias": {"66": 100}},
+        {"messages": ASK, "max_tokens": 8, "temperature": 0, "structured_outputs": {"choice": ["yes", "no"]}},
+        {"messages": ASK, "max_tokens": 30, "temperature": 0,
+         "response_format": {"type": "json_schema", "json_schema": {"name": "ok", "schema": OK_SCHEMA}}},
+        {"messages": ASK, "max_tokens": 5, "temperature": 0, "stream": True, "stream_options": {"include_usage": True},
+         "logprobs": True, "top_logprobs": 2},
+        {"messages": ASK, "frobnicate": 1},
+        {"messages": ASK, "temperature": "warm"},
+        {"messages": ASK, "tools": [{"type": "function", "function": {"name": "f"}}]},
+        {"messages": ASK, "n": 2},
+        {"messages": ASK, "logit_bias": {"320": 1}},
+        {"messages": ASK, "structured_outputs": {"grammar": 'root ::= ("a"'}},
+        {"messages": ASK, "max_tokens": 6, "temperature": 0},
+    ])
+    with Engine(cpu) as engine:
+        want = engine.chat.completions.create(messages=ASK, max_tokens=6, temperature=0, logprobs=True,
+                                              top_logprobs=3).choices[0]
+    got = lp["reply"]["choices"][0]
+    assert got["message"]["content"] == want.message.content
+    assert len(got["logprobs"]["content"]) == len(want.logprobs.content) == 6
+    for g, w in zip(got["logprobs"]["content"], want.logprobs.content):
+        assert (g["token"], g["bytes"]) == (w.token, w.bytes)
+        assert g["logprob"] == pytest.approx(w.logprob, abs=2e-3)
+        assert [(a["token"], a["bytes"]) for a in g["top_logprobs"]] == [(a.token, a.bytes) for a in w.top_logprobs]
+        assert [a["logprob"] for a in g["top_logprobs"]] == pytest.approx([a.logprob for a in w.top_logprobs],
+                                                                          abs=2e-3)
+    assert again["token_ids"] == lp["token_ids"]    # refusals leave the engine as it was
+    assert bias["token_ids"] == [65] * 4 and bias_sampled["token_ids"] == [66] * 4
+    assert choice["reply"]["choices"][0]["message"]["content"] in ("yes", "no")
+    assert choice["reply"]["choices"][0]["finish_reason"] == "stop"
+    assert schema["reply"]["choices"][0]["finish_reason"] == "stop"
+    assert isinstance(json.loads(schema["reply"]["choices"][0]["message"]["content"])["ok"], bool)
+
+    chunks = stream["chunks"]
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 5
+    streamed = [e for c in chunks if c["choices"] and c["choices"][0]["logprobs"]
+                for e in c["choices"][0]["logprobs"]["content"]]
+    assert [e["token"] for e in streamed] == [e["token"] for e in got["logprobs"]["content"][:5]]
+    assert all(len(e["top_logprobs"]) == 2 for e in streamed)
+
+    params = [r["error"]["param"] for r in refused]
+    assert params == ["frobnicate", "temperature", "tools", "n", "logit_bias", "structured_outputs.grammar"]
+    assert all(r["error"]["name"] == "EngineError" for r in refused)
+    unknown, wrong_type, tools = (r["error"] for r in refused[:3])
+    assert unknown["code"] == "unknown_parameter" and "'frobnicate'" in unknown["message"]
+    assert wrong_type["code"] == "invalid_type" and "a string" in wrong_type["message"]
+    assert tools["code"] == "unsupported_parameter" and "not supported by the web engine" in tools["message"]
+
+
+def test_grammar_and_logprobs_in_the_browser(tiny_site, node_path):
+    """web-xgrammar loads in Chromium next to the bundle: a JSON schema constrains the answer there too."""
+    site, _ = tiny_site
+    req = {"messages": ASK, "max_tokens": 30, "temperature": 0, "logprobs": True, "top_logprobs": 1,
+           "response_format": {"type": "json_schema", "json_schema": {"name": "ok", "schema": OK_SCHEMA}}}
+    with serve(site) as url:
+        proc = run_node([str(JS / "browser_run.mjs"), url, "--prompt", PROMPT, "--max-tokens", "1", "--request",
+                         json.dumps(req)], node_path)
+    out = json.loads(proc.stdout.strip().splitlines()[-1]) if proc.stdout.strip() else {"error": proc.stderr}
+    assert proc.returncode == 0 and out["ok"], out
+    assert out["request"]["xgrammar"], out["request"]
+    reply = out["request"]["reply"]["choices"][0]
+    assert isinstance(json.loads(reply["message"]["content"])["ok"], bool)
+    assert len(reply["logprobs"]["content"]) == out["request"]["reply"]["usage"]["completion_tokens"]
 
 
 def test_web_rejects_corrupted_shard_and_foreign_library(tiny_site, node_path, tmp_path):

@@ -1,4 +1,4 @@
-"""The web engine's JS dependencies (tvmjs, tokenizers, jinja, Dawn for Node), installed once with npm into the
+"""The web engine's JS dependencies (tvmjs, tokenizers, jinja, xgrammar, Dawn for Node), installed once with npm into the
 cache from the pinned web/js/package.json + lock."""
 
 from __future__ import annotations
@@ -22,6 +22,8 @@ VENDOR = {
     "@mlc-ai/web-tokenizers/lib/index.js": ["tokenizers.js", "tokenizers.cjs"],
     "@huggingface/jinja/dist/index.js": ["jinja.js"],
     "@huggingface/jinja/dist/index.cjs": ["jinja.cjs"],
+    # structured outputs (JSON schema, regex, EBNF) in the engine; its wasm is inside the script
+    "@mlc-ai/web-xgrammar/lib/index.js": ["xgrammar.js", "xgrammar.cjs"],
 }
 
 
@@ -45,7 +47,7 @@ def node_modules() -> Path:
                 shutil.copy(JS_DIR / name, home / name)
             log.info("installing the web engine's JS dependencies with npm into %s", home)
             # install scripts stay off: every package we use ships prebuilt files
-            proc = subprocess.run([npm, "ci", "--no-audit", "--no-fund", "--ignore-scripts"], cwd=home,
+            proc = subprocess.run([npm, "ci", "--no-audit", "--no-fund", "--ignore-scripts"], check=False, cwd=home,
                                   capture_output=True, text=True)
             if proc.returncode != 0:
                 raise NpmError(f"npm ci failed in {home}:\n{proc.stderr[-3000:]}")

@@ -15,7 +15,8 @@ from .npm_deps import JS_DIR, VENDOR, node_modules
 
 log = logging.getLogger(__name__)
 
-PAGE_FILES = ("engine.js", "app.js", "index.html", "node_chat.mjs")
+PAGE_FILES = ("engine.js", "request_check.js", "request_schema.js", "logits.js", "tokens.js", "grammar.js", "app.js",
+              "index.html", "node_chat.mjs")
 MODEL_FILES = ("mlcc-config.json", "tensor-cache.json", "tokenizer.json", "tokenizer_config.json",
                "generation_config.json")
 

@@ -22,7 +22,7 @@ async function main() {
   const t0 = performance.now();
   const engine = await MLCEngine.create({
     models: site.models,
-    deps: { tvmjs: window.tvmjs, tokenizers: window.tokenizers, Template },
+    deps: { tvmjs: window.tvmjs, tokenizers: window.tokenizers, Template, xgrammar: window.xgrammar },
     useCache: true,
     onProgress: (p) => {
       $("status").textContent = `${p.stage}: ${p.text}`;

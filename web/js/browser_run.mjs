@@ -1,12 +1,13 @@
 // Drive the demo page in headless Chromium (playwright-core, the system chromium): load, ask, report JSON.
 //   node browser_run.mjs SITE_URL --prompt TEXT [--max-tokens N] [--screenshot FILE] [--timeout S]
+//                        [--request JSON]   (then also one engine.chat.completions.create(JSON) in the page)
 import { createRequire } from "node:module";
 const require = createRequire(import.meta.url);
 const { chromium } = require("playwright-core");
 
 const argv = process.argv.slice(2);
 const opt = { url: null, prompt: "Hello!", maxTokens: 16, screenshot: null, timeout: 600, typed: false,
-  reload: false };
+  reload: false, request: null };
 for (let i = 0; i < argv.length; i++) {
   const a = argv[i];
   if (a === "--prompt") opt.prompt = argv[++i];
@@ -15,6 +16,7 @@ for (let i = 0; i < argv.length; i++) {
   else if (a === "--timeout") opt.timeout = Number(argv[++i]);
   else if (a === "--typed") opt.typed = true;
   else if (a === "--reload") opt.reload = true;
+  else if (a === "--request") opt.request = JSON.parse(argv[++i]);
   else opt.url = a;
 }
 const executablePath = process.env.CHROMIUM || "/usr/bin/chromium";
@@ -49,6 +51,16 @@ try {
   } else {
     result = await page.evaluate(([p, n]) => window.mlccAsk(p, { max_tokens: n }), [opt.prompt, opt.maxTokens]);
   }
+  let request = null;
+  if (opt.request) {
+    request = await page.evaluate(async (req) => {
+      try {
+        return { reply: await window.mlccEngine.chat.completions.create(req), xgrammar: !!window.xgrammar };
+      } catch (e) {
+        return { error: { name: e.name, message: e.message, param: e.param ?? null } , xgrammar: !!window.xgrammar };
+      }
+    }, opt.request);
+  }
   if (opt.screenshot) await page.screenshot({ path: opt.screenshot, fullPage: true });
   let reload = null;
   if (opt.reload) {
@@ -61,7 +73,7 @@ try {
   }
   out = { ok: true, ...state, content: result.content, token_ids: result.stats.token_ids,
     decode_tok_s: result.stats.decode_tok_s, prefill_s: result.stats.prefill_s, total_s: (Date.now() - t0) / 1000,
-    reload };
+    reload, request };
 } catch (e) {
   out = { ok: false, error: e.message, console: consoleLines.slice(-30) };
 } finally {

@@ -1,15 +1,22 @@
 // mlcc web engine: an mlcc WebGPU build (model.wasm + weights + tokenizer) behind an OpenAI-style
 // `engine.chat.completions.create(...)`, in the browser or in Node.js (Dawn). Dependencies are injected so the
 // same file runs in both: tvmjs (@mlc-ai/web-runtime), tokenizers (@mlc-ai/web-tokenizers), Template
-// (@huggingface/jinja), a WebGPU `gpu` object and a `fetch`.
+// (@huggingface/jinja), a WebGPU `gpu` object and a `fetch`; optionally xgrammar (@mlc-ai/web-xgrammar) for
+// structured outputs.
+//
+// Requests take the Python engine's shape (runtime/protocol.py's schema, request_check.js): temperature, top_p,
+// top_k, seed, stop, stop_token_ids, max_tokens / max_completion_tokens, presence / frequency / repetition
+// penalties, logit_bias, ignore_eos, logprobs / top_logprobs (of the model's own distribution, as the Python
+// engine), stream / stream_options.include_usage, user, text content parts; with xgrammar: response_format
+// json_object / json_schema and structured_outputs json / choice / regex / GBNF grammar. Refused with an
+// EngineError naming the field: unknown fields, wrong types or values, n > 1, tools, Lark grammars.
 
-export class EngineError extends Error {
-  constructor(message, param = null) {
-    super(message);
-    this.name = "EngineError";
-    this.param = param;
-  }
-}
+import { EngineError, checkWebSupport, parseChatRequest } from "./request_check.js";
+import { TOP_LOGPROBS, addBias, applyMask, argmaxOf, logprobsOf, makeRng, repetitionPenalty, topK } from "./logits.js";
+import { Vocabulary } from "./tokens.js";
+import { WebGrammars } from "./grammar.js";
+
+export { EngineError };
 
 const WEIGHT_CACHE = "mlcc-weights-v1";
 
@@ -19,18 +26,6 @@ function joinUrl(base, name) {
 
 function hex(buf) {
   return Array.from(new Uint8Array(buf), (b) => b.toString(16).padStart(2, "0")).join("");
-}
-
-// seeded uniform [0, 1) (mulberry32): same seed, same samples, on every platform
-function makeRng(seed) {
-  let a = seed >>> 0;
-  return () => {
-    a = (a + 0x6d2b79f5) >>> 0;
-    let t = a;
-    t = Math.imul(t ^ (t >>> 15), t | 1);
-    t ^= t + Math.imul(t ^ (t >>> 7), t | 61);
-    return ((t ^ (t >>> 14)) >>> 0) / 4294967296;
-  };
 }
 
 /** Pick the first build this adapter can run: float16 builds need the shader-f16 feature. */
@@ -178,8 +173,19 @@ export class MLCEngine {
     for (const name of ["embed", "prefill", "decode", "create_paged_kv_cache", "argmax_logits"]) {
       this.fn[name] = tvm.detachFromCurrentScope(this.vm.getFunction(name));
     }
+    // the logit functions (logit_bias, grammar masks, logprobs on the GPU): absent from builds made before them,
+    // where the host does the same on the logits' copy
+    for (const name of ["apply_logit_bias", "apply_bitmask", "logprobs"]) {
+      let f = null;
+      try {
+        f = tvm.detachFromCurrentScope(this.vm.getFunction(name));
+      } catch {
+        f = null;
+      }
+      this.fn[name] = f;
+    }
     for (const [key, name] of [["sampleTopP", "vm.builtin.sample_top_p_from_logits"],
-      ["penalize", "vm.builtin.apply_presence_and_frequency_penalty"], ["kvAdd", "vm.builtin.kv_state_add_sequence"],
+["kvAdd", "vm.builtin.kv_state_add_sequence"],
       ["kvRemove", "vm.builtin.kv_state_remove_sequence"], ["kvBegin", "vm.builtin.kv_state_begin_forward"],
       ["kvEnd", "vm.builtin.kv_state_end_forward"]]) {
       this.fn[key] = tvm.detachFromCurrentScope(tvm.getGlobalFunc(name));
@@ -215,8 +221,12 @@ export class MLCEngine {
     this.vocab = this.config.vocab_size;
     this.idOnCpu = tvm.detachFromCurrentScope(tvm.empty([1], "int32", tvm.cpu()));
     this.logitsOnCpu = tvm.detachFromCurrentScope(tvm.empty([1, this.vocab], "float32", tvm.cpu()));
+    this.lpOnCpu = [tvm.empty([1], "float32", tvm.cpu()), tvm.empty([1, TOP_LOGPROBS], "int32", tvm.cpu()),
+      tvm.empty([1, TOP_LOGPROBS], "float32", tvm.cpu())].map((t) => tvm.detachFromCurrentScope(t));
     tvm.endScope();
     await this.dev.sync();
+    this.device = device;
+    await this._probeLogitFunctions();
 
     this._progress("tokenizer", 0, 1, "tokenizer");
     const tokBytes = (await this._fetchBytes(joinUrl(base, "tokenizer.json"), null, "tokenizer")).bytes;
@@ -227,12 +237,46 @@ export class MLCEngine {
     this.bosToken = info.bos_token || "";
     this.eosToken = info.eos_token || "";
     // web-tokenizers has no token->id lookup and decodes special tokens; tokenizer.json lists them
-    const added = JSON.parse(new TextDecoder().decode(tokBytes)).added_tokens || [];
+    const tokJson = JSON.parse(new TextDecoder().decode(tokBytes));
+    const added = tokJson.added_tokens || [];
+    this.vocabulary = new Vocabulary(tokJson, this.vocab);
     this.specialIds = new Set(added.filter((t) => t.special).map((t) => t.id));
     this.eosIds = new Set(info.eos_token_ids || []);
     for (const t of added) if (t.content === this.eosToken) this.eosIds.add(t.id);
+    this.grammars = opts.deps.xgrammar ? new WebGrammars(opts.deps.xgrammar, this.vocabulary, this.eosIds) : null;
     this._busy = false;
     this._progress("ready", 1, 1, "ready");
+  }
+
+  /** Run each logit function once on scratch tensors inside an error scope: a kernel this device cannot run (more
+   * storage buffers than its limit, say) would otherwise poison every later step; those fall back to the host. */
+  async _probeLogitFunctions() {
+    const tvm = this.tvm;
+    const V = this.vocab;
+    this.hostFallbacks = {};
+    for (const name of ["apply_logit_bias", "apply_bitmask", "logprobs"]) {
+      if (!this.fn[name]) continue;
+      this.device.pushErrorScope("validation");
+      let thrown = null;
+      tvm.beginScope();
+      try {
+        const logits = tvm.empty([1, V], "float32", this.dev);
+        const ids = this._toDev(Int32Array.of(0), "int32");
+        if (name === "apply_logit_bias") this.fn[name](logits, ids, ids, this._toDev(Float32Array.of(0), "float32"));
+        else if (name === "apply_bitmask") this.fn[name](logits, tvm.empty([1, Math.ceil(V / 32)], "int32", this.dev));
+        else this.fn[name](logits, ids);
+      } catch (e) {
+        thrown = e;
+      } finally {
+        tvm.endScope();
+      }
+      await this.dev.sync();
+      const gpuError = await this.device.popErrorScope();
+      if (thrown || gpuError) {
+        this.hostFallbacks[name] = String((gpuError && gpuError.message) || thrown).split("\n")[0];
+        this.fn[name] = null;
+      }
+    }
   }
 
   _checkStamp(libStampJson) {
@@ -259,31 +303,78 @@ export class MLCEngine {
     return out.get(0).view([1, this.vocab]);
   }
 
-  async _nextToken(ids, isDecode, sampling) {
+  _toDev(values, dtype) {
+    return this.tvm.empty([values.length], dtype, this.dev).copyFrom(values);
+  }
+
+  _readLogprobs() {
+    const [lp, ids, vals] = this.lpOnCpu.map((t) => t.toArray());
+    return [lp[0], Array.from(ids, (id, k) => [id, vals[k]])];
+  }
+
+  /**
+   * One forward pass over `ids` and, where `sample`, the next token: logit_bias and the grammar's mask (on the GPU
+   * where the library has the functions), then the penalties, top-k and sampling on the host copy (greedy without
+   * them: argmax on the GPU). Logprobs are of the model's own distribution (before bias and mask, as the Python
+   * engine reports them). Returns {token, lp: [logprob, [[id, logprob] x 20]] | null}.
+   */
+  async _nextToken(ids, isDecode, st, sample = true) {
     const tvm = this.tvm;
+    const fn = this.fn;
     tvm.beginScope();
-    let token;
+    let token = null;
+    let lp = null;
     try {
-      const logits = this._forward(ids, isDecode);
-      const penalized = sampling.counts.size > 0 && (sampling.presence !== 0 || sampling.frequency !== 0);
-      if (sampling.temperature < 1e-5 && !penalized) {
-        this.idOnCpu.copyFrom(this.fn.argmax_logits(logits));
+      const raw = this._forward(ids, isDecode);
+      if (!sample) return { token, lp };
+      let logits = raw;
+      const hostBias = st.bias.length > 0 && !fn.apply_logit_bias;
+      if (st.bias.length && fn.apply_logit_bias) {
+        logits = fn.apply_logit_bias(logits, this._toDev(new Int32Array(st.bias.length), "int32"),
+          this._toDev(Int32Array.from(st.bias, (b) => b[0]), "int32"),
+          this._toDev(Float32Array.from(st.bias, (b) => b[1]), "float32"));
+      }
+      let hostMask = null;
+      if (st.matcher) {
+        const mask = await st.matcher.getNextTokenBitmask();
+        if (fn.apply_bitmask) {
+          logits = fn.apply_bitmask(logits, tvm.empty([1, mask.length], "int32", this.dev).copyFrom(mask));
+        } else {
+          hostMask = mask;
+        }
+      }
+      const counted = st.counts.size > 0 && (st.presence !== 0 || st.frequency !== 0);
+      const onHost = hostBias || hostMask || counted || st.repetition !== 1 || (st.topK > 0 && !st.greedy);
+      const deviceLogprobs = st.logprobs && fn.logprobs;
+      if (st.greedy && !onHost) {
+        const idT = fn.argmax_logits(logits);
+        this.idOnCpu.copyFrom(idT);
         await this.dev.sync();
         token = this.idOnCpu.toArray()[0];
       } else {
-        // TVM's runtime samplers, inside the wasm, on the logits copied to wasm memory
         this.logitsOnCpu.copyFrom(logits);
         await this.dev.sync();
-        if (penalized) {
-          const ids = [...sampling.counts.keys()];
-          const cpu = tvm.cpu();
-          this.fn.penalize(this.logitsOnCpu, tvm.empty([ids.length], "int32", cpu).copyFrom(Int32Array.from(ids)),
-            tvm.empty([ids.length], "int32", cpu).copyFrom(Int32Array.from(ids.map((i) => sampling.counts.get(i)))),
-            sampling.presence, sampling.frequency);
+        if (onHost) {
+          const row = this.logitsOnCpu.toArray();
+          if (hostBias) addBias(row, st.bias);
+          if (hostMask) applyMask(row, hostMask);
+          if (st.repetition !== 1) repetitionPenalty(row, st.seen, st.repetition);
+          if (counted) for (const [id, c] of st.counts) row[id] -= c * st.frequency + st.presence;
+          if (!st.greedy) topK(row, st.topK);
+          this.logitsOnCpu.copyFrom(row);
+          token = st.greedy ? argmaxOf(row) : null;
         }
-        token = sampling.temperature < 1e-5
-          ? argmaxOf(this.logitsOnCpu.toArray())
-          : this.fn.sampleTopP(this.logitsOnCpu, sampling.temperature, sampling.top_p, sampling.rng());
+        if (token === null) token = fn.sampleTopP(this.logitsOnCpu, st.temperature, st.top_p, st.rng());
+      }
+      if (deviceLogprobs) {
+        const out = fn.logprobs(raw, this._toDev(Int32Array.of(token), "int32"));
+        this.lpOnCpu.forEach((t, i) => t.copyFrom(out.get(i)));
+        await this.dev.sync();
+        lp = this._readLogprobs();
+      } else if (st.logprobs) {
+        this.logitsOnCpu.copyFrom(raw);
+        await this.dev.sync();
+        lp = logprobsOf(this.logitsOnCpu.toArray(), token);
       }
     } finally {
       tvm.endScope();
@@ -291,42 +382,10 @@ export class MLCEngine {
     if (this._gpuError) {
       throw new EngineError(`WebGPU error in the model's kernels: ${this._gpuError.split("\n").slice(0, 3).join(" ")}`);
     }
-    return token;
-  }
-
-  _validate(req) {
-    const err = (msg, param) => { throw new EngineError(msg, param); };
-    if (!req || typeof req !== "object") err("the request must be an object", null);
-    if (!Array.isArray(req.messages) || req.messages.length === 0) err("messages must be a non-empty array", "messages");
-    const roles = new Set(["system", "user", "assistant", "developer", "tool"]);
-    req.messages.forEach((m, i) => {
-      if (!m || typeof m !== "object" || !roles.has(m.role)) {
-        err(`messages[${i}].role must be one of ${[...roles].join(", ")}`, "messages");
-      }
-      if (Array.isArray(m.content)) {
-        if (!m.content.every((p) => p && p.type === "text")) err("only text content parts are supported", "messages");
-      } else if (m.content != null && typeof m.content !== "string") {
-        err(`messages[${i}].content must be a string or a list of text parts`, "messages");
-      }
-    });
-    const num = (name, lo, hi) => {
-      const v = req[name];
-      if (v == null) return;
-      if (typeof v !== "number" || !Number.isFinite(v) || v < lo || v > hi) err(`${name} must be a number in [${lo}, ${hi}]`, name);
-    };
-    num("temperature", 0, 2);
-    num("top_p", 0, 1);
-    num("presence_penalty", -2, 2);
-    num("frequency_penalty", -2, 2);
-    if (req.top_p === 0) err("top_p must be > 0", "top_p");
-    if (req.max_tokens != null && !(Number.isInteger(req.max_tokens) && req.max_tokens >= 1)) {
-      err("max_tokens must be a positive integer", "max_tokens");
+    if (st.matcher && !this.eosIds.has(token) && !st.matcher.acceptToken(token)) {
+      throw new EngineError(`the grammar refused token ${token}, which its own mask allowed`, null, "grammar_error");
     }
-    if (req.n != null && req.n !== 1) err("n must be 1 in the web engine", "n");
-    if (req.seed != null && !Number.isInteger(req.seed)) err("seed must be an integer", "seed");
-    const stop = req.stop == null ? [] : (typeof req.stop === "string" ? [req.stop] : req.stop);
-    if (!Array.isArray(stop) || stop.some((s) => typeof s !== "string" || !s)) err("stop must be a string or a list of non-empty strings", "stop");
-    return stop;
+    return { token, lp };
   }
 
   _promptIds(messages) {
@@ -336,66 +395,97 @@ export class MLCEngine {
     return Array.from(this.tokenizer.encode(text));
   }
 
-  _createChat(req) {
-    const stop = this._validate(req);
-    const gen = this._generate(req, stop);
+  /** chat.completions.create: the request checked against protocol's schema and rules, then what this engine
+   * supports (EngineError naming the field otherwise); a stream (async iterator of chunks) or the completion. */
+  _createChat(request) {
+    const req = parseChatRequest(request);
+    checkWebSupport(req, { vocab: this.vocab, grammars: this.grammars !== null });
+    const gen = this._generate(req);
     if (req.stream) return gen;
     return (async () => {
       let content = "";
       let finish = null;
       let usage = null;
+      const lps = [];
       for await (const chunk of gen) {
         if (chunk.choices.length) {
           content += chunk.choices[0].delta.content || "";
           finish = chunk.choices[0].finish_reason || finish;
+          if (chunk.choices[0].logprobs) lps.push(...chunk.choices[0].logprobs.content);
         }
         if (chunk.usage) usage = chunk.usage;
       }
       return {
         id: this._lastId, object: "chat.completion", created: Math.floor(Date.now() / 1000), model: this.modelId,
-        choices: [{ index: 0, message: { role: "assistant", content }, finish_reason: finish, logprobs: null }],
+        choices: [{ index: 0, message: { role: "assistant", content }, finish_reason: finish,
+          logprobs: req.logprobs ? { content: lps, refusal: null } : null }],
         usage,
       };
     })();
   }
 
-  async *_generate(req, stop) {
+  _logprobEntry(token, lp, top) {
+    const alt = (id, logprob) => ({ ...this.vocabulary.entry(id), logprob });
+    const e = alt(token, lp[0]);
+    return { token: e.token, logprob: e.logprob, bytes: e.bytes,
+      top_logprobs: lp[1].slice(0, top).map(([id, l]) => alt(id, l)) };
+  }
+
+  async *_generate(req) {
     if (this._busy) throw new EngineError("the engine is already generating; wait for the previous request");
     this._busy = true;
     const id = "chatcmpl-" + Math.random().toString(36).slice(2);
     this._lastId = id;
     const created = Math.floor(Date.now() / 1000);
-    const chunk = (delta, finish) => ({ id, object: "chat.completion.chunk", created, model: this.modelId,
-      choices: [{ index: 0, delta, finish_reason: finish, logprobs: null }] });
-    const prompt = this._promptIds(req.messages);
-    const room = this.maxTotalTokens - prompt.length;
-    if (room < 1) {
+    const chunk = (delta, finish, lps) => ({ id, object: "chat.completion.chunk", created, model: this.modelId,
+      choices: [{ index: 0, delta, finish_reason: finish, logprobs: lps ? { content: lps, refusal: null } : null }] });
+    const stop = req.stop == null ? [] : (typeof req.stop === "string" ? [req.stop] : req.stop);
+    const stopIds = new Set(req.stop_token_ids || []);
+    let prompt;
+    let st;
+    try {
+      prompt = this._promptIds(req.messages);
+      const room = this.maxTotalTokens - prompt.length;
+      if (room < 1) {
+        throw new EngineError(`the prompt is ${prompt.length} tokens but the context window here is ` +
+          `${this.maxTotalTokens}; shorten the conversation`, "messages");
+      }
+      const temperature = req.temperature == null ? 1.0 : req.temperature;
+      const topK = req.top_k > 0 ? Math.min(req.top_k, this.vocab) : 0;
+      st = { temperature, top_p: req.top_p == null ? 1.0 : req.top_p, topK, greedy: temperature < 1e-5 || topK === 1,
+        rng: makeRng(req.seed == null ? (Math.random() * 2 ** 32) >>> 0 : req.seed),
+        presence: req.presence_penalty || 0, frequency: req.frequency_penalty || 0, counts: new Map(),
+        repetition: req.repetition_penalty == null ? 1 : req.repetition_penalty, seen: new Set(prompt),
+        bias: Object.entries(req.logit_bias || {}).map(([k, b]) => [Number(k), b]), logprobs: !!req.logprobs,
+        maxTokens: Math.min(req.max_completion_tokens ?? req.max_tokens ?? room, room), matcher: null };
+      if (this.grammars) st.matcher = await this.grammars.matcher(req);
+    } catch (e) {
       this._busy = false;
-      throw new EngineError(`the prompt is ${prompt.length} tokens but the context window here is ` +
-        `${this.maxTotalTokens}; shorten the conversation`, "messages");
+      throw e;
     }
-    const maxTokens = Math.min(req.max_tokens || room, room);
-    const sampling = { temperature: req.temperature == null ? 1.0 : req.temperature, top_p: req.top_p == null ? 1.0 : req.top_p,
-      rng: makeRng(req.seed == null ? (Math.random() * 2 ** 32) >>> 0 : req.seed),
-      presence: req.presence_penalty || 0, frequency: req.frequency_penalty || 0, counts: new Map() };
     const t0 = performance.now();
     this.fn.kvAdd(this.kv, this.tvm.scalar(0, "int64"));
     const out = [];
+    let pendingLps = [];
     let text = "";
     let sent = 0;
     let finish = "length";
     let tFirst = 0;
     try {
       yield chunk({ role: "assistant", content: "" }, null);
-      let token = null;
+      let step = null;
       for (let off = 0; off < prompt.length; off += this.prefillChunk) {
-        token = await this._nextToken(prompt.slice(off, off + this.prefillChunk), false, sampling);
+        const last = off + this.prefillChunk >= prompt.length;
+        step = await this._nextToken(prompt.slice(off, off + this.prefillChunk), false, st, last);
       }
       tFirst = performance.now();
       while (true) {
-        if (this.eosIds.has(token)) { finish = "stop"; break; }
+        const token = step.token;
+        if ((this.eosIds.has(token) && !req.ignore_eos) || stopIds.has(token)) { finish = "stop"; break; }
         out.push(token);
-        sampling.counts.set(token, (sampling.counts.get(token) || 0) + 1);
+        if (step.lp) pendingLps.push(this._logprobEntry(token, step.lp, req.top_logprobs || 0));
+        st.counts.set(token, (st.counts.get(token) || 0) + 1);
+        st.seen.add(token);
         text = this.tokenizer.decode(Int32Array.from(out.filter((t) => !this.specialIds.has(t))));
         let visible = text.endsWith("\uFFFD") ? text.slice(0, text.length - 1) : text;
         let hitStop = false;
@@ -404,31 +494,27 @@ export class MLCEngine {
           if (at >= 0) { visible = visible.slice(0, at); hitStop = true; }
         }
         if (visible.length > sent) {
-          yield chunk({ content: visible.slice(sent) }, null);
+          yield chunk({ content: visible.slice(sent) }, null, st.logprobs ? pendingLps : null);
+          pendingLps = [];
           sent = visible.length;
         }
         if (hitStop) { finish = "stop"; break; }
-        if (out.length >= maxTokens) break;
-        token = await this._nextToken([token], true, sampling);
+        if (out.length >= st.maxTokens) break;
+        step = await this._nextToken([token], true, st);
       }
     } finally {
       this.fn.kvRemove(this.kv, this.tvm.scalar(0, "int64"));
+      if (st.matcher) st.matcher.dispose();
       this._busy = false;
     }
     const tEnd = performance.now();
     this.lastStats = { prompt_tokens: prompt.length, completion_tokens: out.length, prefill_s: (tFirst - t0) / 1000,
       decode_tok_s: out.length > 1 ? (out.length - 1) / ((tEnd - tFirst) / 1000) : null,
       token_ids: out.slice() };
-    yield chunk({}, finish);
+    yield chunk({}, finish, st.logprobs && pendingLps.length ? pendingLps : null);
     const usage = { prompt_tokens: prompt.length, completion_tokens: out.length, total_tokens: prompt.length + out.length };
     if (!req.stream || (req.stream_options && req.stream_options.include_usage)) {
       yield { id, object: "chat.completion.chunk", created, model: this.modelId, choices: [], usage };
     }
   }
-}
-
-function argmaxOf(values) {
-  let best = 0;
-  for (let i = 1; i < values.length; i++) if (values[i] > values[best]) best = i;
-  return best;
 }

@@ -1,6 +1,8 @@
 // Run an mlcc WebGPU build in Node.js through Dawn (npm `webgpu`), with the same engine as the browser page.
 //   node node_chat.mjs MODEL_DIR|SITE_DIR --prompt "..." [--max-tokens N] [--temperature T] [--top-p P] [--seed S]
 //                      [--json]
+//                      [--requests FILE]    (a JSON list of create() requests, run in turn on one loaded engine:
+//                                            prints one JSON list of {reply | chunks | error, token_ids} results)
 //                      [--backend vulkan]   (Dawn's backend; Vulkan is its default on Linux)
 // tvmjs, the tokenizer and jinja come from ./vendor (written by `mlcc web`); Dawn from npm:
 //   npm install webgpu@0.6.2   (or point NODE_PATH at a node_modules that has it)
@@ -26,6 +28,7 @@ function parseArgs(argv) {
     else if (a === "--seed") args.seed = Number(argv[++i]);
     else if (a === "--top-p") args.topP = Number(argv[++i]);
     else if (a === "--json") args.json = true;
+    else if (a === "--requests") args.requests = argv[++i];
     else if (a === "--dawn") args.dawn.push(argv[++i]);
     else if (a === "--backend") args.dawn.push(`backend=${argv[++i]}`);
     else args.model = a;
@@ -60,7 +63,27 @@ async function openGpu() {
 }
 
 const deps = { tvmjs: require("./vendor/tvmjs.cjs"), tokenizers: require("./vendor/tokenizers.cjs"),
-  Template: require("./vendor/jinja.cjs").Template };
+  Template: require("./vendor/jinja.cjs").Template,
+  xgrammar: existsSync(new URL("./vendor/xgrammar.cjs", import.meta.url)) ? require("./vendor/xgrammar.cjs") : null };
+
+async function runRequests(engine, file) {
+  const results = [];
+  for (const req of JSON.parse(await readFile(file, "utf8"))) {
+    try {
+      const reply = await engine.chat.completions.create(req);
+      if (req.stream) {
+        const chunks = [];
+        for await (const c of reply) chunks.push(c);
+        results.push({ chunks, token_ids: engine.lastStats.token_ids });
+      } else {
+        results.push({ reply, token_ids: engine.lastStats.token_ids, host_fallbacks: engine.hostFallbacks });
+      }
+    } catch (e) {
+      results.push({ error: { name: e.name, message: e.message, param: e.param ?? null, code: e.code ?? null } });
+    }
+  }
+  return results;
+}
 const t0 = performance.now();
 let code = 0;
 try {
@@ -73,6 +96,10 @@ try {
   const engine = await MLCEngine.create({ models, deps, gpu, fetch: fileFetch,
     useCache: false, onProgress: (p) => { if (!args.json) process.stderr.write(`[${p.stage}] ${p.text}\n`); } });
   const loadS = (performance.now() - t0) / 1000;
+  if (args.requests) {
+    console.log(JSON.stringify(await runRequests(engine, args.requests)));
+    process.exit(0);
+  }
   const reply = await engine.chat.completions.create({ messages: [{ role: "user", content: args.prompt }],
     max_tokens: args.maxTokens, temperature: args.temperature, top_p: args.topP, seed: args.seed });
   const result = { content: reply.choices[0].message.content, finish_reason: reply.choices[0].finish_reason,
