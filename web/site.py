@@ -15,8 +15,8 @@ from .npm_deps import JS_DIR, VENDOR, node_modules
 
 log = logging.getLogger(__name__)
 
-PAGE_FILES = ("engine.js", "request_check.js", "request_schema.js", "logits.js", "tokens.js", "grammar.js", "app.js",
-              "index.html", "node_chat.mjs")
+# the page, the engine and every module it imports (all of web/js/*.js), and the Node.js runner
+PAGE_FILES = (*sorted(p.name for p in JS_DIR.glob("*.js")), "index.html", "node_chat.mjs")
 MODEL_FILES = ("mlcc-config.json", "tensor-cache.json", "tokenizer.json", "tokenizer_config.json",
                "generation_config.json")
 

@@ -14,19 +14,10 @@
 import { EngineError, checkWebSupport, parseChatRequest } from "./request_check.js";
 import { TOP_LOGPROBS, addBias, applyMask, argmaxOf, logprobsOf, makeRng, repetitionPenalty, topK } from "./logits.js";
 import { Vocabulary } from "./tokens.js";
+import { fetchBytes, fetchJSON, joinUrl } from "./download.js";
 import { WebGrammars } from "./grammar.js";
 
 export { EngineError };
-
-const WEIGHT_CACHE = "mlcc-weights-v1";
-
-function joinUrl(base, name) {
-  return base.endsWith("/") ? base + name : base + "/" + name;
-}
-
-function hex(buf) {
-  return Array.from(new Uint8Array(buf), (b) => b.toString(16).padStart(2, "0")).join("");
-}
 
 /** Pick the first build this adapter can run: float16 builds need the shader-f16 feature. */
 export function chooseModel(models, adapterFeatures) {
@@ -58,60 +49,12 @@ export class MLCEngine {
   }
 
   async _fetchJSON(url) {
-    const res = await this.fetch(url);
-    if (!res.ok) throw new EngineError(`${url}: HTTP ${res.status}; is the model folder complete?`);
-    return await res.json();
+    return await fetchJSON(this.fetch, url);
   }
 
   async _fetchBytes(url, expectedSha, label) {
-    let cache = null;
-    if (this.useCache && typeof caches !== "undefined") cache = await caches.open(WEIGHT_CACHE);
-    const key = expectedSha ? `${url}#${expectedSha}` : url;
-    if (cache) {
-      const hit = await cache.match(key);
-      if (hit) {
-        const bytes = new Uint8Array(await hit.arrayBuffer());
-        if (!expectedSha || (await this._sha256(bytes)) === expectedSha) return { bytes, cached: true };
-        await cache.delete(key); // a damaged cache entry: fetch again
-      }
-    }
-    const res = await this.fetch(url);
-    if (!res.ok) throw new EngineError(`${url}: HTTP ${res.status} while downloading ${label}`);
-    let bytes;
-    if (res.body && res.body.getReader) {
-      const total = Number(res.headers && res.headers.get && res.headers.get("content-length")) || 0;
-      const reader = res.body.getReader();
-      const chunks = [];
-      let got = 0;
-      for (;;) {
-        const { done, value } = await reader.read();
-        if (done) break;
-        chunks.push(value);
-        got += value.length;
-        this._progress("download", this._doneBytes + got, this._totalBytes, `${label}: ${got}/${total || "?"} bytes`);
-      }
-      bytes = new Uint8Array(got);
-      let off = 0;
-      for (const c of chunks) {
-        bytes.set(c, off);
-        off += c.length;
-      }
-    } else {
-      bytes = new Uint8Array(await res.arrayBuffer());
-    }
-    if (expectedSha) {
-      const sha = await this._sha256(bytes);
-      if (sha !== expectedSha) {
-        throw new EngineError(`${url}: checksum mismatch (sha256 ${sha.slice(0, 12)}…, expected ` +
-          `${expectedSha.slice(0, 12)}…): the file is corrupted or partial; re-copy the model folder or recompile`);
-      }
-    }
-    if (cache) await cache.put(key, new Response(bytes));
-    return { bytes, cached: false };
-  }
-
-  async _sha256(bytes) {
-    return hex(await globalThis.crypto.subtle.digest("SHA-256", bytes));
+    return await fetchBytes(this.fetch, this.useCache, url, expectedSha, label, (got, total) =>
+      this._progress("download", this._doneBytes + got, this._totalBytes, `${label}: ${got}/${total || "?"} bytes`));
   }
 
   async _load(opts) {
