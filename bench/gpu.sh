@@ -52,10 +52,10 @@ export LD_LIBRARY_PATH=${_CR:+$_CR/lib:}/usr/local/cuda/lib64${LD_LIBRARY_PATH:+
 SETUP
   rm -rf .whl
   python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-    --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl \
+    --platform manylinux_2_31_x86_64 --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl \
     openai jiter distro httpx2 httpcore2 anyio sniffio h11 idna truststore typing-extensions pydantic pydantic-core \
     typing-inspection annotated-types fastapi starlette uvicorn click prometheus-client annotated-doc \
-    opentelemetry-api httpx==0.28.1 httpcore==1.0.9 certifi llguidance || return 1
+    opentelemetry-api httpx==0.28.1 httpcore==1.0.9 certifi "llguidance>=1.9" || return 1
   du -sh .gpu-rt .whl
 }
 

@@ -90,28 +90,31 @@ async def _one(aengine, constrained: bool, seed: int) -> dict:
 
 
 def decode_costs(engine, concurrency: list[int]) -> list[dict]:
+    """Free and constrained at each concurrency; at 1 also constrained with the lone-request pipelining off (the
+    synchronous loop: what the pipelined constrained decode saves)."""
     from mlcc import AsyncEngine
 
     aengine = AsyncEngine(engine)
-    rows = []
-    for c in concurrency:
-        for constrained in (False, True):
-            rates, per_token = [], []
-            for r in range(ROUNDS):
-                async def run():
-                    return await asyncio.gather(*[_one(aengine, constrained, 1000 * r + i) for i in range(c)])
+    core, rows = engine.core, []
+    variants = [(c, kind) for c in concurrency for kind in ("free", "constrained")] + [(1, "constrained, synchronous")]
+    for c, kind in variants:
+        rates, per_token = [], []
+        core._pipeline, pipelined = kind != "constrained, synchronous" and core._pipeline, core._pipeline
+        for r in range(ROUNDS):
+            async def run():
+                return await asyncio.gather(*[_one(aengine, kind != "free", 1000 * r + i) for i in range(c)])
 
-                res = asyncio.run(run())
-                per_token += [x["decode_s"] / max(x["tokens"] - 1, 1) for x in res]
-                wall = max(x["end"] for x in res) - min(x["start"] for x in res)
-                rates.append(sum(x["tokens"] for x in res) / wall)
-            rows.append({"concurrency": c, "constrained": constrained,
-                         "per_token_ms": 1e3 * statistics.median(per_token),
-                         "aggregate_tok_s": statistics.median(rates)})
-            print(rows[-1], flush=True)
-    for c in concurrency:
-        free, con = [r for r in rows if r["concurrency"] == c]
-        con["cost_vs_free"] = con["per_token_ms"] / free["per_token_ms"] - 1
+            res = asyncio.run(run())
+            per_token += [x["decode_s"] / max(x["tokens"] - 1, 1) for x in res]
+            wall = max(x["end"] for x in res) - min(x["start"] for x in res)
+            rates.append(sum(x["tokens"] for x in res) / wall)
+        core._pipeline = pipelined
+        rows.append({"concurrency": c, "kind": kind, "per_token_ms": 1e3 * statistics.median(per_token),
+                     "aggregate_tok_s": statistics.median(rates)})
+        print(rows[-1], flush=True)
+    for row in rows:
+        free = next(x for x in rows if x["concurrency"] == row["concurrency"] and x["kind"] == "free")
+        row["cost_vs_free"] = row["per_token_ms"] / free["per_token_ms"] - 1
     return rows
 
 
@@ -196,16 +199,14 @@ def cmd_gpu(a) -> None:
 
 
 def cmd_table(a) -> None:
-    print("| where | concurrency | free ms/token | constrained ms/token | cost | "
-          "first mask: 50-property schema / 20 tools (ms) |")
+    print("| where | concurrency | decoding | ms/token | vs free | first mask: 50-property schema / 20 tools (ms) |")
     print("|---|---|---|---|---|---|")
     for path in a.results:
         r = json.loads(Path(path).read_text())
         fm = r["first_mask"]
-        for c in sorted({x["concurrency"] for x in r["decode"]}):
-            free, con = [x for x in r["decode"] if x["concurrency"] == c]
-            print(f"| {r['where']} ({r['model']}) | {c} | {free['per_token_ms']:.2f} | {con['per_token_ms']:.2f} | "
-                  f"{100 * con['cost_vs_free']:+.1f}% | {fm['schema_50_properties_ms']:.1f} / "
+        for x in r["decode"]:
+            print(f"| {r['where']} ({r['model']}) | {x['concurrency']} | {x['kind']} | {x['per_token_ms']:.3f} | "
+                  f"{100 * x['cost_vs_free']:+.1f}% | {fm['schema_50_properties_ms']:.1f} / "
                   f"{fm['tools_20_required_ms']:.1f} |")
 
 

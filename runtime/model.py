@@ -157,6 +157,11 @@ class PagedModel:
     def has_logit_functions(self) -> bool:
         return all(getattr(self.fns, name) is not None for name in ModelFunctions.LOGIT_FUNCTIONS)
 
+    def require_logit_function(self, name: str, param: str) -> None:
+        """Refuse a request (RequestError naming `param`) that needs a logit function this model lacks, before it
+        is queued."""
+        self._logit_function(name, param)
+
     def _logit_function(self, name: str, param: str) -> Callable:
         fn = getattr(self.fns, name)
         if fn is None:

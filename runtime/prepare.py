@@ -66,10 +66,16 @@ def _make(engine: Any, chat: bool, fields: dict[str, Any], ids: list[int], max_t
                            param="stop_token_ids")
     if top is not None and top > TOP_LOGPROBS:
         raise RequestError(f"at most {TOP_LOGPROBS} top logprobs are supported", param="top_logprobs")
+    logit_bias = _logit_bias(engine, fields.get("logit_bias"))
+    for needed, name, param in ((spec is not None, "apply_bitmask", spec.param if spec else ""),
+                                (logit_bias, "apply_logit_bias", "logit_bias"),
+                                (top is not None, "logprobs", "logprobs")):
+        if needed:
+            engine.model.require_logit_function(name, param)
     grammar = engine.grammars.compile(spec) if spec is not None else None
     stream_options = fields.get("stream_options") or {}
     return Call(engine, chat, ids, params, max_new, fields.get("n", 1), fields.get("model") or engine.model_name,
-                bool(stream_options.get("include_usage")), logit_bias=_logit_bias(engine, fields.get("logit_bias")),
+                bool(stream_options.get("include_usage")), logit_bias=logit_bias,
                 top_logprobs=top, prompt_top_logprobs=prompt_top,
                 make_matcher=(lambda: engine.grammars.matcher(grammar)) if grammar is not None else None, **kw)
 

@@ -118,6 +118,7 @@ class Request:
         is_eos = tid in self.eos_ids and not self.params.ignore_eos
         if is_eos or tid in self.params.stop_token_ids:
             self.finish_reason = "stop"
+            self._flush_decoder()
             self._emit(final=True)
             return
         self.output_ids.append(tid)
@@ -132,7 +133,12 @@ class Request:
                 return
         if len(self.output_ids) >= self.max_new:
             self.finish_reason = "length"
+            self._flush_decoder()
         self._emit(final=self.finish_reason is not None, token_id=tid, logprob=logprob)
+
+    def _flush_decoder(self) -> None:
+        if self.decoder is not None:
+            self.text += self.decoder.flush()
 
     def _emit(self, final: bool, token_id: int | None = None, logprob: Any = None) -> None:
         # Hold back a tail that could still grow into a stop string.

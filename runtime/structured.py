@@ -85,7 +85,8 @@ def _schema_text(schema: Any, param: str) -> str:
         schema = {} if schema else {"not": {}}
     if not isinstance(schema, dict):
         raise RequestError(f"{param} must be a JSON Schema object, got {type(schema).__name__}", param=param)
-    return json.dumps(schema, sort_keys=True, ensure_ascii=True)
+    # the properties' order is kept: the output writes them in the schema's order, as OpenAI's does
+    return json.dumps(schema, ensure_ascii=True)
 
 
 def json_schema_spec(schema: Any, param: str) -> GrammarSpec:

@@ -87,7 +87,19 @@ class StreamDecoder:
 
     def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True):
         self._tok = tokenizer.tok
+        self._skip = skip_special_tokens
         self._ds = DecodeStream(skip_special_tokens=skip_special_tokens)
+        self._ids: list[int] = []
+        self._chars = 0
 
     def push(self, token_id: int) -> str:
-        return self._ds.step(self._tok, token_id) or ""
+        self._ids.append(token_id)
+        text = self._ds.step(self._tok, token_id) or ""
+        self._chars += len(text)
+        return text
+
+    def flush(self) -> str:
+        """At the end: what is still held back (bytes of a character that never completed), as the whole
+        decode shows it (U+FFFD)."""
+        whole = self._tok.decode(self._ids, skip_special_tokens=self._skip)
+        return whole[self._chars:] if len(whole) > self._chars else ""

@@ -261,8 +261,6 @@ def test_schema_output_has_no_duplicate_keys(results, name):
     assert _duplicate_keys(_pairs(text)) == [], text
 
 
-@pytest.mark.xfail(strict=True, reason="runtime/structured.py _schema_text dumps the schema with sort_keys=True, "
-                                       "so the grammar forces properties in alphabetical order")
 def test_schema_output_keeps_the_schemas_property_order(results):
     """OpenAI's structured outputs write the properties in the schema's order (it matters: a 'reasoning' field
     placed before 'answer' is written first); llguidance does so for the schema text it is given."""

@@ -286,9 +286,6 @@ def test_chat_top_logprobs(client):
     assert [(t.bytes, round(t.logprob, 5)) for t in streamed] == [(t.bytes, round(t.logprob, 5)) for t in content]
 
 
-@pytest.mark.xfail(strict=True, reason="engine bug: runtime.tokenizer.StreamDecoder has no flush, so bytes still "
-                   "held when a choice finishes (here a lone UTF-8 continuation byte 0xA1, written as U+FFFD where it "
-                   "occurs earlier) are dropped from message.content")
 def test_message_content_is_all_its_tokens_decoded(client):
     r = client.chat.completions.create(model=NAME, messages=MSGS, max_tokens=6, temperature=0, logprobs=True,
                                        extra_body={"ignore_eos": True})
