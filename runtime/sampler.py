@@ -54,17 +54,26 @@ class Sampler:
     device_draw uses."""
 
     def __init__(self, vocab_size: int, device_argmax=None, device_sample=None, to_device=None,
-                 host_greedy: bool = False):
+                 host_greedy: bool = False, upload=None):
         self.vocab_size = vocab_size
         self._argmax = device_argmax    # (logits) -> int32[n]
         self._sample = device_sample    # (logits, temperature, top_p, top_k, uniform, rows) -> int32[n]
         self._to_device = to_device
+        # (name, array) -> the array in a device buffer kept for that name and shape: a step allocates nothing
+        self._upload = upload or (lambda _name, a: to_device(a))
         self.host_greedy = host_greedy
 
     @classmethod
     def for_model(cls, model) -> "Sampler":
         """The sampler of a loaded model (runtime.model.PagedModel)."""
-        return cls(model.vocab, model.argmax, model.sample, model.to_device, host_greedy=model.device_kind == "cpu")
+        def upload(name: str, a: np.ndarray):
+            try:
+                return model._upload(name, a)
+            except NotImplementedError:   # a model without reusable buffers (tensor parallel)
+                return model.to_device(a)
+
+        return cls(model.vocab, model.argmax, model.sample, model.to_device, host_greedy=model.device_kind == "cpu",
+                   upload=upload)
 
     def sample(self, logits, params: Sequence[SamplingParams], histories: Sequence[History],
                rngs: Sequence[np.random.Generator], rows: Sequence[int] | None = None) -> list[int]:
@@ -109,14 +118,15 @@ class Sampler:
         return DeviceDraw(sample, prepare)
 
     def _sample_on_device(self, logits, params: Sequence[SamplingParams], rngs) -> list[int]:
-        n, dev = len(params), self._to_device
+        n = len(params)
         # greedy rows ride along as top_k=1; the uniform is still drawn so each request's stream stays aligned
         temperature = np.array([1.0 if p.greedy else p.temperature for p in params], np.float32)
         top_k = np.array([1 if p.greedy else (p.top_k or self.vocab_size) for p in params], np.int32)
         top_p = np.array([p.top_p for p in params], np.float32)
         uniform = np.array([r.random() for r in rngs], np.float32)
-        ids = self._sample(logits, dev(temperature), dev(top_p), dev(top_k), dev(uniform),
-                           dev(np.arange(n, dtype=np.int32)))
+        up = self._upload
+        ids = self._sample(logits, up("temperature", temperature), up("top_p", top_p), up("top_k", top_k),
+                           up("uniform", uniform), up("rows", np.arange(n, dtype=np.int32)))
         return [int(t) for t in ids.numpy()]
 
 
