@@ -27,6 +27,8 @@ REFUSED = [
     {"messages": M, "stream": 1},
     {"messages": M, "stream": True, "stream_options": {"include_usage": 1}},
     {"messages": M, "stream": True, "stream_options": {"bogus": True}},
+    {"messages": M, "stream": False, "stream_options": {"include_usage": True}},
+    {"messages": M, "stream": None, "stream_options": {"include_usage": True}},
     {"messages": M, "stop": ["a", "b", "c", "d", "e"]},
     {"messages": M, "stop": [""]},
     {"messages": M, "stop": 5},

@@ -414,6 +414,7 @@ export class MLCEngine {
     let sent = 0;
     let finish = "length";
     let tFirst = 0;
+    let stopped = false;   // by a stop string: the text after it is never shown
     try {
       yield chunk({ role: "assistant", content: "" }, null);
       let step = null;
@@ -441,7 +442,7 @@ export class MLCEngine {
           pendingLps = [];
           sent = visible.length;
         }
-        if (hitStop) { finish = "stop"; break; }
+        if (hitStop) { finish = "stop"; stopped = true; break; }
         if (out.length >= st.maxTokens) break;
         step = await this._nextToken([token], true, st);
       }
@@ -454,6 +455,11 @@ export class MLCEngine {
     this.lastStats = { prompt_tokens: prompt.length, completion_tokens: out.length, prefill_s: (tFirst - t0) / 1000,
       decode_tok_s: out.length > 1 ? (out.length - 1) / ((tEnd - tFirst) / 1000) : null,
       token_ids: out.slice() };
+    if (!stopped && text.length > sent) {
+      // a partial character held back for the next token's bytes: at the end it shows as U+FFFD, as in Python
+      yield chunk({ content: text.slice(sent) }, null, st.logprobs ? pendingLps : null);
+      pendingLps = [];
+    }
     yield chunk({}, finish, st.logprobs && pendingLps.length ? pendingLps : null);
     const usage = { prompt_tokens: prompt.length, completion_tokens: out.length, total_tokens: prompt.length + out.length };
     if (!req.stream || (req.stream_options && req.stream_options.include_usage)) {

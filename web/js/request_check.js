@@ -242,7 +242,7 @@ function checkRules(req) {
       "logit_bias");
   }
   if (req.top_logprobs != null && !req.logprobs) fail("top_logprobs needs logprobs: true", "top_logprobs");
-  if (req.stream_options != null && req.stream === false) {
+  if (req.stream_options != null && "stream" in req && !req.stream) {
     fail("stream_options is only allowed with stream: true", "stream_options");
   }
   if (req.structured_outputs != null && Object.keys(req.structured_outputs).length !== 1) {
