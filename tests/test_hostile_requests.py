@@ -3,15 +3,12 @@ OpenAI's shape ({"error": {"message", "type", "param", "code"}}, nothing of Fast
 server still answers an ordinary request."""
 
 import json
-import socket
-import subprocess
-import sys
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
 
-from mlcc.runtime.loadgen import wait_until_healthy
+from server_support import mlcc_serve
 
 KEY = "sk-hostile"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -19,29 +16,12 @@ JSON = {**AUTH, "Content-Type": "application/json"}
 MSGS = [{"role": "user", "content": "Hello"}]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def server(compiled, tmp_path_factory):
-    port = _free_port()
     log = tmp_path_factory.mktemp("hostile") / "server.log"
-    cmd = [sys.executable, "-m", "mlcc", "serve", str(compiled("llama", "q0f32")), "--target", "llvm", "--port",
-           str(port), "--api-key", KEY, "--max-batch", "4", "--served-model-name", "tiny"]
-    with open(log, "w") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
-        base = f"http://127.0.0.1:{port}"
-        try:
-            wait_until_healthy(base, proc)
-        except RuntimeError as e:
-            raise RuntimeError(log.read_text()) from e
+    with mlcc_serve(compiled("llama", "q0f32"), log, "--api-key", KEY, "--max-batch", "4",
+                    "--served-model-name", "tiny") as base:
         yield base
-        proc.terminate()
-        proc.wait(timeout=30)
-    assert "Traceback" not in log.read_text(), log.read_text()[-3000:]   # nothing crashed on the way
 
 
 @pytest.fixture(autouse=True)

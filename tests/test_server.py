@@ -3,7 +3,6 @@
 import asyncio
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -12,16 +11,10 @@ import httpx
 import openai
 import pytest
 
-from mlcc.runtime.loadgen import wait_until_healthy
+from server_support import free_port, mlcc_serve
 
 KEY = "sk-test-123"
 SERVER_LOG = {}
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _metric(base: str, name: str) -> float:
@@ -34,20 +27,11 @@ def _metric(base: str, name: str) -> float:
 
 @pytest.fixture(scope="module")
 def server(compiled, tmp_path_factory):
-    port = _free_port()
     log = tmp_path_factory.mktemp("srv") / "server.log"
-    proc = subprocess.Popen([sys.executable, "-m", "mlcc", "serve", str(compiled("llama", "q0f32")), "--target",
-                             "llvm", "--port", str(port), "--api-key", KEY, "--max-batch", "4",
-                             "--served-model-name", "tiny"], stdout=open(log, "w"), stderr=subprocess.STDOUT)
-    base = f"http://127.0.0.1:{port}"
     SERVER_LOG["path"] = log
-    try:
-        wait_until_healthy(base, proc)
-    except RuntimeError as e:
-        raise RuntimeError(log.read_text()) from e
-    yield base
-    proc.terminate()
-    proc.wait(timeout=30)
+    with mlcc_serve(compiled("llama", "q0f32"), log, "--api-key", KEY, "--max-batch", "4",
+                    "--served-model-name", "tiny") as base:
+        yield base
 
 
 @pytest.fixture
@@ -90,7 +74,7 @@ def test_completions_echo_and_n_over_http(client):
 
 def test_serve_refuses_a_folder_built_with_other_compile_options(compiled):
     r = subprocess.run([sys.executable, "-m", "mlcc", "serve", str(compiled("llama", "q0f32")), "--target", "llvm",
-                        "--port", str(_free_port()), "--option", "decode_graph=0"],
+                        "--port", str(free_port()), "--option", "decode_graph=0"],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 2
     assert "asked for compile options decode_graph=False (built with True)" in r.stderr, r.stderr

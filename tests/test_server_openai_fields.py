@@ -8,9 +8,6 @@ vocabulary); every constrained field is bounded so that a random model completes
 
 import json
 import re
-import socket
-import subprocess
-import sys
 from enum import Enum
 from typing import Literal
 
@@ -19,36 +16,19 @@ import openai
 import pytest
 from pydantic import BaseModel, Field
 
-from mlcc.runtime.loadgen import wait_until_healthy
+from server_support import mlcc_serve
 
 KEY = "sk-fields"
 NAME = "tiny2k"
 MSGS = [{"role": "user", "content": "Hello there"}]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def server(compiled, tmp_path_factory):
-    port = _free_port()
     log = tmp_path_factory.mktemp("fields") / "server.log"
-    cmd = [sys.executable, "-m", "mlcc", "serve", str(compiled("llama_2k", "q0f32")), "--target", "llvm", "--port",
-           str(port), "--api-key", KEY, "--max-batch", "4", "--served-model-name", NAME]
-    with open(log, "w") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
-        base = f"http://127.0.0.1:{port}"
-        try:
-            wait_until_healthy(base, proc)
-        except RuntimeError as e:
-            raise RuntimeError(log.read_text()) from e
+    with mlcc_serve(compiled("llama_2k", "q0f32"), log, "--api-key", KEY, "--max-batch", "4",
+                    "--served-model-name", NAME) as base:
         yield base
-        proc.terminate()
-        proc.wait(timeout=30)
-    assert "Traceback" not in log.read_text(), log.read_text()[-3000:]   # nothing crashed on the way
 
 
 @pytest.fixture(scope="module")
