@@ -16,6 +16,7 @@ from mlcc import artifact, tvm_compat
 from mlcc.errors import RequestError
 
 from .decode_graph import GraphDecode, register_graph_attention
+from .token_fetch import UploadBuffer
 from .interface import KVCacheOps, ModelFunctions
 
 log = logging.getLogger(__name__)
@@ -289,17 +290,16 @@ class LoadedModel(PagedModel):
         return buf
 
     def _upload(self, name: str, a: np.ndarray):
-        """Like _ids_to_dev: the next copy into a buffer is ordered after the kernels that read it."""
+        """Into a buffer kept per (name, shape): the copy is queued behind the kernels that read its last contents
+        (runtime.token_fetch.UploadBuffer: on CUDA without waiting for them)."""
+        a = np.ascontiguousarray(a)
         key = (name, a.shape, str(a.dtype))
         buf = self._buffers.get(key)
         if buf is None:
-            import tvm
-
             if len(self._buffers) >= 64:  # logit_bias lengths vary with the batch: keep only recent ones
                 self._buffers.clear()
-            buf = self._buffers[key] = tvm.runtime.empty(a.shape, str(a.dtype), self.dev)
-        buf.copyfrom(np.ascontiguousarray(a))
-        return buf
+            buf = self._buffers[key] = UploadBuffer(self.dev, a.shape, str(a.dtype))
+        return buf.upload(a)
 
     def ids_to_device(self, ids: Sequence[int]):
         return self._ids_to_dev(self._check_ids(ids))

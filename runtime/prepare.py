@@ -24,12 +24,13 @@ def chat_call(engine: Any, fields: dict[str, Any]) -> Call:
     choice = fields.get("tool_choice", "auto" if tools else "none")
     calling = bool(tools) and choice != "none"
     fmt = engine.tool_format if tools else None
-    messages = [_template_message(m) for m in fields["messages"]]
-    if tools and not tool_calls.template_takes_tools(engine.tokenizer.chat_template):
+    takes_tools = tool_calls.template_takes_tools(engine.tokenizer.chat_template)
+    messages = [_template_message(m, None if takes_tools else engine.tool_format) for m in fields["messages"]]
+    if tools and not takes_tools:
         messages = _with_tools_prompt(messages, tool_calls.tools_system_prompt(tools, fmt))
         template_tools = None
     else:
-        template_tools = [t for t in tools] or None
+        template_tools = list(tools) or None
     ids = engine.encode_chat(messages, tools=template_tools)
     spec = _grammar_spec(fields)
     if calling and (choice != "auto" or fmt is not None):
@@ -117,13 +118,21 @@ def _grammar_spec(fields: dict[str, Any]) -> Any:
     return structured.spec_from_response_format(rf)
 
 
-def _template_message(m: dict[str, Any]) -> dict[str, Any]:
+def _template_message(m: dict[str, Any], calls_as_text: Any = None) -> dict[str, Any]:
     """OpenAI's message → what HF chat templates read: content parts joined into one string, tool-call arguments
-    as objects (templates render them with tojson)."""
+    as objects (templates render them with tojson). calls_as_text: for a template that ignores tools, the
+    runtime.tool_calls.ToolFormat an assistant's earlier calls are written into its content with, as the model
+    was told to write them."""
     m = dict(m)
     content = m.get("content")
     if isinstance(content, list):
         m["content"] = "".join(part["text"] for part in content)
+    if m.get("tool_calls") and calls_as_text is not None:
+        fmt = calls_as_text
+        written = fmt.sep.join(json.dumps({"name": c["function"]["name"], fmt.args_key: _arguments(c)},
+                                          ensure_ascii=False) for c in m.pop("tool_calls"))
+        m["content"] = f"{m.get('content') or ''}{fmt.open}{written}{fmt.close}"
+        return m
     if m.get("tool_calls"):
         calls = []
         for c in m["tool_calls"]:
@@ -135,6 +144,13 @@ def _template_message(m: dict[str, Any]) -> dict[str, Any]:
             calls.append({**c, "function": fn})
         m["tool_calls"] = calls
     return m
+
+
+def _arguments(call: dict[str, Any]) -> Any:
+    try:
+        return json.loads(call["function"]["arguments"])
+    except json.JSONDecodeError:
+        return call["function"]["arguments"]
 
 
 def _with_tools_prompt(messages: list[dict[str, Any]], prompt: str) -> list[dict[str, Any]]:

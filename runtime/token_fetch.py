@@ -169,3 +169,54 @@ class TokenFetcher:
         except Exception:  # noqa: BLE001 - interpreter shutdown: the CUDA runtime may be gone
             pass
 
+
+
+_MEMCPY_HOST_TO_DEVICE = 1             # cudaMemcpyHostToDevice
+
+
+class UploadBuffer:
+    """A device tensor that host arrays of one shape and dtype are copied into, step after step (a grammar mask,
+    sampling parameters). On CUDA the copy is asynchronous, from page-locked memory, on the stream TVM launches on:
+    the host does not wait for the kernels queued before it (those still reading the previous contents run first),
+    so a pipelined step's upload does not stall the queue. Elsewhere a plain (synchronous) copyfrom."""
+
+    def __init__(self, dev, shape: tuple[int, ...], dtype: str):
+        import numpy as np
+        import tvm
+
+        self.tensor = tvm.runtime.empty(shape, dtype, dev)
+        self._cuda = cuda_runtime() if int(dev.dlpack_device_type()) == _CUDA else None
+        self._host = None
+        if self._cuda is None:
+            return
+        self._nbytes = max(int(np.prod(shape)) * np.dtype(dtype).itemsize, 1)
+        host = ctypes.c_void_p()
+        self._cuda("cudaMallocHost", ctypes.byref(host), ctypes.c_size_t(self._nbytes))
+        self._host = host
+        raw = (ctypes.c_ubyte * self._nbytes).from_address(host.value)
+        self._view = np.frombuffer(raw, np.uint8)[: int(np.prod(shape)) * np.dtype(dtype).itemsize].view(dtype)
+        self._view = self._view.reshape(shape)
+        self._event = CudaEvent(self._cuda)
+        self._pending = False
+
+    def upload(self, a) -> Any:
+        if self._host is None:
+            self.tensor.copyfrom(a)
+            return self.tensor
+        if self._pending:   # the previous copy must have read the staging memory before it is overwritten
+            self._event.synchronize()
+        self._view[...] = a
+        self._cuda("cudaMemcpyAsync", ctypes.c_void_p(self.tensor.data_ptr()), self._host,
+                   ctypes.c_size_t(self._nbytes), ctypes.c_int(_MEMCPY_HOST_TO_DEVICE), ctypes.c_void_p(_LEGACY_STREAM))
+        self._event.record(_LEGACY_STREAM)
+        self._pending = True
+        return self.tensor
+
+    def __del__(self) -> None:
+        try:
+            if self._host is not None:
+                self._event.synchronize()
+                self._cuda("cudaFreeHost", self._host)
+                self._host = None
+        except Exception:  # noqa: BLE001 - interpreter shutdown: the CUDA runtime may be gone
+            pass

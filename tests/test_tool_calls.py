@@ -10,7 +10,7 @@ import random
 import jsonschema
 import numpy as np
 import pytest
-from conftest import CHATML, smollm2_gguf, write_tokenizer
+from conftest import CHATML, smollm2_tokenizer_json, write_tokenizer
 
 from mlcc.errors import RequestError
 from mlcc.runtime.structured import GrammarCompiler
@@ -41,13 +41,7 @@ PARAMS = {"get_weather": WEATHER, "search": SEARCH,
 @pytest.fixture(scope="module")
 def gc(tmp_path_factory):
     out = tmp_path_factory.mktemp("tok")
-    gguf = smollm2_gguf()
-    if gguf is None:
-        write_tokenizer(out)
-    else:
-        from mlcc.compiler.gguf_tokenizer import write_gguf_tokenizer
-
-        write_gguf_tokenizer(gguf, out)
+    smollm2_tokenizer_json(out)
     from tokenizers import Tokenizer
 
     n = Tokenizer.from_file(str(out / "tokenizer.json")).get_vocab_size()
