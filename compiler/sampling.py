@@ -104,8 +104,8 @@ def attach_logit_functions(mod, vocab: int, target, threads: int = 256, chunk: i
     bitmask = relax.Var("bitmask", tensor([batch, -(-vocab // 32)], "int32"))
     with bb.function("apply_bitmask", [logits, bitmask]):
         with bb.dataflow():
-            out = bb.emit_output(bb.emit(relax.call_tir(bb.add_func(L.bitmask_func(vocab, t), "apply_bitmask_tir"),
-                                                        [logits, bitmask], tensor([batch, vocab]))))
+            masking = bb.add_func(L.bitmask_func(vocab, t, finite=target.kind.name == "webgpu"), "apply_bitmask_tir")
+            out = bb.emit_output(bb.emit(relax.call_tir(masking, [logits, bitmask], tensor([batch, vocab]))))
         bb.emit_func_output(out)
 
     m = tirx.Var("m", "int64")

@@ -63,8 +63,10 @@ def group_threads(n: int, threads: int) -> int:
     return min(threads, 32 * -(-n // 32))
 
 
-def bitmask_func(vocab: int, threads: int | None):
-    """(logits [b, vocab], bitmask int32 [b, ceil(vocab/32)]) -> logits with -inf where the token's bit is 0."""
+def bitmask_func(vocab: int, threads: int | None, finite: bool = False):
+    """(logits [b, vocab], bitmask int32 [b, ceil(vocab/32)]) -> logits with -inf where the token's bit is 0.
+    finite: the lowest float instead (WebGPU: Tint evaluates the constant -inf bit pattern at compile time and
+    refuses it, "value -inf cannot be represented as 'f32'"; a sampler treats both as probability 0)."""
     from tvm import te, tirx
 
     batch = tirx.Var("batch_size", "int64")
@@ -73,7 +75,8 @@ def bitmask_func(vocab: int, threads: int | None):
 
     def f(i, v):
         bit = tirx.bitwise_and(tirx.shift_right(mask[i, v // 32], (v % 32).astype("int32")), 1)
-        return tirx.Select(bit != 0, logits[i, v], neg_inf())
+        masked = tirx.const(-3.4028234663852886e38, "float32") if finite else neg_inf()
+        return tirx.Select(bit != 0, logits[i, v], masked)
 
     out = te.compute((batch, vocab), f, name="masked")
     return _elementwise([logits, mask, out], threads)
