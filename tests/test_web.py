@@ -74,6 +74,9 @@ def run_requests(site, node_path, tmp_path, requests: list[dict]) -> list[dict]:
     path.write_text(json.dumps(requests))
     proc = run_node(["node_chat.mjs", "models/tiny-q4f32", "--requests", str(path)], node_path, cwd=site)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    # grammar masks and logit_bias run on the device (logprobs' kernel may exceed a device's storage-buffer limit)
+    host = json.loads(proc.stderr.split("[logit functions on the host] ", 1)[1].splitlines()[0])
+    assert "apply_bitmask" not in host and "apply_logit_bias" not in host, host
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 

@@ -97,6 +97,8 @@ try {
     useCache: false, onProgress: (p) => { if (!args.json) process.stderr.write(`[${p.stage}] ${p.text}\n`); } });
   const loadS = (performance.now() - t0) / 1000;
   if (args.requests) {
+    // which logit functions this device could not run (they work on the host copy of the logits instead)
+    process.stderr.write(`[logit functions on the host] ${JSON.stringify(engine.hostFallbacks || {})}\n`);
     console.log(JSON.stringify(await runRequests(engine, args.requests)));
     process.exit(0);
   }
