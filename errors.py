@@ -27,6 +27,10 @@ class UnknownArchitectureError(MlccError, ValueError):
     """A model architecture no family in relax_models implements."""
 
 
+class UnsupportedConfigError(ModelSourceError):
+    """A model config with a feature of a known architecture that mlcc does not implement."""
+
+
 class TensorParallelError(MlccError, ValueError):
     """A model that cannot be split over the requested number of GPUs."""
 

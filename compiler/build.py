@@ -57,7 +57,7 @@ def export_module(source: ModelSource, preset: TargetPreset, quant: Quantization
                   options: CompileOptions | None = None) -> BuiltModule:
     options = options or CompileOptions()
     family = family_for(source.model_type, source.kind)
-    cfg = family.config_cls.from_hf(source.config)
+    cfg = family.config_from_hf(source.config)
     if context_window:
         cfg.context_window_size = context_window
     family.check_tensor_parallel(cfg, tensor_parallel, quant.group_size if quant.kind == "group" else None)
@@ -69,6 +69,11 @@ def export_module(source: ModelSource, preset: TargetPreset, quant: Quantization
     model = quantize_model(model, quant)
     _check_quantizable(model, quant)
     mod, named_params = model.export_tvm(spec=model.get_default_spec())
+    if target.kind.name == "llvm":
+        from mlcc.schedules.cpu_attention import replace_cpu_attention
+
+        mod = replace_cpu_attention(mod, cfg.num_key_value_heads, cfg.num_attention_heads, cfg.head_dim,
+                                    quant.model_dtype, cfg.sliding_window, cfg.attn_softcap)
     params = [{"name": n, "shape": [int(d) for d in p.shape], "dtype": p.dtype} for n, p in named_params]
     stamp = artifact.make_stamp(family.name, quant.name, preset.name, params, options)
     mod = _attach_metadata(mod, stamp)
@@ -106,7 +111,10 @@ def _attach_metadata(mod, stamp: dict[str, Any]):
 def builds_graph_decode(built: BuiltModule) -> bool:
     """CUDA, one GPU: batch-1 decode gets a whole-step CUDA graph (compiler/graph_decode.py). Disco workers (tensor
     parallel) keep plain decode: the graph's attention alias is registered by runtime.decode_graph, not in their processes."""
-    return built.options.decode_graph and built.target.kind.name == "cuda" and built.cfg.tensor_parallel_shards == 1
+    # (sliding-window layers add page tables of their own to the KV cache's metadata, which the graph's fixed
+    # layout does not hold)
+    return (built.options.decode_graph and built.target.kind.name == "cuda" and built.cfg.tensor_parallel_shards == 1
+            and not built.cfg.layer_sliding)
 
 
 def compile_library(built: BuiltModule, out_path: Path, tuning_db: str | Path | None = None):

@@ -121,9 +121,14 @@ def load_gguf(path: Path) -> ModelSource:
     if "token_embd.weight" not in by_name:
         raise ModelSourceError(f"{path}: GGUF has no token_embd.weight")
     vocab = int(by_name["token_embd.weight"].shape[-1])
-    config = family.module.gguf_config(fields, arch, vocab, has_output="output.weight" in by_name)
+    config = family.gguf_config(fields, arch, vocab, has_output="output.weight" in by_name)
     config["model_type"] = arch
-    cfg = family.config_cls.from_hf(config)
+    if "rope_factors_long.weight" in by_name:  # LongRoPE (Phi-3) keeps its factors as tensors
+        from mlcc.relax_models.phi3 import gguf_rope_factors
+
+        gguf_rope_factors({n: np.asarray(by_name[n].data, np.float32).ravel() for n in
+                           ("rope_factors_long.weight", "rope_factors_short.weight") if n in by_name}, config)
+    cfg = family.config_from_hf(config)
 
     # HF name → GGUF name through gguf's own table, so we do not maintain a second copy of llama.cpp's names.
     tmap = gguf.get_tensor_name_map(_gguf_arch_enum(arch), cfg.num_hidden_layers)

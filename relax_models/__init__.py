@@ -1,4 +1,9 @@
-"""Model families, registered by HF `model_type` and GGUF `general.architecture`."""
+"""Model families, registered by HF `model_type` and GGUF `general.architecture`.
+
+Every family builds the shared decoder (blocks.py); its module parses the config (`config_from_hf`), says where the
+weights live (`hf_weight_plan`, optional `hf_fixups`), and reads GGUF metadata (`gguf_config`, optional
+`gguf_fixups`, `gguf_tensors` for tensors GGUF keeps outside the layers' names).
+"""
 
 from __future__ import annotations
 
@@ -8,48 +13,63 @@ from typing import Any, Callable
 
 from mlcc.errors import UnknownArchitectureError
 
-from . import gemma, llama, qwen2
+from . import gemma, gemma2, gemma3, granite, llama, olmo2, phi3, qwen2, qwen3
+from .blocks import DecoderConfig, DecoderForCausalLM
+from .weight_plans import check_tensor_parallel, shard_weight
 
 
 @dataclasses.dataclass(frozen=True)
 class Family:
     name: str
-    config_cls: type
-    model_cls: type
     module: ModuleType
+    model_cls: type = DecoderForCausalLM
 
-    def weight_plan(self, cfg: Any) -> dict[str, tuple[list[str], Callable | None]]:
+    def config_from_hf(self, cfg: dict[str, Any]) -> DecoderConfig:
+        return self.module.config_from_hf(cfg)
+
+    def weight_plan(self, cfg: DecoderConfig) -> dict[str, tuple[list[str], Callable | None]]:
         return self.module.hf_weight_plan(cfg)
 
-    def hf_fixups(self, cfg: Any) -> dict[str, Callable]:
+    def hf_fixups(self, cfg: DecoderConfig) -> dict[str, Callable]:
         return getattr(self.module, "hf_fixups", lambda c: {})(cfg)
 
-    def gguf_fixups(self, cfg: Any) -> dict[str, Callable]:
-        return self.module.gguf_fixups(cfg)
+    def gguf_config(self, fields: dict[str, Any], arch: str, vocab_size: int, has_output: bool) -> dict[str, Any]:
+        return self.module.gguf_config(fields, arch, vocab_size, has_output)
 
-    # every family shares Llama's fused q/k/v and gate/up layout, so they shard the same way
-    def check_tensor_parallel(self, cfg: Any, shards: int, group_size: int | None) -> None:
-        llama.check_tensor_parallel(cfg, shards, group_size)
+    def gguf_fixups(self, cfg: DecoderConfig) -> dict[str, Callable]:
+        return getattr(self.module, "gguf_fixups", lambda c: {})(cfg)
 
-    def shard_weight(self, name: str, w: Any, cfg: Any, rank: int, shards: int) -> Any:
-        return llama.shard_weight(name, w, cfg, rank, shards)
+    # every family fuses q/k/v and gate/up the same way, so they shard the same way
+    def check_tensor_parallel(self, cfg: DecoderConfig, shards: int, group_size: int | None) -> None:
+        check_tensor_parallel(cfg, shards, group_size)
+
+    def shard_weight(self, name: str, w: Any, cfg: DecoderConfig, rank: int, shards: int) -> Any:
+        return shard_weight(name, w, cfg, rank, shards)
 
 
-_LLAMA = Family("llama", llama.LlamaConfig, llama.LlamaForCausalLM, llama)
-_QWEN2 = Family("qwen2", qwen2.Qwen2Config, qwen2.Qwen2ForCausalLM, qwen2)
-_GEMMA = Family("gemma", gemma.GemmaConfig, gemma.GemmaForCausalLM, gemma)
+_FAMILIES = {m.__name__.rsplit(".", 1)[1]: Family(m.__name__.rsplit(".", 1)[1], m)
+             for m in (llama, qwen2, qwen3, gemma, gemma2, gemma3, phi3, olmo2, granite)}
 
 # HF model_type → family
 ARCHITECTURES: dict[str, Family] = {
-    "llama": _LLAMA,
-    "mistral": _LLAMA,
-    "smollm2": _LLAMA,
-    "qwen2": _QWEN2,
-    "gemma": _GEMMA,
+    "llama": _FAMILIES["llama"],
+    "mistral": _FAMILIES["llama"],
+    "smollm2": _FAMILIES["llama"],
+    "qwen2": _FAMILIES["qwen2"],
+    "qwen3": _FAMILIES["qwen3"],
+    "gemma": _FAMILIES["gemma"],
+    "gemma2": _FAMILIES["gemma2"],
+    "gemma3_text": _FAMILIES["gemma3"],
+    "gemma3": _FAMILIES["gemma3"],
+    "phi3": _FAMILIES["phi3"],
+    "olmo2": _FAMILIES["olmo2"],
+    "granite": _FAMILIES["granite"],
 }
 
 # GGUF general.architecture → family
-GGUF_ARCHITECTURES: dict[str, Family] = {"llama": _LLAMA, "qwen2": _QWEN2}
+GGUF_ARCHITECTURES: dict[str, Family] = {
+    name: _FAMILIES[name] for name in ("llama", "qwen2", "qwen3", "gemma", "gemma2", "gemma3", "phi3", "olmo2",
+                                       "granite")}
 
 
 def family_for(model_type: str, source: str = "hf") -> Family:

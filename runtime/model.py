@@ -66,6 +66,7 @@ class PagedModel:
     argmax: Callable | None = None
     sample: Callable | None = None
     graph: GraphDecode | None = None   # batch-1 decode as one CUDA graph, where the library has it
+    max_prefill_chunk: int = 0   # new tokens per sequence per forward (sliding-window models); 0: any
     kv: Any = None
 
     def create_kv_cache(self, max_batch: int, max_total_tokens: int, prefill_chunk: int, page_size: int = 16):
@@ -114,7 +115,26 @@ class PagedModel:
         return arr
 
     def prefill(self, seq_ids: Sequence[int], token_lists: Sequence[Sequence[int]]):
-        """Ragged prefill of several sequences in one call; logits [len(seq_ids), vocab] of each last token."""
+        """Ragged prefill of several sequences in one call; logits [len(seq_ids), vocab] of each last token.
+
+        A model with sliding-window layers takes at most `max_prefill_chunk` new tokens of a sequence per forward
+        (TVM's sliding attention is exact only then): longer lists go through in rounds."""
+        limit = self.max_prefill_chunk
+        if not limit or max(len(t) for t in token_lists) <= limit:
+            return self._prefill_once(seq_ids, token_lists)
+        rows: dict[int, Any] = {}
+        for start in range(0, max(len(t) for t in token_lists), limit):
+            live = [i for i, t in enumerate(token_lists) if len(t) > start]
+            out = self._prefill_once([seq_ids[i] for i in live], [token_lists[i][start:start + limit] for i in live])
+            host = out.numpy() if len(live) < len(seq_ids) else None
+            for row, i in enumerate(live):
+                rows[i] = (out, row, host)
+        if all(r[0] is rows[0][0] for r in rows.values()):
+            return rows[0][0]  # every sequence ended in the last round
+        return self.to_device(np.stack([r[2][r[1]] if r[2] is not None else r[0].numpy()[r[1]]
+                                        for _, r in sorted(rows.items())]))
+
+    def _prefill_once(self, seq_ids: Sequence[int], token_lists: Sequence[Sequence[int]]):
         lens = [len(t) for t in token_lists]
         flat = [t for ts in token_lists for t in ts]
         emb = self._embed_shaped(flat, [1, len(flat), self.hidden])
@@ -145,6 +165,10 @@ class PagedModel:
     def prefill_all(self, seq_id: int, ids: Sequence[int]):
         """Prefill of one sequence returning the logits of every position, [len(ids), vocab] (echo's prompt
         logprobs); at most the prefill chunk of tokens."""
+        limit = self.max_prefill_chunk
+        if limit and len(ids) > limit:  # sliding windows: in rounds, as prefill
+            parts = [self.prefill_all(seq_id, ids[i:i + limit]).numpy() for i in range(0, len(ids), limit)]
+            return self.to_device(np.concatenate(parts))
         n = len(ids)
         emb = self._embed_shaped(ids, [1, n, self.hidden])
         self.kv_ops.begin_forward(self.kv, self._shape([seq_id]), self._shape([n]))
@@ -265,6 +289,7 @@ class LoadedModel(PagedModel):
         self.hidden = int(self.config["hidden_size"])
         self.vocab = int(self.config["vocab_size"])
         self.context_window = int(self.config["context_window_size"])
+        self.max_prefill_chunk = int(self.config.get("model_config", {}).get("max_prefill_chunk") or 0)
 
     def _count(self, value) -> int:
         return int(value)

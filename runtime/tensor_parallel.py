@@ -121,6 +121,7 @@ class TensorParallelModel(PagedModel):
         self.hidden = int(self.config["hidden_size"])
         self.vocab = int(self.config["vocab_size"])
         self.context_window = int(self.config["context_window_size"])
+        self.max_prefill_chunk = int(self.config.get("model_config", {}).get("max_prefill_chunk") or 0)
         log.info("tensor-parallel model on %d GPUs (disco + NCCL): %s", self.shards, self.dir)
 
     def _count(self, value) -> int:

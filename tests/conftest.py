@@ -36,6 +36,31 @@ def write_tokenizer(folder: Path, bos_token: str | None = None) -> None:
     (folder / "tokenizer_config.json").write_text(json.dumps(config))
 
 
+WINDOW = 8  # the sliding windows of the test models: shorter than the parity prompts
+
+# kind → (transformers class, config fields over the common ones): each exercises its family's switches
+FAMILY_CONFIGS = {
+    "qwen3": ("Qwen3ForCausalLM", dict(head_dim=32, tie_word_embeddings=False)),
+    "qwen2_swa": ("Qwen2ForCausalLM", dict(use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1,
+                                           tie_word_embeddings=False)),
+    "mistral_swa": ("MistralForCausalLM", dict(sliding_window=WINDOW, tie_word_embeddings=False)),
+    "gemma2": ("Gemma2ForCausalLM", dict(head_dim=32, sliding_window=WINDOW, query_pre_attn_scalar=24,
+                                         final_logit_softcapping=3.0, attn_logit_softcapping=2.0)),
+    "gemma3": ("Gemma3ForCausalLM", dict(
+        num_hidden_layers=3, head_dim=32, query_pre_attn_scalar=32, sliding_window=WINDOW,
+        layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                         "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000000.0}})),
+    "phi3": ("Phi3ForCausalLM", dict(
+        sliding_window=WINDOW, original_max_position_embeddings=64, tie_word_embeddings=False, pad_token_id=None,
+        rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
+                         "short_factor": [1.0, 1.3, 2.0, 3.5], "long_factor": [1.5, 2.0, 4.0, 8.0]})),
+    "olmo2": ("Olmo2ForCausalLM", dict(tie_word_embeddings=False)),
+    "granite": ("GraniteForCausalLM", dict(embedding_multiplier=6.0, residual_multiplier=0.5,
+                                           attention_multiplier=0.2, logits_scaling=4.0, tie_word_embeddings=True)),
+}
+
+
 def make_hf_model(kind: str, folder: Path, seed: int = 0) -> Path:
     import torch
     import transformers as tf
@@ -60,6 +85,10 @@ def make_hf_model(kind: str, folder: Path, seed: int = 0) -> Path:
         model = tf.Qwen2ForCausalLM(tf.Qwen2Config(**common, tie_word_embeddings=False))
     elif kind == "gemma":
         model = tf.GemmaForCausalLM(tf.GemmaConfig(**{**common, "num_key_value_heads": 1}, head_dim=32))
+    elif kind in FAMILY_CONFIGS:
+        cls, extra = FAMILY_CONFIGS[kind]
+        config_cls = getattr(tf, cls.replace("ForCausalLM", "Config").replace("Gemma3Config", "Gemma3TextConfig"))
+        model = getattr(tf, cls)(config_cls(**{**common, **extra}))
     else:
         raise ValueError(kind)
     # Random init leaves biases/norms at 0/1; perturb them so the parity test sees them.

@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 from mlcc.errors import TensorParallelError
-from mlcc.relax_models.llama import LlamaConfig, check_tensor_parallel, shard_weight
+from mlcc.relax_models.blocks import DecoderConfig
+from mlcc.relax_models.weight_plans import check_tensor_parallel, shard_weight
 
 
 def _silu(x: np.ndarray) -> np.ndarray:
@@ -17,8 +18,8 @@ def _silu(x: np.ndarray) -> np.ndarray:
 
 
 @pytest.fixture(scope="module")
-def cfg() -> LlamaConfig:
-    return LlamaConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=1, num_attention_heads=8,
+def cfg() -> DecoderConfig:
+    return DecoderConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=1, num_attention_heads=8,
                        num_key_value_heads=4, vocab_size=100, head_dim=8)
 
 
