@@ -30,9 +30,14 @@ class ModelSource:
     tensors: dict[str, Callable[[], np.ndarray]]
 
     def get(self, name: str) -> np.ndarray:
-        if name not in self.tensors:
-            raise ModelSourceError(f"{self.path}: tensor '{name}' is missing from the checkpoint")
-        return self.tensors[name]()
+        for alias in (name, *(name.replace(a, b, 1) for a, b in _PREFIX_ALIASES if name.startswith(a))):
+            if alias in self.tensors:
+                return self.tensors[alias]()
+        raise ModelSourceError(f"{self.path}: tensor '{name}' is missing from the checkpoint")
+
+
+# multimodal checkpoints name their language model one way on the Hub and another once transformers saves them
+_PREFIX_ALIASES = (("model.language_model.", "language_model.model."),)
 
 
 # -- safetensors (read with numpy memmaps: bf16 has no numpy dtype, so we widen it ourselves) ------------------

@@ -31,6 +31,7 @@ def hf_fixups(cfg: DecoderConfig) -> dict[str, Callable]:
 
 def gguf_config(fields: dict[str, Any], arch: str, vocab_size: int, has_output: bool) -> dict[str, Any]:
     cfg = llama_gguf_config(fields, arch, vocab_size, has_output)
+    cfg.setdefault("sliding_window", 4096)  # llama.cpp's default for Gemma 2 files without the key
     for key, hf in (("attn_logit_softcapping", "attn_logit_softcapping"),
                     ("final_logit_softcapping", "final_logit_softcapping")):
         if fields.get(f"{arch}.{key}") is not None:

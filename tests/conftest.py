@@ -56,6 +56,12 @@ FAMILY_CONFIGS = {
         rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
                          "short_factor": [1.0, 1.3, 2.0, 3.5], "long_factor": [1.5, 2.0, 4.0, 8.0]})),
     "olmo2": ("Olmo2ForCausalLM", dict(tie_word_embeddings=False)),
+    # GGUF has no query_pre_attn_scalar: llama.cpp scales Gemma 2's queries by head_dim (except the 27B)
+    "gemma2_head_dim_scale": ("Gemma2ForCausalLM", dict(head_dim=32, sliding_window=WINDOW, query_pre_attn_scalar=32,
+                                                        final_logit_softcapping=3.0, attn_logit_softcapping=2.0)),
+    # rows of 256: the block size of GGUF's K-quants
+    "qwen3_256": ("Qwen3ForCausalLM", dict(hidden_size=256, intermediate_size=512, head_dim=64,
+                                           tie_word_embeddings=False)),
     "granite": ("GraniteForCausalLM", dict(embedding_multiplier=6.0, residual_multiplier=0.5,
                                            attention_multiplier=0.2, logits_scaling=4.0, tie_word_embeddings=True)),
 }
