@@ -34,7 +34,8 @@ import numpy as np
 from harness import add_options_argument, build_info, cli, parse_options, presets, write_json
 
 MODELS = {name: (p.family, p.config) for name, p in presets().items()}
-RUNS = [("llama3-8b", "q4f16_1"), ("llama3-8b", "q0f16"), ("qwen2.5-0.5b", "q4f16_1"), ("smollm2-135m", "q4f16_1")]
+RUNS = [("llama3-8b", "q4f16_1"), ("llama3-8b", "q0f16"), ("qwen3-8b", "q4f16_1"), ("gemma2-9b", "q4f16_1"),
+        ("qwen2.5-0.5b", "q4f16_1"), ("smollm2-135m", "q4f16_1")]
 PROMPT, STEPS, ROUNDS = 128, 256, 4   # 2 x 256 steps: pipelined and synchronous rounds alternate
 CHECKED = ("smollm2-135m", "qwen2.5-0.5b")   # small enough to run on the CPU here as the reference
 # checked against a CPU reference too, though not in the table: the float16 decode GEMV kernel's small shapes
@@ -364,8 +365,7 @@ def cmd_hf(a) -> None:
     rows = []
     for model in a.models.split(","):
         arch, cfg = MODELS[model]
-        conf = (tf.LlamaConfig if arch == "llama" else tf.Qwen2Config)(**{k: v for k, v in cfg.items()
-                                                                          if k != "rope_scaling"})
+        conf = tf.AutoConfig.for_model(arch, **{k: v for k, v in cfg.items() if k != "rope_scaling"})
         if cfg.get("rope_scaling"):
             conf.rope_parameters = {**cfg["rope_scaling"], "rope_theta": cfg["rope_theta"]}
         with torch.device("cuda"):

@@ -74,6 +74,10 @@ def export_module(source: ModelSource, preset: TargetPreset, quant: Quantization
 
         mod = replace_cpu_attention(mod, cfg.num_key_value_heads, cfg.num_attention_heads, cfg.head_dim,
                                     quant.model_dtype, cfg.sliding_window, cfg.attn_softcap)
+    elif cfg.attn_softcap:
+        from mlcc.schedules.attention_softcap import apply_attention_softcap
+
+        mod = apply_attention_softcap(mod, cfg.attn_softcap)
     params = [{"name": n, "shape": [int(d) for d in p.shape], "dtype": p.dtype} for n, p in named_params]
     stamp = artifact.make_stamp(family.name, quant.name, preset.name, params, options)
     mod = _attach_metadata(mod, stamp)

@@ -53,8 +53,10 @@ class DecoderConfig:
     attn_softcap: float = 0.0         # cap · tanh(score / cap) before the softmax (Gemma 2); 0: none
     final_softcap: float = 0.0        # the same on the logits
     embedding_scale: float = 1.0      # Gemma: √hidden (rounded to the model dtype); Granite: embedding_multiplier
-    residual_scale: float = 1.0       # Granite: residual_multiplier
-    logit_scale: float = 1.0          # Granite: 1 / logits_scaling
+    # Granite's multipliers of each residual branch and of the logits, folded into the weights they follow
+    # (weight_plans.decoder_plan) so the projections stay plain GEMVs
+    residual_scale: float = 1.0       # residual_multiplier
+    logit_scale: float = 1.0          # 1 / logits_scaling
     sliding_window: int = 0           # the window of the layers that slide (one size: TVM's KV cache keeps one)
     layer_sliding: list[bool] = dataclasses.field(default_factory=list)  # per layer; empty: none slide
     rotary_dim: int = 0               # partial rotary (Phi-3); 0 → head_dim
@@ -100,8 +102,11 @@ def _rms_norm(cfg: DecoderConfig, width: int) -> nn.RMSNorm:
     return nn.RMSNorm(width, -1, cfg.rms_norm_eps, bias=False)
 
 
-def _softcap(x: Tensor, cap: float) -> Tensor:
-    return op.tanh(x / cap) * cap
+def _opaque_softcap(logits: Tensor, cap: float) -> Tensor:
+    """The logits' soft-cap as a kernel of its own (op_pattern 8, opaque, keeps FuseOps from fusing it): fused,
+    it would make the LM head a matmul with a tanh epilogue, which the decode GEMV kernels do not match."""
+    return op.tensor_expr_op(lambda x: te.compute(x.shape, lambda *i: tirx.tanh(x(*i) / cap) * cap, name="softcap"),
+                             "logit_softcap", [logits], attrs={"op_pattern": 8})
 
 
 class Attention(nn.Module):
@@ -174,7 +179,6 @@ class MLP(nn.Module):
 
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: DecoderConfig, layer_id: int):
-        self.residual_scale = cfg.residual_scale
         if cfg.pre_norms:
             self.pre_attn_norm, self.pre_mlp_norm = _rms_norm(cfg, cfg.hidden_size), _rms_norm(cfg, cfg.hidden_size)
         if cfg.post_norms:
@@ -183,16 +187,11 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(cfg)
         self.pre_norms, self.post_norms = cfg.pre_norms, cfg.post_norms
 
-    def _residual(self, h: Tensor, branch: Tensor) -> Tensor:
-        if self.residual_scale != 1.0:
-            branch = branch * self.residual_scale
-        return h + branch
-
     def forward(self, h: Tensor, kv_cache: PagedKVCache) -> Tensor:
         a = self.self_attn(self.pre_attn_norm(h) if self.pre_norms else h, kv_cache)
-        h = self._residual(h, self.post_attn_norm(a) if self.post_norms else a)
+        h = h + (self.post_attn_norm(a) if self.post_norms else a)
         m = self.mlp(self.pre_mlp_norm(h) if self.pre_norms else h)
-        return self._residual(h, self.post_mlp_norm(m) if self.post_norms else m)
+        return h + (self.post_mlp_norm(m) if self.post_norms else m)
 
 
 class DecoderModel(nn.Module):
@@ -230,9 +229,7 @@ class DecoderForCausalLM(nn.Module):
         else:
             out = self.lm_head(h)
         out = out.astype("float32") if out.dtype != "float32" else out
-        if self.cfg.logit_scale != 1.0:
-            out = out * self.cfg.logit_scale
-        return _softcap(out, self.cfg.final_softcap) if self.cfg.final_softcap else out
+        return _opaque_softcap(out, self.cfg.final_softcap) if self.cfg.final_softcap else out
 
     # -- entry points ----------------------------------------------------------------------------------------
     def embed(self, input_ids: Tensor) -> Tensor:

@@ -42,6 +42,18 @@ PRESETS: dict[str, Preset] = {p.name: p for p in (
         hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
         num_key_value_heads=2, vocab_size=151936, max_position_embeddings=32768, rms_norm_eps=1e-6,
         rope_theta=1000000.0, tie_word_embeddings=True)),
+    # Qwen/Qwen3-8B: per-head q/k norms, head_dim 128
+    Preset("qwen3-8b", "qwen3", dict(
+        hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
+        num_key_value_heads=8, head_dim=128, vocab_size=151936, max_position_embeddings=40960, rms_norm_eps=1e-6,
+        rope_theta=1000000.0, tie_word_embeddings=False)),
+    # google/gemma-2-9b: sandwich norms, soft-capped scores and logits, every other layer a 4,096-token window
+    Preset("gemma2-9b", "gemma2", dict(
+        hidden_size=3584, intermediate_size=14336, num_hidden_layers=42, num_attention_heads=16,
+        num_key_value_heads=8, head_dim=256, vocab_size=256000, max_position_embeddings=8192, rms_norm_eps=1e-6,
+        rope_theta=10000.0, tie_word_embeddings=True, hidden_activation="gelu_pytorch_tanh",
+        query_pre_attn_scalar=256, sliding_window=4096, attn_logit_softcapping=50.0,
+        final_logit_softcapping=30.0)),
     # HuggingFaceTB/SmolLM2-135M(-Instruct), also the bundled default model's shape
     Preset("smollm2-135m", "llama", dict(
         hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,

@@ -57,6 +57,26 @@ def decoder_plan(cfg: DecoderConfig, norms: dict[str, str] = LLAMA_NORMS, fused_
         else:
             plan[f"{ours}.mlp.gate_up_proj.weight"] = ([f"{mlp}.gate_proj.weight", f"{mlp}.up_proj.weight"], _concat)
         plan[f"{ours}.mlp.down_proj.weight"] = ([f"{mlp}.down_proj.weight"], None)
+    return _fold_multipliers(plan, cfg)
+
+
+def _scaled(combine: Callable | None, factor: float) -> Callable:
+    def scaled(ts: list[np.ndarray]) -> np.ndarray:
+        return (combine(ts) if combine else ts[0]).astype(np.float32) * np.float32(factor)
+
+    return scaled
+
+
+def _fold_multipliers(plan: Plan, cfg: DecoderConfig) -> Plan:
+    """Granite's multipliers as weights: a residual branch's into its last linear map (its output norm where the
+    block has one), the logits' into the final norm (the LM head may be the tied embedding)."""
+    last = ((".post_attn_norm.weight", ".post_mlp_norm.weight") if cfg.post_norms
+            else (".self_attn.o_proj.weight", ".self_attn.o_proj.bias", ".mlp.down_proj.weight"))
+    for name, (srcs, combine) in plan.items():
+        factor = (cfg.residual_scale if name.endswith(last) else 1.0) * (
+            cfg.logit_scale if name == "model.norm.weight" else 1.0)
+        if factor != 1.0:
+            plan[name] = (srcs, _scaled(combine, factor))
     return plan
 
 

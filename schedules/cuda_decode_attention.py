@@ -20,6 +20,8 @@ import math
 
 import tvm
 
+from .attention_softcap import ATTR, softcap_of
+
 log = logging.getLogger(__name__)
 
 # Each block walks its chunk tokens_in_flight() tokens at a time, and every step is a chain of dependent loads (page
@@ -29,22 +31,26 @@ log = logging.getLogger(__name__)
 BLOCKS_WANTED = 128  # chunks x KV heads at batch 1: about one block per SM of an H100/H200 (256 measured slower)
 MAX_TOKENS_IN_FLIGHT = 16
 MAX_THREADS = 1024   # per block, on every CUDA GPU
-VEC = 4              # head-dim elements per lane
+VEC = 4              # head-dim elements per lane, more where the head needs more than a warp (Gemma's 256)
+
+
+def vec_for(d: int) -> int:
+    return max(VEC, d // 32)
 
 
 def tokens_in_flight(h_kv: int, h_qo: int, d: int, limit: int = 0) -> int:
     """Tokens a block scores per step: the largest power of two up to `limit` (0: MAX_TOKENS_IN_FLIGHT) whose
     threads (head-dim lanes x query heads per KV head, each) fit in MAX_THREADS."""
     tp, limit = 1, limit or MAX_TOKENS_IN_FLIGHT
-    while tp * 2 <= limit and (d // VEC) * (h_qo // h_kv) * tp * 2 <= MAX_THREADS:
+    while tp * 2 <= limit and (d // vec_for(d)) * (h_qo // h_kv) * tp * 2 <= MAX_THREADS:
         tp *= 2
     return tp
 
 
 def supported(h_kv: int, h_qo: int, d: int, tokens: int = 0) -> bool:
     """Head dim split over a power-of-two number of lanes within a warp, and at least 4 tokens in flight."""
-    lanes = d // VEC
-    return d % VEC == 0 and lanes in (4, 8, 16, 32) and tokens_in_flight(h_kv, h_qo, d, tokens) >= 4
+    lanes = d // vec_for(d)
+    return d % vec_for(d) == 0 and lanes in (4, 8, 16, 32) and tokens_in_flight(h_kv, h_qo, d, tokens) >= 4
 
 
 def splits_for(h_kv: int, splits: int = 0) -> int:
@@ -58,14 +64,21 @@ def splits_for(h_kv: int, splits: int = 0) -> int:
     return splits
 
 
-def make_split_decode(h_kv: int, h_qo: int, d: int, dtype: str, page_size: int, splits: int = 0, tokens: int = 0):
+def make_split_decode(h_kv: int, h_qo: int, d: int, dtype: str, page_size: int, splits: int = 0, tokens: int = 0,
+                      sliding: bool = False, softcap: float = 0.0):
     """The kernel for one attention shape; `splits` (splits_for) and `tokens` (the limit of tokens_in_flight): 0 for
-    the automatic choice."""
+    the automatic choice. sliding: the sliding-window layers' variant, whose `length_info` is (last page length,
+    window offset, sink size) per sequence and whose pages start at the window. softcap: Gemma 2's score cap."""
+    from tvm.relax.frontend.nn.llm._kernel_common import _declare_length_info, _get_kv_chunk_len, _get_seq_offset
     from tvm.script import tirx as T
+
+    from .attention_softcap import capped
 
     assert supported(h_kv, h_qo, d, tokens), (h_kv, h_qo, d, tokens)
     group = h_qo // h_kv
-    vec = VEC
+    vec = vec_for(d)
+    # CUDA has vector types up to 4 floats: wider lanes (head dim 256) unroll instead
+    lane_loop = T.vectorized if vec <= 4 else T.unroll
     lanes = d // vec
     tp = tokens_in_flight(h_kv, h_qo, d, tokens)
     splits = splits_for(h_kv, splits)
@@ -78,7 +91,7 @@ def make_split_decode(h_kv: int, h_qo: int, d: int, dtype: str, page_size: int, 
         new_m[0] = T.max(m[0], m_other)
         w[0] = T.exp2(m_other - new_m[0])
         l[0] = l[0] * T.exp2(m[0] - new_m[0]) + l_other * w[0]
-        for v in T.vectorized(vec):
+        for v in lane_loop(vec):
             o[v] = o[v] * T.exp2(m[0] - new_m[0]) + o_other(v) * w[0]
         m[0] = new_m[0]
 
@@ -89,7 +102,8 @@ def make_split_decode(h_kv: int, h_qo: int, d: int, dtype: str, page_size: int, 
         q_rope_position_handle: T.handle, output_handle: T.handle, lse_handle: T.handle,
         rotary_mode: T.int32, rope_scale: T.float32, rope_theta: T.float32, sm_scale: T.float32,
     ):
-        T.func_attr({"tirx.is_scheduled": True, "global_symbol": "batch_decode_paged_kv"})
+        T.func_attr({"tirx.is_scheduled": True,
+                     "global_symbol": "batch_decode_paged_kv" + ("_sliding_window" if sliding else "")})
         B = T.int32()
         nnz_pages = T.int32()
         max_num_pages = T.int32()
@@ -113,7 +127,7 @@ def make_split_decode(h_kv: int, h_qo: int, d: int, dtype: str, page_size: int, 
                                          elem_offset=q_rope_position_elem_offset)
         output = T.match_buffer(output_handle, (B, h_qo, d), dtype)
         lse = T.match_buffer(lse_handle, (B, h_qo), "float32")
-        length_info = T.match_buffer(var_length_info, (B,), "int32", elem_offset=length_info_elem_offset)
+        length_info = _declare_length_info(var_length_info, B, sliding, length_info_elem_offset)
 
         part_o = T.sblock_alloc_buffer((B, h_qo, splits, d), "float32", scope="global")
         part_md = T.sblock_alloc_buffer((B, h_qo, splits, 2), "float32", scope="global")
@@ -139,12 +153,12 @@ def make_split_decode(h_kv: int, h_qo: int, d: int, dtype: str, page_size: int, 
                                 md_sh = T.sblock_alloc_buffer((tp, group, 2), "float32", scope="shared")
                                 page_begin: T.let[T.int32] = page_table_indptr[bx]
                                 page_end: T.let[T.int32] = page_table_indptr[bx + 1]
-                                n_tok[0] = T.if_then_else(page_begin != page_end,
-                                                          (page_end - page_begin - 1) * page_size + length_info[bx], 0)
+                                n_tok[0] = T.if_then_else(page_begin != page_end, _get_kv_chunk_len(
+                                    page_end - page_begin, page_size, bx, length_info, sliding), 0)
                                 chunk: T.let[T.int32] = (n_tok[0] + splits - 1) // splits
                                 kv_head: T.let[T.int32] = by // splits
                                 start: T.let[T.int32] = by % splits * chunk
-                                for v in T.vectorized(vec):
+                                for v in lane_loop(vec):
                                     q[v] = (T.Cast("float32", Q[bx, kv_head * group + ty, tx * vec + v])
                                             * sm_scale * log2e)
                                     o[v] = T.float32(0)
@@ -153,7 +167,8 @@ def make_split_decode(h_kv: int, h_qo: int, d: int, dtype: str, page_size: int, 
                                 for it in T.serial((chunk + tp - 1) // tp):
                                     # every thread runs every step (the shuffles need whole warps, and a warp can
                                     # hold two token slots): tokens past the chunk read a valid one and score -5e4
-                                    pos: T.let[T.int32] = T.min(start + it * tp + tz, n_tok[0] - 1)
+                                    pos: T.let[T.int32] = _get_seq_offset(T.min(start + it * tp + tz, n_tok[0] - 1),
+                                                                          bx, length_info, sliding)
                                     page: T.let[T.int32] = page_table_values[page_begin + pos // page_size]
                                     off: T.let[T.int32] = pos % page_size
                                     score[0] = T.float32(0)
@@ -165,17 +180,19 @@ def make_split_decode(h_kv: int, h_qo: int, d: int, dtype: str, page_size: int, 
                                             score[0] = score[0] + T.call_pure_extern(
                                                 "float32", "__shfl_xor_sync", T.uint32(0xFFFFFFFF), score[0],
                                                 1 << sh, lanes)
+                                    if softcap > 0.0:
+                                        score[0] = capped(score[0], softcap)
                                     if it * tp + tz >= chunk or start + it * tp + tz >= n_tok[0]:
                                         score[0] = T.float32(-5e4)
                                     rescale[0] = T.exp2(m[0] - T.max(m[0], score[0]))
                                     m[0] = T.max(m[0], score[0])
                                     score[0] = T.exp2(score[0] - m[0])  # now the token's weight
                                     l[0] = l[0] * rescale[0] + score[0]
-                                    for v in T.vectorized(vec):
+                                    for v in lane_loop(vec):
                                         o[v] = o[v] * rescale[0] + score[0] * T.Cast(
                                             "float32", pages[page, 1, kv_head, off, tx * vec + v])
                                 # the tokens in flight meet in shared memory; tz == 0 merges them
-                                for v in T.vectorized(vec):
+                                for v in lane_loop(vec):
                                     o_sh[tz, ty, tx * vec + v] = o[v]
                                 md_sh[tz, ty, 0] = m[0]
                                 md_sh[tz, ty, 1] = l[0]
@@ -185,7 +202,7 @@ def make_split_decode(h_kv: int, h_qo: int, d: int, dtype: str, page_size: int, 
                                         # (score and rescale are free after the token loop: the merge's scratch)
                                         merge_state(m, l, o, score, rescale, md_sh[j + 1, ty, 0], md_sh[j + 1, ty, 1],
                                                     lambda v: o_sh[j + 1, ty, tx * vec + v])
-                                    for v in T.vectorized(vec):
+                                    for v in lane_loop(vec):
                                         part_o[bx, kv_head * group + ty, by % splits, tx * vec + v] = o[v]
                                     part_md[bx, kv_head * group + ty, by % splits, 0] = m[0]
                                     part_md[bx, kv_head * group + ty, by % splits, 1] = l[0]
@@ -203,12 +220,12 @@ def make_split_decode(h_kv: int, h_qo: int, d: int, dtype: str, page_size: int, 
                         w = T.sblock_alloc_buffer((1,), "float32", scope="local")
                         m[0] = T.float32(-5e4)
                         l[0] = T.float32(1)  # TVM's convention: an empty sequence gives 0, not NaN
-                        for v in T.vectorized(vec):
+                        for v in lane_loop(vec):
                             o[v] = T.float32(0)
                         for s in T.serial(splits):
                             merge_state(m, l, o, new_m, w, part_md[bx, by, s, 0], part_md[bx, by, s, 1],
                                         lambda v: part_o[bx, by, s, tx * vec + v])
-                        for v in T.vectorized(vec):
+                        for v in lane_loop(vec):
                             output[bx, by, tx * vec + v] = T.Cast(dtype, o[v] / l[0])
                         if tx == 0:
                             lse[bx, by] = m[0] + T.log2(l[0])
@@ -216,10 +233,13 @@ def make_split_decode(h_kv: int, h_qo: int, d: int, dtype: str, page_size: int, 
     return batch_decode_paged_kv_split
 
 
-def _decode_kernel_shape(func) -> tuple[int, int, int, str, int] | None:
-    """(kv heads, query heads, head dim, dtype, page size) of TVM's non-sliding-window decode kernel."""
+_DECODE_SYMBOLS = {"batch_decode_paged_kv": False, "batch_decode_paged_kv_sliding_window": True}
+
+
+def _decode_kernel_shape(func) -> tuple[int, int, int, str, int, bool] | None:
+    """(kv heads, query heads, head dim, dtype, page size, sliding) of one of TVM's decode kernels."""
     attrs = func.attrs
-    if attrs is None or attrs.get("global_symbol") != "batch_decode_paged_kv" or len(func.params) != 13:
+    if attrs is None or attrs.get("global_symbol") not in _DECODE_SYMBOLS or len(func.params) != 13:
         return None
     try:
         q, pages = func.params[0], func.params[1]
@@ -229,12 +249,13 @@ def _decode_kernel_shape(func) -> tuple[int, int, int, str, int] | None:
         return None
     if d != d2 or h_qo % h_kv or str(q.dtype) != str(pages.dtype):
         return None
-    return h_kv, h_qo, d, str(q.dtype), page_size
+    return h_kv, h_qo, d, str(q.dtype), page_size, _DECODE_SYMBOLS[attrs["global_symbol"]]
 
 
 def split_decode_attention_pass(splits: int = 0, tokens: int = 0) -> tvm.transform.Pass:
-    """TVM's decode attention kernel replaced where the split-KV kernel supports its shape; `splits` and `tokens` as
-    for make_split_decode (CompileOptions.decode_attention_splits/_tokens)."""
+    """TVM's decode attention kernels (plain and sliding-window) replaced where the split-KV kernel supports their
+    shape, soft-capped as they were (schedules/attention_softcap.py); `splits` and `tokens` as for make_split_decode
+    (CompileOptions.decode_attention_splits/_tokens)."""
 
     @tvm.transform.module_pass(opt_level=0, name="mlcc_cuda_split_decode_attention")
     def _pass(mod: tvm.ir.IRModule, _ctx) -> tvm.ir.IRModule:
@@ -244,10 +265,14 @@ def split_decode_attention_pass(splits: int = 0, tokens: int = 0) -> tvm.transfo
             shape = _decode_kernel_shape(func)
             if shape is None:
                 continue
-            h_kv, h_qo, d, dtype, page_size = shape
+            h_kv, h_qo, d, dtype, page_size, sliding = shape
             if not supported(h_kv, h_qo, d, tokens):
+                log.warning("decode attention (%d kv heads, %d query heads, head dim %d) keeps TVM's kernel: the "
+                            "split-KV kernel does not support the shape", h_kv, h_qo, d)
                 continue
-            mod[gv] = make_split_decode(h_kv, h_qo, d, dtype, page_size, splits, tokens)
+            cap = softcap_of(func)
+            new = make_split_decode(h_kv, h_qo, d, dtype, page_size, splits, tokens, sliding, cap)
+            mod[gv] = new.with_attr(ATTR, cap) if cap else new
         return mod
 
     return _pass

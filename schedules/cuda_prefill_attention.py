@@ -18,6 +18,8 @@ import tvm
 
 from mlcc.tvm_compat import prefill_kernel_blocks
 
+from .attention_softcap import softcap_of, softcap_scores
+
 log = logging.getLogger(__name__)
 
 BLOCKS_PER_GPU = 132 * 8  # H100/H200 SMs x resident blocks of this kernel we aim for
@@ -44,6 +46,8 @@ def _rebuild(kind: str, func, target):
         return pk._attention_prefill(h_kv, h_q, d_qk, dtype, False, {}, target)
 
 
+# (not the sliding-window paged kernel: rebuilt with a wider grid it gave wrong cross-attention on an H200, and its
+# work is bounded by the window anyway)
 _KINDS = {"batch_prefill_ragged_kv": "ragged", "batch_prefill_paged_kv": "paged"}
 
 
@@ -60,7 +64,9 @@ def wide_prefill_attention_pass() -> tvm.transform.Pass:
             if kind is None:
                 continue
             try:
-                mod[gv] = _rebuild(kind, func, target)
+                wide = _rebuild(kind, func, target)
+                cap = softcap_of(func)
+                mod[gv] = softcap_scores(wide, cap) if cap else wide
             except Exception as e:  # noqa: BLE001 - a TVM whose kernel builder changed: keep its own kernel
                 log.warning("keeping TVM's %s prefill kernel: %s", kind, e)
         return mod

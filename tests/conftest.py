@@ -37,6 +37,10 @@ def write_tokenizer(folder: Path, bos_token: str | None = None) -> None:
 
 
 WINDOW = 8  # the sliding windows of the test models: shorter than the parity prompts
+PROMPT = [5, 77, 12, 300, 41, 9, 250, 3, 18, 64, 200, 7, 99]
+# one test model per family (and per switch a family has)
+FAMILIES = ["llama", "llama_tied_llama3", "qwen2", "gemma", "qwen3", "qwen2_swa", "mistral_swa", "gemma2", "gemma3",
+            "phi3", "olmo2", "granite"]
 
 # kind → (transformers class, config fields over the common ones): each exercises its family's switches
 FAMILY_CONFIGS = {
@@ -90,7 +94,9 @@ def make_hf_model(kind: str, folder: Path, seed: int = 0) -> Path:
     elif kind == "qwen2":
         model = tf.Qwen2ForCausalLM(tf.Qwen2Config(**common, tie_word_embeddings=False))
     elif kind == "gemma":
-        model = tf.GemmaForCausalLM(tf.GemmaConfig(**{**common, "num_key_value_heads": 1}, head_dim=32))
+        # (multi-query with a head wider than hidden / heads, as in Gemma-7B; head_dim 64: TVM's CUDA tree-attention
+        # kernel does not compile for one KV head of 32)
+        model = tf.GemmaForCausalLM(tf.GemmaConfig(**{**common, "num_key_value_heads": 1}, head_dim=64))
     elif kind in FAMILY_CONFIGS:
         cls, extra = FAMILY_CONFIGS[kind]
         config_cls = getattr(tf, cls.replace("ForCausalLM", "Config").replace("Gemma3Config", "Gemma3TextConfig"))

@@ -212,12 +212,12 @@ def test_graph_layout_moves_every_four_pages():
 def test_split_kv_decode_attention_replaces_tvms_kernel(hf_models):
     built, _ = _fused(hf_models)
     funcs = _prim_funcs(built.mod)
-    assert cda._decode_kernel_shape(funcs["batch_decode_paged_kv"]) == (2, 4, 16, "float16", 16)
-    assert cda._decode_kernel_shape(funcs["batch_decode_paged_kv_sliding_window"]) is None  # different signature
+    assert cda._decode_kernel_shape(funcs["batch_decode_paged_kv"]) == (2, 4, 16, "float16", 16, False)
+    assert cda._decode_kernel_shape(funcs["batch_decode_paged_kv_sliding_window"]) == (2, 4, 16, "float16", 16, True)
     after = _prim_funcs(cda.split_decode_attention_pass()(built.mod))
-    assert "part_md" in after["batch_decode_paged_kv"].script()  # the split-KV kernel, same global symbol
-    assert after["batch_decode_paged_kv"].attrs["global_symbol"] == "batch_decode_paged_kv"
-    assert "part_md" not in after["batch_decode_paged_kv_sliding_window"].script()
+    for name in ("batch_decode_paged_kv", "batch_decode_paged_kv_sliding_window"):
+        assert "part_md" in after[name].script()  # the split-KV kernel, same global symbol
+        assert after[name].attrs["global_symbol"] == name
 
 
 def test_wide_prefill_attention_is_tvms_kernel_with_a_bigger_grid(hf_models, monkeypatch):
@@ -231,13 +231,13 @@ def test_wide_prefill_attention_is_tvms_kernel_with_a_bigger_grid(hf_models, mon
     target = get_target("cuda").tvm_target()
     (tvm_launch,) = _launches(funcs["batch_prefill_ragged_kv"])
     monkeypatch.setattr(cpa, "_num_blocks", lambda h_kv: tvm_launch["blockIdx.x"])
-    for name, kind in (("batch_prefill_ragged_kv", "ragged"), ("batch_prefill_paged_kv", "paged")):
+    for name, kind in cpa._KINDS.items():
         tvm.ir.assert_structural_equal(cpa._rebuild(kind, funcs[name], target), funcs[name])
     monkeypatch.undo()
     with target:
         wide = _prim_funcs(cpa.wide_prefill_attention_pass()(built.mod))
     h_kv = built.cfg.num_key_value_heads
-    for name in ("batch_prefill_ragged_kv", "batch_prefill_paged_kv"):
+    for name in cpa._KINDS:
         (launch,) = _launches(wide[name])
         assert launch["blockIdx.y"] == h_kv
         blocks = launch["blockIdx.x"] * h_kv

@@ -139,10 +139,13 @@ def test_every_gemv_and_decode_attention_variant_compiles(nvrtc, preset):
         shape = GemvShape(n, k, epi, (1, 1, n) if epi == "add" else (), "float32" if epi == "cast" else "float16",
                           weights, 1e-5 if norm else None)
         funcs[f"gemv_{n}_{k}_{epi}_{weights[:3]}_{int(norm)}"] = make_gemv(shape, pdl=pdl)
-    for h_kv, h_qo, d, splits, tokens in [(8, 32, 128, 0, 0), (3, 9, 64, 0, 0), (2, 14, 64, 0, 0),
-                                          (8, 32, 128, 24, 4), (1, 4, 16, 1, 0)]:
-        funcs[f"attn_{h_kv}_{h_qo}_{d}_{splits}_{tokens}"] = make_split_decode(h_kv, h_qo, d, "float16", 16,
-                                                                               splits, tokens)
+    # (Gemma's head dim 256 with its sliding window and score cap)
+    for h_kv, h_qo, d, splits, tokens, sliding, cap in [
+            (8, 32, 128, 0, 0, False, 0.0), (3, 9, 64, 0, 0, False, 0.0), (2, 14, 64, 0, 0, False, 0.0),
+            (8, 32, 128, 24, 4, False, 0.0), (1, 4, 16, 1, 0, False, 0.0), (8, 16, 256, 0, 0, True, 50.0),
+            (1, 4, 256, 0, 0, False, 0.0)]:
+        funcs[f"attn_{h_kv}_{h_qo}_{d}_{splits}_{tokens}_{int(sliding)}"] = make_split_decode(
+            h_kv, h_qo, d, "float16", 16, splits, tokens, sliding, cap)
     mod = tvm.IRModule({name: f.with_attr("global_symbol", name) for name, f in funcs.items()})
     with target, cuda_source_postproc(add_cuda_helpers):
         lib = tvm.compile(mod, target)

@@ -10,11 +10,9 @@ import pytest
 import torch
 
 from mlcc.compiler.quantize import get_quantization, group_dequantize, group_quantize
+from conftest import FAMILIES, PROMPT
 from mlcc.runtime.model import LoadedModel
 
-FAMILIES = ["llama", "llama_tied_llama3", "qwen2", "gemma", "qwen3", "qwen2_swa", "mistral_swa", "gemma2", "gemma3",
-            "phi3", "olmo2", "granite"]
-PROMPT = [5, 77, 12, 300, 41, 9, 250, 3, 18, 64, 200, 7, 99]
 
 
 def hf_model(folder, quant: str = "q0f32"):

@@ -1,0 +1,78 @@
+"""Every model family on CUDA against its CPU build (q4f16_1, the same weights in both): prefill over a prompt
+longer than the sliding windows (in rounds), then 24 decode steps of the same tokens in both, logits within the
+f16 tolerance of the parity tests (2e-2 relative to the largest |logit|) at every step. This runs the kernels the
+conformance test (test_cuda_conformance.py) checks are chosen: mlcc's GEMVs, the split-KV decode attention for
+plain and sliding layers, the soft-capped prefill attention.
+
+MLCC_GPU_FAMILIES=DIR uses builds made elsewhere (`python tests/test_gpu_families.py DIR` writes DIR/<family>/cuda
+and the CPU build's logits, DIR/<family>/cpu_logits.npy; a runtime-only TVM cannot compile); otherwise the test
+compiles both (full TVM)."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from conftest import FAMILIES, PROMPT
+
+STEPS = [(7 * i + 3) % 300 for i in range(24)]
+TOL = 2e-2
+
+
+def _cuda_present() -> bool:
+    import tvm
+
+    from mlcc import tvm_compat
+
+    tvm_compat.load_backend_runtimes("cuda")
+    return tvm.cuda(0).exist
+
+
+def build_family(kind: str, root: Path) -> Path:
+    from conftest import make_hf_model
+
+    from mlcc.compiler.build import compile_model
+
+    hf = make_hf_model(kind, root / kind / "hf")
+    for target, name in (("llvm", "cpu"), ("cuda", "cuda")):
+        compile_model(hf, target, "q4f16_1", root / kind / name)
+    return root / kind
+
+
+def _logits(model_dir: Path) -> np.ndarray:
+    from mlcc.runtime.model import LoadedModel
+
+    m = LoadedModel(model_dir)
+    m.create_kv_cache(1, 256, 64)
+    m.add_sequence(0)
+    rows = [m.prefill([0], [PROMPT]).numpy().reshape(-1)]
+    rows += [m.decode([0], [t]).numpy().reshape(-1) for t in STEPS]
+    return np.stack(rows).astype(np.float64)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _cuda_present(), reason="no CUDA device")
+@pytest.mark.parametrize("kind", FAMILIES)
+def test_family_on_cuda_matches_its_cpu_build(kind, tmp_path):
+    prebuilt = os.environ.get("MLCC_GPU_FAMILIES")
+    root = Path(prebuilt) / kind if prebuilt else build_family(kind, tmp_path)
+    saved = root / "cpu_logits.npy"
+    cpu = np.load(saved) if saved.exists() else _logits(root / "cpu")
+    cuda = _logits(root / "cuda")
+    errs = np.abs(cuda - cpu).max(axis=1) / np.abs(cpu).max(axis=1)
+    assert errs.max() <= TOL, f"rel err per step: {np.round(errs, 4).tolist()}"
+
+
+if __name__ == "__main__":  # the builds for MLCC_GPU_FAMILIES
+    sys.path.insert(0, str(Path(__file__).parent))
+    import shutil
+
+    for family in sys.argv[2:] or FAMILIES:
+        folder = build_family(family, Path(sys.argv[1]))
+        np.save(folder / "cpu_logits.npy", _logits(folder / "cpu"))
+        shutil.rmtree(folder / "cpu")
+        shutil.rmtree(folder / "hf")
