@@ -27,20 +27,28 @@ def write_gguf_tokenizer(gguf_path: Path, out: Path) -> None:
         return default if f is None else f.contents()
 
     kind = field("tokenizer.ggml.model")
-    if kind != "gpt2":
+    if kind not in ("gpt2", "llama"):
         raise UnsupportedTokenizerError(
-            f"{gguf_path}: GGUF tokenizer type '{kind}' is not supported yet (only byte-level BPE 'gpt2'); "
-            "compile from the Hugging Face folder instead, which ships tokenizer.json")
+            f"{gguf_path}: GGUF tokenizer type '{kind}' is not supported yet (byte-level BPE 'gpt2' and "
+            "SentencePiece BPE 'llama' are); compile from the Hugging Face folder instead, which ships tokenizer.json")
     tokens: list[str] = field("tokenizer.ggml.tokens")
     types: list[int] = field("tokenizer.ggml.token_type", [1] * len(tokens))
-    merges = [tuple(m.split(" ", 1)) for m in field("tokenizer.ggml.merges", [])]
-    tok = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges, fuse_unk=False,
-                               byte_fallback=False))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    tok.decoder = decoders.ByteLevel()
+    if kind == "gpt2":
+        merges = [tuple(m.split(" ", 1)) for m in field("tokenizer.ggml.merges", [])]
+        tok = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges, fuse_unk=False,
+                                   byte_fallback=False))
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+        tok.decoder = decoders.ByteLevel()
+    else:
+        tok = _sentencepiece_bpe(tokens, field("tokenizer.ggml.scores"), bool(field("tokenizer.ggml.add_space_prefix",
+                                                                                     True)))
+    # SentencePiece's user-defined pieces (Gemma's runs of spaces and newlines) are text: matched whole, decoded
     specials = [AddedToken(t, special=True, normalized=False) for t, k in zip(tokens, types)
-                if k in (_CONTROL, _USER_DEFINED)]
+                if k == _CONTROL or (k == _USER_DEFINED and kind == "gpt2")]
     tok.add_special_tokens(specials)
+    if kind == "llama":
+        tok.add_tokens([AddedToken(t, special=False, normalized=False) for t, k in zip(tokens, types)
+                        if k == _USER_DEFINED])
 
     def name(key: str) -> str | None:
         i = field(key)
@@ -59,3 +67,27 @@ def write_gguf_tokenizer(gguf_path: Path, out: Path) -> None:
     if template:
         config["chat_template"] = template
     (out / "tokenizer_config.json").write_text(json.dumps(config, indent=1))
+
+
+def _sentencepiece_bpe(tokens: list[str], scores: list[float], add_space_prefix: bool) -> Tokenizer:
+    """llama.cpp's 'llama' vocabulary (SentencePiece BPE: "▁" for spaces, byte fallback) as a `tokenizers` BPE.
+    SentencePiece merges the adjacent pair whose merged piece scores highest, so the merges are every split of a
+    piece into two pieces of the vocabulary, ranked by the merged piece's score."""
+    from tokenizers import normalizers
+
+    vocab = {t: i for i, t in enumerate(tokens)}
+    ranked = []
+    for piece, score in zip(tokens, scores):
+        for cut in range(1, len(piece)):
+            left, right = piece[:cut], piece[cut:]
+            if left in vocab and right in vocab:
+                ranked.append((-score, vocab[left], vocab[right], left, right))
+    ranked.sort()
+    merges = [(left, right) for *_, left, right in ranked]
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, byte_fallback=True, fuse_unk=True,
+                               unk_token=tokens[0] if tokens else None))
+    steps = ([normalizers.Prepend("▁")] if add_space_prefix else []) + [normalizers.Replace(" ", "▁")]
+    tok.normalizer = normalizers.Sequence(steps)
+    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
+                                    + ([decoders.Strip(" ", 1, 0)] if add_space_prefix else []))
+    return tok
