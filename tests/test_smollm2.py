@@ -87,11 +87,11 @@ def test_served_through_the_openai_client(smol_q4f16_1):
     import sys
 
     import openai
-    from test_server import _free_port
+    from server_support import free_port
 
     from mlcc.runtime.loadgen import wait_until_healthy
 
-    port = _free_port()
+    port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "mlcc", "serve", str(smol_q4f16_1), "--target", "llvm", "--port",
                              str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
