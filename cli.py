@@ -64,7 +64,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
 
     return run_chat(args.model, target=args.target, quant=args.quant, prompt=args.prompt,
                     max_tokens=args.max_tokens, temperature=args.temperature,
-                    options=CompileOptions.parse(args.option) if args.option else None)
+                    options=CompileOptions.parse(args.option) if args.option else None, num_threads=args.threads)
 
 
 def cmd_web(args: argparse.Namespace) -> int:
@@ -121,6 +121,8 @@ def build_parser() -> argparse.ArgumentParser:
     ch.add_argument("--prompt", default=None, help="answer one prompt and exit")
     ch.add_argument("--max-tokens", type=int, default=256)
     ch.add_argument("--temperature", type=float, default=0.0)
+    ch.add_argument("--threads", type=int, default=None, metavar="N",
+                    help="CPU threads (default: the physical cores this process may use)")
     add_option_flag(ch)
     ch.set_defaults(func=cmd_chat)
 

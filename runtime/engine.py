@@ -41,13 +41,14 @@ class Engine:
     artifacts folder, the options it must have been built with (a mismatch is refused). None: the defaults, or
     whatever the folder was built with. policy: "no_evict" (admit only what can finish) or "max_util" (admit
     eagerly, preempt and recompute). pipeline: decode a lone request pipelined (runtime.core.EngineCore).
-    weights: "files", or "random" for a shape-only build (speed benchmarks: `compile_shape_only`)."""
+    weights: "files", or "random" for a shape-only build (speed benchmarks: `compile_shape_only`). num_threads:
+    a CPU build's threads (default: the physical cores this process may use, runtime.cpu_threads)."""
 
     def __init__(self, model: str | Path | None = None, target: str = "auto", quant: str | None = None, *,
                  max_batch: int = 4, context_window: int | None = None, kv_cache_tokens: int | None = None,
                  prefill_chunk: int = 512, device_id: int = 0, policy: str = "no_evict",
                  tensor_parallel: int | None = None, options: CompileOptions | None = None,
-                 pipeline: bool | None = None, weights: str = "files"):
+                 pipeline: bool | None = None, weights: str = "files", num_threads: int | None = None):
         from mlcc.targets import detect_local
 
         from .jit import resolve_model
@@ -67,7 +68,7 @@ class Engine:
 
             self.model = TensorParallelModel(self.model_dir)
         else:
-            self.model = LoadedModel(self.model_dir, device_id=device_id, weights=weights)
+            self.model = LoadedModel(self.model_dir, device_id=device_id, weights=weights, num_threads=num_threads)
         cfg = self.model.config
         self.model_name = Path(cfg["source"]["path"]).stem if "source" in cfg else self.model_dir.name
         self.tokenizer = Tokenizer(self.model_dir, cfg["tokenizer"])

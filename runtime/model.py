@@ -238,8 +238,9 @@ class PagedModel:
 
 class LoadedModel(PagedModel):
     def __init__(self, model_dir: str | Path, device_id: int = 0, verify_checksums: bool = True,
-                 weights: str = "files"):
-        """weights="random" fills parameters with random values (speed benchmarks of shape-only builds)."""
+                 weights: str = "files", num_threads: int | None = None):
+        """weights="random" fills parameters with random values (speed benchmarks of shape-only builds).
+        num_threads: CPU builds' thread count (runtime.cpu_threads: default, the usable physical cores)."""
         import tvm
         from tvm.runtime import ShapeTuple
         from tvm.runtime.vm import VirtualMachine
@@ -254,6 +255,10 @@ class LoadedModel(PagedModel):
         if verify_checksums and weights == "files":
             artifact.verify_shards(self.dir)
         tvm_compat.load_backend_runtimes(self.device_kind)
+        if self.device_kind == "cpu":
+            from .cpu_threads import configure_cpu_threads
+
+            configure_cpu_threads(num_threads)
         if self.device_kind == "cuda" and self.config.get("cuda_arch"):
             tvm_compat.register_cuda_jit(self.config["cuda_arch"])
         self.dev = tvm.device(self.device_kind, device_id)

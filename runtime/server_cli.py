@@ -14,6 +14,8 @@ def add_serve_parser(sub) -> None:
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (all but /health)")
     s.add_argument("--max-batch", type=int, default=8)
+    s.add_argument("--threads", type=int, default=None, metavar="N",
+                   help="CPU threads (default: the physical cores this process may use)")
     s.add_argument("--kv-cache-tokens", type=int, default=None, help="KV cache size (default: from memory)")
     s.add_argument("--prefill-chunk", type=int, default=512)
     s.add_argument("--policy", choices=["no_evict", "max_util"], default="no_evict",
@@ -37,7 +39,7 @@ def run_serve(args: argparse.Namespace) -> int:
 
     engine = Engine(args.model, target=args.target, quant=args.quant, max_batch=args.max_batch,
                     kv_cache_tokens=args.kv_cache_tokens, prefill_chunk=args.prefill_chunk, policy=args.policy,
-                    tensor_parallel=args.tensor_parallel,
+                    tensor_parallel=args.tensor_parallel, num_threads=args.threads,
                     options=CompileOptions.parse(args.option) if args.option else None)
     app = create_app(engine, api_key=args.api_key, served_name=args.served_model_name)
     try:
