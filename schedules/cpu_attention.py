@@ -31,6 +31,19 @@ def _score(dot, sm_scale, softcap: float):
     return s * T.float32(LOG2E)
 
 
+@T.macro
+def _online_softmax_step(m, den, o, s, width, value):
+    """Fold one key (its log2-domain score s[0]; its value element i = value(i)) into the running max m, sum den
+    and output o."""
+    new_m: T.let[T.float32] = T.max(m[0], s[0])
+    rescale: T.let[T.float32] = T.exp2(m[0] - new_m)
+    w: T.let[T.float32] = T.exp2(s[0] - new_m)
+    den[0] = den[0] * rescale + w
+    for i in T.serial(width):
+        o[i] = o[i] * rescale + w * value(i)
+    m[0] = new_m
+
+
 def paged_prefill(h_kv: int, h_q: int, d: int, dtype: str, sliding_window: bool, window: int = 0,
                   softcap: float = 0.0, page_size: int = 16):
     from tvm.relax.frontend.nn.llm._kernel_common import (
@@ -104,13 +117,8 @@ def paged_prefill(h_kv: int, h_q: int, d: int, dtype: str, sliding_window: bool,
                                     s[0] = s[0] + T.Cast("float32", q[row, h, i]) * T.Cast(
                                         "float32", pages[page, 0, h // group, off, i])
                                 s[0] = _score(s[0], sm_scale, softcap)
-                                new_m: T.let[T.float32] = T.max(m[0], s[0])
-                                rescale: T.let[T.float32] = T.exp2(m[0] - new_m)
-                                w: T.let[T.float32] = T.exp2(s[0] - new_m)
-                                den[0] = den[0] * rescale + w
-                                for i in T.serial(d):
-                                    o[i] = o[i] * rescale + w * T.Cast("float32", pages[page, 1, h // group, off, i])
-                                m[0] = new_m
+                                _online_softmax_step(m, den, o, s, d,
+                                                     lambda i: T.Cast("float32", pages[page, 1, h // group, off, i]))
                         for i in T.serial(d):
                             output[row, h, i] = T.Cast(dtype, o[i] / den[0])
                         lse[row, h] = m[0] + T.log2(den[0])
@@ -174,13 +182,8 @@ def ragged_prefill(h_kv: int, h_q: int, d_qk: int, d_v: int, dtype: str, softcap
                                     s[0] = s[0] + T.Cast("float32", q[row, h, i]) * T.Cast(
                                         "float32", k[col, h // group, i])
                                 s[0] = _score(s[0], sm_scale, softcap)
-                                new_m: T.let[T.float32] = T.max(m[0], s[0])
-                                rescale: T.let[T.float32] = T.exp2(m[0] - new_m)
-                                w: T.let[T.float32] = T.exp2(s[0] - new_m)
-                                den[0] = den[0] * rescale + w
-                                for i in T.serial(d_v):
-                                    o[i] = o[i] * rescale + w * T.Cast("float32", v[col, h // group, i])
-                                m[0] = new_m
+                                _online_softmax_step(m, den, o, s, d_v,
+                                                     lambda i: T.Cast("float32", v[col, h // group, i]))
                         for i in T.serial(d_v):
                             output[row, h, i] = T.Cast(dtype, o[i] / den[0])
                         lse[row, h] = m[0] + T.log2(den[0])
@@ -251,13 +254,8 @@ def paged_decode(h_kv: int, h_q: int, d: int, dtype: str, sliding_window: bool, 
                         s[0] = s[0] + T.Cast("float32", Q[b, h, i]) * T.Cast(
                             "float32", pages[page, 0, h // group, off, i])
                     s[0] = _score(s[0], sm_scale, softcap)
-                    new_m: T.let[T.float32] = T.max(m[0], s[0])
-                    rescale: T.let[T.float32] = T.exp2(m[0] - new_m)
-                    w: T.let[T.float32] = T.exp2(s[0] - new_m)
-                    den[0] = den[0] * rescale + w
-                    for i in T.serial(d):
-                        o[i] = o[i] * rescale + w * T.Cast("float32", pages[page, 1, h // group, off, i])
-                    m[0] = new_m
+                    _online_softmax_step(m, den, o, s, d,
+                                         lambda i: T.Cast("float32", pages[page, 1, h // group, off, i]))
                 for i in T.serial(d):
                     output[b, h, i] = T.Cast(dtype, o[i] / den[0])
                 lse[b, h] = m[0] + T.log2(den[0])
