@@ -14,6 +14,7 @@ model; models with sliding windows, two RoPE bases, partial rotary or LongRoPE r
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import numpy as np
@@ -109,6 +110,28 @@ def _opaque_softcap(logits: Tensor, cap: float) -> Tensor:
                              "logit_softcap", [logits], attrs={"op_pattern": 8})
 
 
+def _head_norm_te(x: te.Tensor, q_weight: te.Tensor, k_weight: te.Tensor, *, q_heads: int, kv_heads: int,
+                  eps: float) -> te.Tensor:
+    """Per-head RMSNorm of the q and k heads of a fused qkv [tokens, heads, d], v passed through, as one kernel:
+    split, two norms and a concat were four launches per layer of batch-1 decode. HF's arithmetic: the mean
+    square and the scaling in float32, rounded to the model dtype, then times the weight."""
+    tokens, heads, d = x.shape
+    normed_heads = q_heads + kv_heads
+    r = te.reduce_axis((0, d), name="r")
+    sumsq = te.compute((tokens, normed_heads),
+                       lambda t, h: te.sum(x[t, h, r].astype("float32") * x[t, h, r].astype("float32"), axis=r),
+                       name="head_sumsq")
+
+    def value(t, h, i):
+        inv = tirx.rsqrt(sumsq[t, tirx.min(h, normed_heads - 1)] / tirx.const(int(d), "float32")
+                         + tirx.const(eps, "float32"))
+        weight = tirx.if_then_else(h < q_heads, q_weight[i], k_weight[i])
+        normed = (x[t, h, i].astype("float32") * inv).astype(x.dtype) * weight
+        return tirx.if_then_else(h < normed_heads, normed, x[t, h, i])
+
+    return te.compute(x.shape, value, name="qk_head_norm")
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: DecoderConfig, layer_id: int):
         self.cfg = cfg
@@ -128,27 +151,37 @@ class Attention(nn.Module):
             self.k_norm = _rms_norm(cfg, self.num_kv_heads * self.head_dim)
         self.rope = rope.rope_for_layer(cfg, layer_id) if cfg.rope_in_model else None
 
+    def _head_norm(self) -> tuple:
+        """The per-head q/k RMSNorm as (te function of qkv [tokens, heads, d] and the two weights, weights)."""
+        fn = functools.partial(_head_norm_te, q_heads=self.num_q_heads, kv_heads=self.num_kv_heads,
+                               eps=self.cfg.rms_norm_eps)
+        return fn, [self.q_norm.weight, self.k_norm.weight]
+
     def _normed_qkv(self, qkv: Tensor) -> Tensor:
         """q and k RMS-normalized (before RoPE, as in HF), v as it is; qkv is [b, s, heads, head_dim]."""
         b, s, _, d = qkv.shape
         hq, hkv = self.num_q_heads, self.num_kv_heads
-        q, k, v = op.split(qkv, [hq, hq + hkv], axis=2)
         if self.cfg.qk_norm == "projection":
+            q, k, v = op.split(qkv, [hq, hq + hkv], axis=2)
             q = op.reshape(self.q_norm(op.reshape(q, (b, s, hq * d))), (b, s, hq, d))
             k = op.reshape(self.k_norm(op.reshape(k, (b, s, hkv * d))), (b, s, hkv, d))
-        else:
-            q, k = self.q_norm(q), self.k_norm(k)
-        return op.concat([q, k, v], dim=2)
+            return op.concat([q, k, v], dim=2)
+        fn, weights = self._head_norm()
+        out = op.tensor_expr_op(fn, "qk_head_norm", [op.reshape(qkv, (b * s, hq + 2 * hkv, d)), *weights])
+        return op.reshape(out, (b, s, hq + 2 * hkv, d))
 
     def forward(self, x: Tensor, kv_cache: PagedKVCache) -> Tensor:
         b, s, _ = x.shape
         heads = self.num_q_heads + 2 * self.num_kv_heads
         qkv = op.reshape(self.qkv_proj(x), (b, s, heads, self.head_dim))
-        if self.cfg.qk_norm:
+        # per-head q/k norms run in the RoPE's kernel where the model rotates (one launch, not two)
+        fused_norm = self.cfg.qk_norm == "head" and self.rope is not None
+        if self.cfg.qk_norm and not fused_norm:
             qkv = self._normed_qkv(qkv)
         if self.rope is not None:
             positions = kv_cache.get_query_positions(b * s)
-            qkv = self.rope(qkv, positions, self.num_q_heads + self.num_kv_heads)
+            qkv = self.rope(qkv, positions, self.num_q_heads + self.num_kv_heads,
+                            before=self._head_norm() if fused_norm else None)
         scale = self.cfg.attention_scale or self.head_dim**-0.5
         out = kv_cache.attention_with_fused_qkv(self.layer_id, qkv, self.num_q_heads, sm_scale=scale)
         out = self.o_proj(op.reshape(out, (b, s, self.num_q_heads * self.head_dim)))

@@ -78,13 +78,21 @@ def rope_for_layer(cfg: Any, layer_id: int) -> Callable[[Tensor, Tensor, int], T
     freqs = RopeFrequencies(theta, cfg.rotary_dim, scaling, cfg.context_window_size)
     rot = cfg.rotary_dim
 
-    def rotate(qkv: Tensor, positions: Tensor, rope_heads: int) -> Tensor:
+    def rotate(qkv: Tensor, positions: Tensor, rope_heads: int,
+               before: tuple[Callable[..., te.Tensor], list[Tensor]] | None = None) -> Tensor:
+        """`before`: (te function of x and its own tensors, those tensors) applied to x in the same kernel."""
         b, s, heads, d = qkv.shape
         flat = op.reshape(qkv, (b * s, heads, d))
         tables = [Tensor.from_const(freqs.inv)] + ([Tensor.from_const(freqs.long)] if freqs.long is not None else [])
         fn = functools.partial(_rotate_te, rope_heads=rope_heads, rot=rot, factor=freqs.attention_factor,
                                long_from=freqs.long_from)
-        out = op.tensor_expr_op(fn, "rope", [flat, positions, *tables])
+        if before is None:
+            out = op.tensor_expr_op(fn, "rope", [flat, positions, *tables])
+        else:
+            first, extra = before
+            n = len(extra)
+            out = op.tensor_expr_op(lambda x, *rest: fn(first(x, *rest[:n]), *rest[n:]), "rope",
+                                    [flat, *extra, positions, *tables])
         return op.reshape(out, (b, s, heads, d))
 
     return rotate
