@@ -10,14 +10,19 @@ Kept free of TVM and the compiler so a deployment imports only this and TVM's ru
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib.metadata
 import json
+import logging
+import platform
 from pathlib import Path
 from typing import Any
 
 from mlcc.errors import ArtifactError
 from mlcc.options import CompileOptions
+
+log = logging.getLogger(__name__)
 
 CONFIG_FILE = "mlcc-config.json"
 TENSOR_CACHE_FILE = "tensor-cache.json"
@@ -55,8 +60,9 @@ def param_hash(params: list[dict[str, Any]]) -> str:
 
 
 def make_stamp(arch: str, quantization: str, target: str, params: list[dict[str, Any]],
-               options: CompileOptions) -> dict[str, Any]:
-    return {
+               options: CompileOptions, cpu: dict[str, Any] | None = None) -> dict[str, Any]:
+    """cpu: for CPU libraries, the CPU they were compiled for (targets.cpu_record): checked by check_cpu at load."""
+    stamp = {
         "format": FORMAT_VERSION,
         "mlcc": mlcc_version(),
         "tvm": tvm_version(),
@@ -66,6 +72,101 @@ def make_stamp(arch: str, quantization: str, target: str, params: list[dict[str,
         "param_hash": param_hash(params),
         "options": options.to_dict(),
     }
+    if cpu is not None:
+        stamp["cpu"] = cpu
+    return stamp
+
+
+# The instruction-set extensions (LLVM's names) whose absence makes a CPU library die of SIGILL. LLVM's other
+# "features" are tuning hints (fast-*, macrofusion) or system instructions TVM's kernels never emit.
+CPU_ISA_FEATURES = {
+    "x86_64": ("sse3", "ssse3", "sse4.1", "sse4.2", "avx", "avx2", "fma", "f16c", "bmi", "bmi2", "avx512f",
+               "avx512cd", "avx512dq", "avx512bw", "avx512vl", "avx512ifma", "avx512vbmi", "avx512vbmi2",
+               "avx512vnni", "avx512bitalg", "avx512vpopcntdq", "avx512bf16", "avx512fp16", "avxvnni",
+               "amx-tile", "amx-int8", "amx-bf16", "amx-fp16"),
+    "aarch64": ("neon", "fullfp16", "dotprod", "i8mm", "bf16", "sve", "sve2", "sme"),
+}
+# /proc/cpuinfo's names where they differ from LLVM's (x86 "flags", arm64 "Features")
+_CPUINFO_TO_LLVM = {
+    "pni": "sse3", "sse4_1": "sse4.1", "sse4_2": "sse4.2", "bmi1": "bmi", "avx512_vnni": "avx512vnni",
+    "avx512_bf16": "avx512bf16", "avx512_fp16": "avx512fp16", "avx512_vbmi2": "avx512vbmi2",
+    "avx512_bitalg": "avx512bitalg", "avx512_vpopcntdq": "avx512vpopcntdq", "avx_vnni": "avxvnni",
+    "amx_tile": "amx-tile", "amx_int8": "amx-int8", "amx_bf16": "amx-bf16", "amx_fp16": "amx-fp16",
+    "asimd": "neon", "asimdhp": "fullfp16", "asimddp": "dotprod",
+}
+
+
+def host_machine() -> str:
+    """This CPU's architecture in LLVM's spelling of a triple's first part."""
+    m = platform.machine().lower()
+    return {"amd64": "x86_64", "x64": "x86_64", "arm64": "aarch64"}.get(m, m)
+
+
+def _cpuinfo_features(text: str) -> set[str]:
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() in ("flags", "Features"):
+            return {_CPUINFO_TO_LLVM.get(f, f) for f in value.split()}
+    return set()
+
+
+def _llvm_host(name: str):
+    """One of LLVM's host-detection functions through TVM (None where this TVM has no LLVM)."""
+    try:
+        import tvm
+
+        return tvm.get_global_func(name, allow_missing=True)
+    except Exception:  # noqa: BLE001 - a runtime-only TVM: /proc/cpuinfo still answers
+        return None
+
+
+@functools.lru_cache(maxsize=1)
+def host_cpu_features() -> frozenset[str]:
+    """The ISA extensions (CPU_ISA_FEATURES) this CPU has. LLVM's host detection (cpuid, and the OS's saving of
+    the AVX-512/AMX state) united with /proc/cpuinfo's flags: a feature either reports is there, so that neither's
+    gaps (LLVM's arm64 names, a kernel without some flag) refuses a library this CPU runs."""
+    have: set[str] = set()
+    detect = _llvm_host("tvm.codegen.llvm.GetHostCPUFeatures")
+    if detect is not None:
+        have |= {str(k) for k, v in dict(detect()).items() if v}
+    try:
+        have |= _cpuinfo_features(Path("/proc/cpuinfo").read_text())
+    except OSError:
+        pass
+    return frozenset(have & set(CPU_ISA_FEATURES.get(host_machine(), ())))
+
+
+@functools.lru_cache(maxsize=1)
+def host_cpu() -> dict[str, Any]:
+    """This CPU as the JIT cache key and the errors name it: architecture, LLVM's CPU name, ISA extensions."""
+    name_fn = _llvm_host("target.llvm_get_system_cpu")
+    name = str(name_fn()) if name_fn is not None else platform.processor() or "unknown"
+    return {"machine": host_machine(), "name": name, "features": sorted(host_cpu_features())}
+
+
+def missing_cpu_features(cpu: dict[str, Any], host: dict[str, Any]) -> list[str]:
+    """What a library compiled for `cpu` needs that `host` lacks: its architecture, or ISA extensions."""
+    if cpu.get("machine") and cpu["machine"] != host["machine"]:
+        return [cpu["machine"]]
+    return sorted(set(cpu.get("features", ())) - set(host["features"]))
+
+
+def check_cpu(config: dict[str, Any], model_dir: Path, host: dict[str, Any] | None = None) -> None:
+    """Refuse a CPU library that needs instructions this CPU lacks (it would die of SIGILL mid-generation), before
+    it is loaded. host: this CPU (host_cpu()), for tests."""
+    stamp = config.get("stamp", {})
+    cpu = stamp.get("cpu")
+    if cpu is None:  # compiled before libraries recorded their CPU: load as before, unchecked
+        log.warning("%s: the library does not record the CPU features it was compiled for; if it crashes, rebuild "
+                    "it on this machine with `mlcc compile SOURCE --target llvm --output %s`", model_dir, model_dir)
+        return
+    host = host or host_cpu()
+    missing = missing_cpu_features(cpu, host)
+    if missing:
+        raise ArtifactError(
+            f"{model_dir}: the library was compiled for a {cpu.get('name', '?')} CPU and needs {', '.join(missing)}, "
+            f"which this CPU ({host['name']}) lacks; rebuild it on this machine with `mlcc compile SOURCE --target "
+            f"llvm --quant {stamp.get('quantization', '?')} --output {model_dir}`")
 
 
 def read_config(model_dir: Path) -> dict[str, Any]:
@@ -123,10 +224,10 @@ def check_stamp(lib_stamp: dict[str, Any], config: dict[str, Any], model_dir: Pa
     want = config.get("stamp", {})
     hint = f"recompile with `mlcc compile SOURCE --target {want.get('target', '?')} " \
            f"--quant {want.get('quantization', '?')} --output {model_dir}`"
-    for key in ("format", "arch", "quantization", "param_hash", "options"):
+    for key in ("format", "arch", "quantization", "param_hash", "options", "cpu"):
         if lib_stamp.get(key) != want.get(key):
-            raise ArtifactError(f"{model_dir}: library was built for {key}={lib_stamp.get(key)!r} but the weights/config "
-                                f"say {want.get(key)!r}; {hint}")
+            raise ArtifactError(f"{model_dir}: library was built for {key}={lib_stamp.get(key)!r} but the "
+                                f"weights/config say {want.get(key)!r}; {hint}")
     if lib_stamp.get("tvm") != tvm_version():
         raise ArtifactError(f"{model_dir}: library was built with apache-tvm {lib_stamp.get('tvm')} but this runtime "
                             f"has {tvm_version()}; {hint}")

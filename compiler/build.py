@@ -18,7 +18,7 @@ import numpy as np
 from mlcc import artifact
 from mlcc.options import CompileOptions
 from mlcc.relax_models import Family, family_for
-from mlcc.targets import TargetPreset, get_target
+from mlcc.targets import TargetPreset, cpu_record, get_target
 
 from .quantize import Quantization, get_quantization, group_quantize, quantize_model
 from .sampling import attach_argmax, attach_logit_functions, attach_sampler
@@ -79,7 +79,8 @@ def export_module(source: ModelSource, preset: TargetPreset, quant: Quantization
 
         mod = apply_attention_softcap(mod, cfg.attn_softcap)
     params = [{"name": n, "shape": [int(d) for d in p.shape], "dtype": p.dtype} for n, p in named_params]
-    stamp = artifact.make_stamp(family.name, quant.name, preset.name, params, options)
+    stamp = artifact.make_stamp(family.name, quant.name, preset.name, params, options,
+                                cpu=cpu_record(target) if preset.device == "cpu" else None)
     mod = _attach_metadata(mod, stamp)
     # GPUs get a hand-scheduled argmax (schedules/argmax.py). WGSL needs the int32 index and keeps the simple
     # one-workgroup-per-row form; the others split each row over many blocks.

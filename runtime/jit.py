@@ -42,12 +42,16 @@ def _source_fingerprint(path: Path) -> str:
 
 def build_dir(source: Path, target: str, quant: str, tensor_parallel: int, options: CompileOptions) -> Path:
     """Where the JIT cache keeps the build of `source` for these choices: keyed by the source file(s), target,
-    quantization, shard count, compile options, the mlcc/TVM versions and the library functions the runtime
-    knows (a library built before one was added is rebuilt, not reused without it), so that no build is reused for
-    other choices."""
+    quantization, shard count, compile options, the mlcc/TVM versions, the library functions the runtime
+    knows (a library built before one was added is rebuilt, not reused without it) and, for CPU targets, this
+    CPU (a cache shared between machines, e.g. on a network home, holds one build per CPU), so that no build is
+    reused for other choices."""
+    from mlcc.targets import get_target
+
     functions = [f.name for f in dataclasses.fields(ModelFunctions)]
+    cpu = artifact.host_cpu() if get_target(target).device == "cpu" else None
     key = hashlib.sha256(json.dumps([_source_fingerprint(source), target, quant, artifact.mlcc_version(),
-                                     artifact.tvm_version(), tensor_parallel, options.to_dict(), functions],
+                                     artifact.tvm_version(), tensor_parallel, options.to_dict(), functions, cpu],
                                     sort_keys=True).encode()).hexdigest()[:20]
     tp = f"-tp{tensor_parallel}" if tensor_parallel > 1 else ""
     return cache_root() / f"{source.stem}-{quant}-{target}{tp}-{key}"

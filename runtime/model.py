@@ -269,6 +269,8 @@ class LoadedModel(PagedModel):
         lib_path = self.dir / self.config["library"]
         if not lib_path.exists():
             raise artifact.ArtifactError(f"{lib_path}: library is missing; recompile with `mlcc compile`")
+        if self.device_kind == "cpu":
+            artifact.check_cpu(self.config, self.dir)
         self.lib = tvm.runtime.load_module(str(lib_path))
         if self.device_kind == "cuda":
             register_graph_attention()  # before the VM resolves the library's external calls

@@ -9,6 +9,7 @@ import dataclasses
 import os
 from typing import Any
 
+from mlcc import artifact
 from mlcc.errors import UnsupportedTargetError
 
 _LLVM_HOST = {"kind": "llvm"}
@@ -45,10 +46,33 @@ class TargetPreset:
 
 
 def _host_cpu_target() -> dict[str, Any]:
-    """The build machine's CPU: vector width matters ~2x for decode on CPU."""
+    """The build machine's CPU, as clang's -march=native: vector width matters ~2x for decode on CPU. The CPU's
+    name alone would claim every extension of its model, which a hypervisor may hide (a Zen 4 guest without
+    AVX-512): the ISA extensions the host lacks are turned off, and those it has beyond its model's turned on."""
+    import tvm
     from tvm.target import codegen
 
-    return {"kind": "llvm", "mcpu": codegen.llvm_get_system_cpu(), "num-cores": os.cpu_count() or 1}
+    cpu = codegen.llvm_get_system_cpu()
+    model = codegen.llvm_get_cpu_features(tvm.target.Target({"kind": "llvm", "mcpu": cpu}))
+    host = artifact.host_cpu_features()
+    isa = artifact.CPU_ISA_FEATURES.get(artifact.host_machine(), ())
+    mattr = [f"-{f}" for f in isa if f in model and f not in host] + \
+            [f"+{f}" for f in isa if f in host and f not in model]
+    target: dict[str, Any] = {"kind": "llvm", "mcpu": cpu, "num-cores": os.cpu_count() or 1}
+    if mattr:
+        target["mattr"] = mattr
+    return target
+
+
+def cpu_record(target) -> dict[str, Any]:
+    """What a CPU library compiled for the TVM target `target` needs of the CPU it runs on, for its ABI stamp."""
+    from tvm.target import codegen
+
+    triple = str(target.attrs.get("mtriple", "")) or codegen.llvm_get_system_triple()
+    machine = triple.split("-")[0].replace("arm64", "aarch64")
+    features = codegen.llvm_get_cpu_features(target)
+    return {"machine": machine, "name": str(target.attrs.get("mcpu", "generic")),
+            "features": sorted(f for f in artifact.CPU_ISA_FEATURES.get(machine, ()) if f in features)}
 
 
 TARGETS: dict[str, TargetPreset] = {
