@@ -212,10 +212,13 @@ def main() -> None:
     for key in a.models:
         name, find = MODELS[key]
         gguf = find()
+        load_before = os.getloadavg()[0]
         speed, prefill, short_ids = mlcc_in_process(gguf, a)
         ll = llama_cpp(a, gguf, speed["threads"], prefill, short_ids)
+        # other work on the machine slows both, llama.cpp's spinning threads far more: the 1-minute load says so
         res["models"][key] = {"name": name, "gguf": gguf.name, "mlcc": rounded(speed), "llama_cpp": rounded(ll),
-                              "ratio": ratios(speed, ll), "prefill_ids": prefill}
+                              "ratio": ratios(speed, ll), "prefill_ids": prefill,
+                              "load_avg_1min": [round(load_before, 2), round(os.getloadavg()[0], 2)]}
         print(json.dumps({k: v for k, v in res["models"][key].items() if k != "prefill_ids"}), flush=True)
     print(table(res["models"]))
     for r in res["models"].values():
