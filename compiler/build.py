@@ -116,10 +116,7 @@ def _attach_metadata(mod, stamp: dict[str, Any]):
 def builds_graph_decode(built: BuiltModule) -> bool:
     """CUDA, one GPU: batch-1 decode gets a whole-step CUDA graph (compiler/graph_decode.py). Disco workers (tensor
     parallel) keep plain decode: the graph's attention alias is registered by runtime.decode_graph, not in their processes."""
-    # (sliding-window layers add page tables of their own to the KV cache's metadata, which the graph's fixed
-    # layout does not hold)
-    return (built.options.decode_graph and built.target.kind.name == "cuda" and built.cfg.tensor_parallel_shards == 1
-            and not built.cfg.layer_sliding)
+    return built.options.decode_graph and built.target.kind.name == "cuda" and built.cfg.tensor_parallel_shards == 1
 
 
 def compile_library(built: BuiltModule, out_path: Path, tuning_db: str | Path | None = None):

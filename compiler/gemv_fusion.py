@@ -14,13 +14,14 @@ import logging
 import tvm
 
 from mlcc.schedules.cuda_gemv import make_gemv
-from mlcc.schedules.gemv_match import GemvShape, is_unscheduled_prim_func, match_gemv, match_rms_norm, match_swiglu
+from mlcc.schedules.gemv_match import GemvShape, is_unscheduled_prim_func, match_gemv, match_gated, match_rms_norm
 
 log = logging.getLogger(__name__)
 
 
 def fuse_decode_gemvs(mod: tvm.ir.IRModule, pdl: bool) -> tvm.ir.IRModule:
-    """In every Relax function: gate_up projection + split/silu/multiply → one "swiglu" GEMV kernel; then an
+    """In every Relax function: gate_up projection + split/act/multiply → one "swiglu" (silu) or "geglu" (tanh
+    GELU) GEMV kernel; then an
     rms_norm whose only reader is a decode GEMV → that GEMV with the norm as its prologue (x, norm weight, ...).
     The new kernels are scheduled already (with their PDL wait where `pdl`); the projections left over go to
     decode_gemv_pass."""
@@ -93,19 +94,20 @@ def fuse_decode_gemvs(mod: tvm.ir.IRModule, pdl: bool) -> tvm.ir.IRModule:
             return None
         return value
 
-    swiglus = prim_funcs(mod, match_swiglu)
+    gated = prim_funcs(mod, match_gated)
 
-    def swiglu_call(fuser, call):
-        if call.args[0].name_hint not in swiglus:
+    def gated_call(fuser, call):
+        if call.args[0].name_hint not in gated:
             return None
+        half, kind = gated[call.args[0].name_hint]
         (src,) = call.args[1].fields
         gemv = producer(fuser, src)
         shape = gemv_shape(mod, gemv.args[0]) if gemv is not None else None
-        if shape is None or shape.epilogue != "none" or shape.n != 2 * swiglus[call.args[0].name_hint]:
+        if shape is None or shape.epilogue != "none" or shape.n != 2 * half:
             return None
-        return GemvShape(shape.n // 2, shape.k, "swiglu", weights=shape.weights), gemv.args[1]
+        return GemvShape(shape.n // 2, shape.k, kind, weights=shape.weights), gemv.args[1]
 
-    mod = run(mod, swiglu_call) if swiglus else mod
+    mod = run(mod, gated_call) if gated else mod
     norms = prim_funcs(mod, match_rms_norm)
 
     def norm_call(fuser, call):
@@ -122,7 +124,7 @@ def fuse_decode_gemvs(mod: tvm.ir.IRModule, pdl: bool) -> tvm.ir.IRModule:
 
     if norms:
         mod = run(mod, norm_call)
-    log.debug("decode GEMV kernels with fused SwiGLU / RMSNorm: %s", sorted(made))
+    log.debug("decode GEMV kernels with fused SwiGLU/GeGLU / RMSNorm: %s", sorted(made))
     return mod
 
 

@@ -4,8 +4,9 @@ step-tail event, and the pipelined decode loop that feeds sampled ids back on th
 
 decode_graph replays the attention through a name RewriteCUDAGraph captures (artifact.GRAPH_ATTENTION), registered
 here before a library is loaded. Its graphs are keyed by the KV cache they were captured with and by the layout of
-that cache's per-step metadata (artifact.graph_decode_layout), so it serves sequences that span one block of pages:
-added to the cache, never forked.
+that cache's per-step metadata (decode_layout: where its arrays sit, which moves with the page table's size and, for
+models with sliding-window layers, with the size of those layers' page table), so it serves sequences that span one
+block of pages: added to the cache, never forked.
 
 Pipelined decode: a synchronous step leaves the GPU idle while the host reads the sampled id, hands it out
 (detokenize, stop checks, stream it), copies it back and launches the next step. Here step k is launched with step
@@ -56,12 +57,26 @@ def register_graph_attention() -> None:
     tvm_ffi.register_global_func(artifact.GRAPH_ATTENTION, attention, override=True)
 
 
+def decode_layout(seq_len_after_step: int, page_size: int, sliding_window: int = 0) -> int:
+    """The graph key of a step: artifact.graph_decode_layout of the page table and, where layers slide, of their
+    own page table too, which TVM's metadata buffer holds right after it (the last pages of the sequence that the
+    window reaches: window / page_size or one more, by where the window starts in its first page)."""
+    key = artifact.graph_decode_layout(seq_len_after_step, page_size)
+    if not sliding_window:
+        return key
+    pages = -(-seq_len_after_step // page_size)
+    start = (seq_len_after_step - sliding_window) % page_size if seq_len_after_step > sliding_window else 0
+    window_pages = min(pages, -(-(start + min(seq_len_after_step, sliding_window)) // page_size))
+    return key << 20 | artifact.graph_decode_layout(window_pages * page_size, page_size)
+
+
 class GraphDecode:
     """One loaded library's decode_graph and the sequences of its current KV cache that it may serve."""
 
     def __init__(self, fn: Function, kv_ops: KVCacheOps, shape: Callable, params: Any, dev: Any,
-                 num_layers: int | None):
+                 num_layers: int | None, sliding_window: int = 0):
         self.fn, self.kv_ops, self._shape, self.params, self.dev = fn, kv_ops, shape, params, dev
+        self.sliding_window = sliding_window
         self.kv: Any = None
         self.page_size = 16
         self.cache_id = 0
@@ -98,7 +113,7 @@ class GraphDecode:
     def __call__(self, seq_id: int, ids: Any) -> Any:
         """One step of `seq_id`, already begun (begin_forward), its token id already on the device."""
         self.kv_ops.query_positions(self.kv)  # the graph's kernels read this step's metadata from the device
-        layout = artifact.graph_decode_layout(self.seq_len[seq_id] + 1, self.page_size)
+        layout = decode_layout(self.seq_len[seq_id] + 1, self.page_size, self.sliding_window)
         return self.fn(ids, self._shape([self.cache_id, layout]), self.kv, self.params)
 
 

@@ -289,8 +289,10 @@ class LoadedModel(PagedModel):
         self._reshape = tvm.get_global_func("vm.builtin.reshape")
         self.argmax, self.sample = self.fns.argmax_logits, self.fns.sample_top_p_top_k
         if self.fns.decode_graph is not None:
-            layers = self.config.get("model_config", {}).get("num_hidden_layers")
-            self.graph = GraphDecode(self.fns.decode_graph, self.kv_ops, ShapeTuple, self.params, self.dev, layers)
+            model_cfg = self.config.get("model_config", {})
+            window = int(model_cfg.get("sliding_window") or 0) if any(model_cfg.get("layer_sliding") or []) else 0
+            self.graph = GraphDecode(self.fns.decode_graph, self.kv_ops, ShapeTuple, self.params, self.dev,
+                                     model_cfg.get("num_hidden_layers"), window)
         self._ids_buffers: dict = {}
         self._buffers: dict = {}
         self.hidden = int(self.config["hidden_size"])

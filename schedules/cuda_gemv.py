@@ -18,10 +18,10 @@ weight loads before the PDL wait (cuda_pdl), which is what the ~130 GEMV launche
 
 The kernel replaces the fused PrimFunc of a decode projection in place (same parameters; gemv_match finds them), for
 the epilogues TVM fuses into it: none, `+ residual/bias`, `cast to float32` (lm_head). Two more shapes come from the
-compiler's GEMV fusion (compiler/gemv_fusion.py): "swiglu", one kernel for the gate_up projection and the
-split/silu/multiply after it (a thread owns gate row i and up row i + I and writes silu(gate) * up, so the activation
-never makes a round trip through memory), and an RMSNorm prologue (`GemvShape.norm_eps`), the norm computed from its
-input inside the GEMV that reads its output.
+compiler's GEMV fusion (compiler/gemv_fusion.py): "swiglu" (and "geglu", the same with the tanh GELU), one kernel
+for the gate_up projection and the split/silu/multiply after it (a thread owns gate row i and up row i + I and writes
+silu(gate) * up, so the activation never makes a round trip through memory), and an RMSNorm prologue
+(`GemvShape.norm_eps`), the norm computed from its input inside the GEMV that reads its output.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ import logging
 import tvm
 
 from . import cuda_pdl
-from .gemv_match import GemvShape, is_unscheduled_prim_func, match_gemv
+from .gemv_match import GATED, GemvShape, is_unscheduled_prim_func, match_gemv
 
 log = logging.getLogger(__name__)
 
@@ -93,7 +93,7 @@ class _Layout:
     def of(cls, shape: GemvShape) -> _Layout:
         units = shape.k // shape.unit
         lanes, rows_w, row_warps, ksplit = launch_config(shape.weight_rows, units, shape.weights)
-        swiglu = shape.epilogue == "swiglu"
+        swiglu = shape.epilogue in GATED
         rows = max(1, rows_w // 2) if swiglu else rows_w
         return cls(shape.n, units, swiglu, lanes, rows, 2 * rows if swiglu else rows, row_warps, ksplit)
 
@@ -220,6 +220,13 @@ def _silu_times(gate, up):
     return gate * tirx.sigmoid(gate) * up
 
 
+def _gelu_tanh_times(gate, up):
+    from tvm import tirx
+
+    inner = tirx.const(0.7978845608028654, "float32") * (gate + tirx.const(0.044715, "float32") * gate * gate * gate)
+    return tirx.const(0.5, "float32") * gate * (tirx.const(1.0, "float32") + tirx.tanh(inner)) * up
+
+
 def make_gemv(shape: GemvShape, pdl: bool = False) -> tvm.tirx.PrimFunc:
     """The hand-scheduled kernel for one projection, with the parameter order of TVM's fused function: x[, norm
     weight], W[, scales][, residual], out (for "swiglu": x[, norm weight], W[, scales], out). `pdl`: place the
@@ -229,7 +236,8 @@ def make_gemv(shape: GemvShape, pdl: bool = False) -> tvm.tirx.PrimFunc:
     lay = _Layout.of(shape)
     n, k, epi = shape.n, shape.k, shape.epilogue
     q4 = shape.weights == "q4f16_1"
-    swiglu, add = epi == "swiglu", epi == "add"
+    swiglu, add = epi in GATED, epi == "add"
+    act = _silu_times if epi == "swiglu" else _gelu_tanh_times
     n_w, units, rows, rows_w, lanes, ksplit = shape.weight_rows, lay.units, lay.rows, lay.rows_w, lay.lanes, lay.ksplit
     warps, slots, iters = lay.warps, lay.slots, lay.iters
     x_words = shape.unit // 2  # 32-bit words of x per unit
@@ -308,7 +316,7 @@ def make_gemv(shape: GemvShape, pdl: bool = False) -> tvm.tirx.PrimFunc:
                     out[0, 0, row_of(bx, ty, tx, r)] = T.Cast("float16", accf[r]) + rf[row_of(bx, ty, tx, r)]
                 elif swiglu:
                     # silu(gate) * up from the fp16-rounded projections, as the unfused kernels
-                    out[0, 0, row_of(bx, ty, tx, r)] = T.Cast("float16", _silu_times(
+                    out[0, 0, row_of(bx, ty, tx, r)] = T.Cast("float16", act(
                         T.Cast("float32", T.Cast("float16", accf[r])),
                         T.Cast("float32", T.Cast("float16", accf[r + rows]))))
                 else:

@@ -12,11 +12,14 @@ import dataclasses
 import tvm
 
 
+GATED = ("swiglu", "geglu")  # silu / tanh-approximated GELU of the gate half, times the up half
+
+
 @dataclasses.dataclass(frozen=True)
 class GemvShape:
-    n: int                 # output features (rows of W; for "swiglu", half of them)
+    n: int                 # output features (rows of W; for the gated "swiglu"/"geglu", half of them)
     k: int                 # input features
-    epilogue: str          # "none" | "add" | "cast" | "swiglu"
+    epilogue: str          # "none" | "add" | "cast" | "swiglu" | "geglu" (GATED: act(gate rows) * up rows)
     residual_shape: tuple[int, ...] = ()
     out_dtype: str = "float16"
     weights: str = "q4f16_1"  # | "float16"
@@ -24,8 +27,8 @@ class GemvShape:
 
     @property
     def weight_rows(self) -> int:
-        """Rows of W: for "swiglu" the gate rows and then the up rows."""
-        return 2 * self.n if self.epilogue == "swiglu" else self.n
+        """Rows of W: for a gated epilogue the gate rows and then the up rows."""
+        return 2 * self.n if self.epilogue in GATED else self.n
 
     @property
     def unit(self) -> int:
@@ -130,13 +133,21 @@ def _reads_row_major(block, w) -> bool:
     return first.same_as(spatial[-1]) and second.same_as(reduce[0])
 
 
-def match_swiglu(func) -> int | None:
-    """I for the split → silu(first half) * second half kernel of a (1, 1, 2I) float16 input, else None."""
+_GATED_BLOCKS = {
+    "swiglu": {"T_split_sections", "T_split_sections_1", "compute", "T_multiply", "T_multiply1"},
+    # TVM's legalized gelu(approximate="tanh"): 0.5·x·(1 + tanh(√(2/π)·(x + 0.044715·x³)))
+    "geglu": {"T_split_sections", "T_split_sections_1", "T_multiply", "T_multiply_1", "T_multiply_2", "T_multiply_3",
+              "T_add", "T_multiply_4", "compute", "T_add_1", "T_multiply_5", "T_multiply1"},
+}
+_GATED_OP = {"swiglu": "tirx.sigmoid", "geglu": "tirx.tanh"}
+
+
+def match_gated(func) -> tuple[int, str] | None:
+    """(I, "swiglu" | "geglu") for the split → act(first half) * second half kernel of a (1, 1, 2I) float16 input
+    (act: silu, or the tanh-approximated GELU), else None."""
     blocks = _blocks(func)
-    if blocks is None or set(blocks) != {"T_split_sections", "T_split_sections_1", "compute", "T_multiply",
-                                         "T_multiply1"}:
-        return None
-    if len(func.params) != 2:
+    kind = next((k for k, names in _GATED_BLOCKS.items() if blocks is not None and set(blocks) == names), None)
+    if kind is None or len(func.params) != 2:
         return None
     src, dst = (_static_ints(p.shape) for p in func.params)
     dtypes = {str(p.dtype) for p in func.params}
@@ -144,9 +155,9 @@ def match_swiglu(func) -> int | None:
     if src is None or dst is None or dtypes != {"float16"} or len(src) != 3 or src[:2] != (1, 1) \
             or dst != (1, 1, src[2] // 2) or src[2] % 2:
         return None
-    if not (isinstance(value, tvm.ir.expr.Call) and value.op.same_as(tvm.ir.Op.get("tirx.sigmoid"))):
+    if not (isinstance(value, tvm.ir.expr.Call) and value.op.same_as(tvm.ir.Op.get(_GATED_OP[kind]))):
         return None
-    return dst[2]
+    return dst[2], kind
 
 
 def match_rms_norm(func) -> tuple[int, float] | None:

@@ -95,24 +95,24 @@ def test_q0f16_decode_projections_get_the_float16_kernel(hf_models):
     assert len([f for f in _prim_funcs(after).values() if F16_HELPER in f.script()]) == len(matched)
 
 
-@pytest.mark.parametrize("kind,quant,swiglu", [("llama", "q4f16_1", True), ("qwen2", "q0f16", True),
-                                               ("gemma", "q4f16_1", False)])
-def test_decode_norms_and_swiglu_fold_into_the_projections(hf_models, kind, quant, swiglu):
-    """SwiGLU folds into gate_up for both weight formats (gemma's GeGLU does not); every RMSNorm folds into the
+@pytest.mark.parametrize("kind,quant,act", [("llama", "q4f16_1", "swiglu"), ("qwen2", "q0f16", "swiglu"),
+                                            ("gemma", "q4f16_1", "geglu")])
+def test_decode_norms_and_gated_mlp_fold_into_the_projections(hf_models, kind, quant, act):
+    """SwiGLU (and Gemma's tanh GeGLU) folds into gate_up for both weight formats; every RMSNorm folds into the
     projection after it, in decode only."""
     built, mod = _fused(hf_models, kind, quant)
     with built.target:
         after = fuse_decode_gemvs(mod, pdl=True)
     decode, prefill = after["decode"].script(), after["prefill"].script()
-    gate_up = "fused_gemv_rms_swiglu_128_64"
-    assert (gate_up in decode) is swiglu
+    gate_up = f"fused_gemv_rms_{act}_128_64"
+    assert gate_up in decode
     assert "rms_norm" not in decode and "rms_norm" in prefill
     assert "fused_gemv_rms_none_" in decode or "fused_gemv_rms_add_" in decode  # qkv (+bias)
     assert f"fused_gemv_rms_cast_{built.cfg.vocab_size}_64" in decode  # final norm + LM head
-    if swiglu:
-        # the split/silu/multiply kernel is gone from decode; prefill keeps its own
-        assert "silu" not in decode and "silu" in prefill
-        assert after[after.get_global_var(gate_up)].attrs["tirx.is_scheduled"]
+    # the split/activation/multiply kernel is gone from decode; prefill keeps its own
+    word = "silu" if act == "swiglu" else "gelu"
+    assert word not in decode and word in prefill
+    assert after[after.get_global_var(gate_up)].attrs["tirx.is_scheduled"]
 
 
 def test_pdl_launch_only_for_sm90_and_newer(hf_models, tmp_path):
@@ -207,6 +207,18 @@ def test_graph_layout_moves_every_four_pages():
     from mlcc.artifact import graph_decode_layout
 
     assert [graph_decode_layout(n, 16) for n in (1, 64, 65, 128, 129)] == [1, 1, 2, 2, 3]
+
+
+def test_sliding_layers_graph_layout_follows_both_page_tables():
+    from mlcc.runtime.decode_graph import decode_layout
+
+    # window 64, pages of 16: the window spans 4 pages when it starts on a page boundary, else 5 (TVM's
+    # GetLayerSlidingWindowNumPages); the key is (page table in blocks of 4, window pages in blocks of 4)
+    assert decode_layout(65, 16, 64) == 2 << 20 | 2    # 5 pages, the window starts 1 token into its first page
+    assert decode_layout(80, 16, 64) == 2 << 20 | 1    # 5 pages, the window is pages 2-5 exactly
+    assert decode_layout(81, 16, 64) == 2 << 20 | 2
+    assert decode_layout(40, 16, 64) == 1 << 20 | 1    # shorter than the window: the same pages as the table
+    assert decode_layout(1000, 16, 0) == decode_layout(1000, 16) == 16
 
 
 def test_split_kv_decode_attention_replaces_tvms_kernel(hf_models):
@@ -359,7 +371,8 @@ GEMV_CASES = [
     (4096, 4096, "add", False), (1000, 896, "none", False), (320, 64, "cast", False), (4096, 14336, "add", False),
     (4864, 896, "swiglu", False), (128, 64, "swiglu", False),
     (6144, 4096, "none", True), (1000, 896, "add", True), (320, 64, "cast", True), (14336, 4096, "swiglu", True),
-    (1536, 576, "swiglu", True), (1000, 4000, "add", False), (8, 4096, "cast", True)]
+    (1536, 576, "swiglu", True), (1000, 4000, "add", False), (8, 4096, "cast", True),
+    (14336, 3584, "geglu", True), (128, 64, "geglu", False)]
 
 
 @pytest.mark.gpu
@@ -374,7 +387,7 @@ def test_gemv_kernel_matches_numpy_on_the_gpu(n, k, epilogue, norm, weights, pdl
 
     dev = _cuda_device()
     rng = np.random.default_rng(0)
-    n_w = 2 * n if epilogue == "swiglu" else n
+    n_w = 2 * n if epilogue in ("swiglu", "geglu") else n
     w = rng.standard_normal((n_w, k)).astype(np.float32) * 0.05
     if weights == "q4f16_1":
         q = get_quantization("q4f16_1")
@@ -407,9 +420,11 @@ def test_gemv_kernel_matches_numpy_on_the_gpu(n, k, epilogue, norm, weights, pdl
     want = w.astype(np.float32) @ x.reshape(-1).astype(np.float32)
     if epilogue == "add":
         want = want + res.reshape(-1)
-    if epilogue == "swiglu":
+    if epilogue in ("swiglu", "geglu"):
         gate, up = (want[:n].astype(np.float16).astype(np.float32), want[n:].astype(np.float16).astype(np.float32))
-        want = gate / (1 + np.exp(-gate)) * up
+        act = gate / (1 + np.exp(-gate)) if epilogue == "swiglu" else \
+            0.5 * gate * (1 + np.tanh(np.sqrt(2 / np.pi) * (gate + 0.044715 * gate**3)))
+        want = act * up
     got = args[-1].numpy().reshape(-1).astype(np.float32)
     np.testing.assert_allclose(got, want, rtol=0, atol=2e-2 * np.abs(want).max())
 

@@ -124,7 +124,7 @@ def test_cuda_library_source_carries_the_helpers_and_compiles(hf_models, tmp_pat
 
 # K split over warps, partial row blocks, fewer units than lanes, both swiglu layouts, one row block
 GEMV_SHAPES = [(4096, 4096, "add"), (1000, 896, "none"), (320, 64, "cast"), (4864, 896, "swiglu"),
-               (128, 64, "swiglu"), (8, 4096, "cast")]
+               (128, 64, "swiglu"), (8, 4096, "cast"), (14336, 3584, "geglu")]
 
 
 @pytest.mark.parametrize("preset", ["cuda", "cuda-sm80"])
