@@ -3,7 +3,8 @@
 TVM's unscheduled CPU loops materialise the dequantized weight on every call and reduce one scalar at a time;
 dlight's cpu rules fix that but made LLVM codegen ~100x slower here. This rule is small: inline dequantize,
 split K into (ko, ki) with ki in the vector width, rfactor ki so the inner loop is an element-wise FMA over lanes
-that LLVM vectorises, and parallelise over output columns.
+that LLVM vectorises, and parallelise over output columns. That is the batch-1 decode path; projections over a
+symbolic number of tokens (prefill, batched decode) get the register-blocked GEMM of schedules/cpu_gemm.py instead.
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ import logging
 
 import tvm
 from tvm import tirx
+
+from .cpu_gemm import gemm_for
 
 log = logging.getLogger(__name__)
 
@@ -78,7 +81,9 @@ def ApplyCPUMatmulSchedule(mod: tvm.ir.IRModule, _ctx) -> tvm.ir.IRModule:  # no
             continue
         if "matmul" not in gv.name_hint and gv.name_hint != "main":
             continue
-        new = schedule_matmul(func)
+        new = gemm_for(func)
+        if new is None:
+            new = schedule_matmul(func)
         if new is not None:
             updates[gv] = new
     for gv, f in updates.items():
