@@ -9,6 +9,7 @@ from typing import Any, Callable
 
 import numpy as np
 from openai.types import Completion, CompletionChoice, CompletionUsage
+from openai.types.completion_usage import PromptTokensDetails
 from openai.types.chat import ChatCompletion, ChatCompletionChunk, ChatCompletionMessage
 from openai.types.chat.chat_completion import Choice as ChatChoice
 from openai.types.chat.chat_completion import ChoiceLogprobs
@@ -43,6 +44,7 @@ class Call:
         self.prefix = prefix          # echo: the prompt's text before each choice's
         self.prefix_ids = prefix_ids or []
         self.texts, self.reasons, self.completion_tokens = [prefix] * n, ["stop"] * n, 0
+        self.cached_tokens = 0   # prompt tokens the prefix cache served (runtime.prefix_cache)
         self.logprobs: list[list[TokenLogprob]] = [[] for _ in range(n)]
         self.prompt_logprobs: list[TokenLogprob | None] | None = None
         self._tool_calls_seen = [False] * n
@@ -66,7 +68,8 @@ class Call:
 
     def usage(self) -> CompletionUsage:
         return CompletionUsage(prompt_tokens=len(self.ids), completion_tokens=self.completion_tokens,
-                               total_tokens=len(self.ids) + self.completion_tokens)
+                               total_tokens=len(self.ids) + self.completion_tokens,
+                               prompt_tokens_details=PromptTokensDetails(cached_tokens=self.cached_tokens))
 
     def _finish_reason(self, i: int, reason: str) -> str:
         return "tool_calls" if reason == "stop" and self._tool_calls_seen[i] else reason
@@ -80,6 +83,7 @@ class Call:
         elif ev.kind == "finish":
             self.reasons[i] = ev.finish_reason
             self.completion_tokens += ev.completion_tokens
+            self.cached_tokens = max(self.cached_tokens, ev.cached_tokens)
             if ev.prompt_logprobs is not None:
                 self.prompt_logprobs = [None, *ev.prompt_logprobs]
 
@@ -182,6 +186,7 @@ class Call:
             return out
         if ev.kind == "finish":
             self.completion_tokens += ev.completion_tokens
+            self.cached_tokens = max(self.cached_tokens, ev.cached_tokens)
             out = self._parsed_chunks(i, self.parsers[i].flush()) if self.chat and self.parsers is not None else []
             reason = self._finish_reason(i, ev.finish_reason)
             out.append(self._chat_chunk(i, finish=reason) if self.chat else self._completion_chunk(i, finish=reason))

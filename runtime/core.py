@@ -6,6 +6,10 @@ prompt is now read, one batched decode step — or, when a single request is run
 (runtime.decode_graph) that lasts until the request ends or another one arrives — and hands the sampled tokens to
 the requests, which report through their sinks (text deltas, then a finish event), so sync, async and HTTP
 callers share it.
+
+With the prefix cache (runtime.prefix_cache) an admitted request whose prompt starts like a cached sequence is
+forked from it instead of added empty, a request that ends or is preempted leaves its sequence cached, and cached
+sequences are evicted (least recently used first) only when a step needs more pages than are free.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from mlcc.errors import ContextWindowExceededError
 from .decode_graph import decode_pipelined
 from .logit_processing import LogitProcessor
 from .policy import Plan, make_policy
+from .prefix_cache import PrefixCache
 from .request import Event, Request
 from .sampler import DeviceDraw, Sampler
 from .scheduler import Scheduler
@@ -33,10 +38,12 @@ log = logging.getLogger(__name__)
 class EngineCore:
     """pipeline: decode a lone request pipelined — None: where the device reads sampled ids back without waiting
     for the steps queued after them (CUDA); True: wherever the model can feed ids back (elsewhere it only adds a
-    wasted step at the end of each request: the same tokens, for tests); False: never."""
+    wasted step at the end of each request: the same tokens, for tests); False: never. prefix_cache: reuse cached
+    prompt prefixes (runtime.prefix_cache)."""
 
     def __init__(self, model, sampler: Sampler, max_batch: int, max_total_tokens: int, prefill_chunk: int,
-                 page_size: int = 16, policy: str = "no_evict", pipeline: bool | None = None):
+                 page_size: int = 16, policy: str = "no_evict", pipeline: bool | None = None,
+                 prefix_cache: bool = True):
         self.model = model
         self.sampler = sampler
         self.page_size = page_size
@@ -44,7 +51,9 @@ class EngineCore:
         self.total_pages = model.free_pages()
         self.policy = make_policy(policy, page_size, self.total_pages, prefill_chunk)
         self.stats: collections.Counter = collections.Counter()
-        self.scheduler = Scheduler(self.policy, max_batch, self.stats)
+        self.prefix_cache = (PrefixCache(page_size, model.remove_sequence, model.free_pages)
+                             if prefix_cache else None)
+        self.scheduler = Scheduler(self.policy, max_batch, self.stats, self.prefix_cache)
         self.processor = LogitProcessor(model, model.vocab)
         feeds_back = hasattr(model, "decode_fed_back")
         self._fetcher = TokenFetcher(model.dev) if feeds_back and pipeline is not False else None
@@ -72,10 +81,18 @@ class EngineCore:
         self._thread.join(timeout=10)
 
     def pages_in_use(self) -> int:
-        return self.total_pages - self.model.free_pages()
+        """Pages running requests hold (not those only the prefix cache holds)."""
+        return self.total_pages - self.available_pages()
 
     def free_pages(self) -> int:
         return self.model.free_pages()
+
+    def cached_pages(self) -> int:
+        """Pages only the prefix cache holds (evicted when needed)."""
+        return self.prefix_cache.evictable_pages if self.prefix_cache is not None else 0
+
+    def available_pages(self) -> int:
+        return self.model.free_pages() + self.cached_pages()
 
     def queue_length(self) -> int:
         return self.scheduler.queue_length()
@@ -96,23 +113,69 @@ class EngineCore:
                             self.model.remove_sequence(r.seq_id)
                     except Exception:  # noqa: BLE001 - not added, or already removed
                         pass
+                    if self.prefix_cache is not None:
+                        self.prefix_cache.released(r.kv_pages)
                     r.sink(Event("error", error=e))
 
     def step(self) -> None:
-        plan, cancelled = self.scheduler.schedule(self.model.free_pages())
+        plan, cancelled = self.scheduler.schedule(self.available_pages())
         if not (cancelled or plan.preempt or plan.admit or plan.prefill or plan.decode):
             self.scheduler.wait_for_change(0.05)   # queued requests wait for pages: no busy loop
             return
-        for r in cancelled + plan.preempt:
-            self.model.remove_sequence(r.seq_id)
-        for r in plan.admit:
-            self.model.add_sequence(r.seq_id)
+        for r in cancelled:
+            self._retire(r, r.kv_len)
+        for r in plan.preempt:
+            self._retire(r, r.retired_len)
+        self._admit(plan.admit)
+        if self.prefix_cache is not None:
+            need = self.policy.step_pages(plan)
+            if need > self.model.free_pages() and not self.prefix_cache.evict_until(need):
+                log.warning("a step needs %d KV pages, %d are free after evicting the prefix cache", need,
+                            self.model.free_pages())
         if plan.prefill:
             self._prefill(plan)
         if plan.decode:
             self._decode(plan.decode)
         for r in [r for r in self.scheduler.running if r.finish_reason is not None]:
             self._finish(r)
+
+    def _admit(self, admit: list[Request]) -> None:
+        """Admitted requests get their sequences: forked from a cached prefix, or empty."""
+        cache, ps = self.prefix_cache, self.page_size
+        if cache is not None:
+            copies = sum(1 for r in admit if r.prefix_hit is not None and r.prefix_hit.pos % ps)
+            if copies > self.model.free_pages():   # a fork copies a partly filled page: keep the entries forked
+                cache.evict_until(copies, keep=[r.prefix_hit.entry for r in admit if r.prefix_hit is not None])
+        for r in admit:
+            hit, r.prefix_hit = r.prefix_hit, None
+            if hit is None:
+                self.model.add_sequence(r.seq_id)
+            else:
+                if hit.pos % ps and self.model.free_pages() == 0:   # no page to copy into: share full pages only
+                    hit.pos -= hit.pos % ps
+                    r.kv_len = hit.pos
+                    if not r.output_ids:
+                        r.cached_tokens = min(hit.pos, len(r.prompt_ids))
+                self.model.fork_sequence(hit.entry.seq_id, r.seq_id, hit.pos)
+                r.cache_pages = cache.forked(hit, r.kv_pages)
+                r.source, r.fork_pos = hit.entry, hit.pos
+                self.stats["cached_prefill_tokens"] += hit.pos
+            if cache is not None and not r.output_ids:
+                cache.record_query(len(r.prompt_ids), r.cached_tokens)
+
+    def _retire(self, r: Request, kv_len: int) -> None:
+        """A request's sequence leaves the running batch with `kv_len` tokens of KV: it stays cached (with the
+        prefix cache) or is removed."""
+        cache = self.prefix_cache
+        if cache is None:
+            self.model.remove_sequence(r.seq_id)
+            return
+        extra = self.model.seq_lens.get(r.seq_id, kv_len) - kv_len
+        if extra > 0:   # a pipelined decode's wasted last step
+            self.model.popn(r.seq_id, extra)
+        tokens = (r.prompt_ids + r.output_ids)[:kv_len]
+        cache.insert(r.seq_id, tokens, r.kv_pages, r.source, r.fork_pos)
+        r.source, r.fork_pos, r.cache_pages = None, 0, 0
 
     def _prefill(self, plan: Plan) -> None:
         scored = [(r, n) for r, n in plan.prefill if self._scores_prompt(r)]
@@ -162,6 +225,9 @@ class EngineCore:
                 for f in members[1:]:
                     self.model.fork_sequence(r.seq_id, f.seq_id)
                     f.prompt_logprobs = list(r.prompt_logprobs)
+                    f.cached_tokens = r.cached_tokens
+                    if self.prefix_cache is not None:
+                        self.prefix_cache.shared(r.prefill_ids, r.kv_pages, f.kv_pages, r.kv_len)
             if r.max_new == 0:
                 for m in members:
                     m.finish_reason = "length"
@@ -176,7 +242,7 @@ class EngineCore:
     def _decode(self, running: list[Request]) -> None:
         # a burst lasts until another request arrives: with one already waiting (for pages), decode step by step
         if len(running) == 1 and self.scheduler.num_running() == 1 and self._pipeline and \
-                not self.scheduler.has_waiting() and self.policy.may_burst(running[0], self.model.free_pages()):
+                not self.scheduler.has_waiting() and self.policy.may_burst(running[0], self.available_pages()):
             draw = self._device_draw(running[0])
             if draw is not None:
                 self._decode_pipelined(running[0], draw)
@@ -201,11 +267,15 @@ class EngineCore:
 
     def _decode_pipelined(self, r: Request, draw: DeviceDraw) -> None:
         """Decode the only running request until it ends or another request arrives."""
+        cached = self.prefix_cache is not None
+
         def want_more(in_flight: int) -> bool:
             if r.cancelled or r.finish_reason is not None or self.scheduler.closed:
                 return False
             if len(r.output_ids) + in_flight >= r.max_new:
                 return False
+            if cached and (r.kv_len + in_flight) % self.page_size == 0 and self.model.free_pages() == 0:
+                return False   # the next step needs a page the prefix cache holds: evicted by the next step()
             return not self.scheduler.has_waiting()
 
         def on_token(tid: int) -> bool:
@@ -238,6 +308,6 @@ class EngineCore:
 
     def _finish(self, r: Request) -> None:
         self.scheduler.finish(r)
-        self.model.remove_sequence(r.seq_id)
+        self._retire(r, r.kv_len)
         if not r.cancelled:
             r.close()

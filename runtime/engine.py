@@ -42,13 +42,16 @@ class Engine:
     whatever the folder was built with. policy: "no_evict" (admit only what can finish) or "max_util" (admit
     eagerly, preempt and recompute). pipeline: decode a lone request pipelined (runtime.core.EngineCore).
     weights: "files", or "random" for a shape-only build (speed benchmarks: `compile_shape_only`). num_threads:
-    a CPU build's threads (default: the physical cores this process may use, runtime.cpu_threads)."""
+    a CPU build's threads (default: the physical cores this process may use, runtime.cpu_threads). prefix_cache:
+    keep finished requests' KV pages and reuse the longest cached prefix of each new prompt (runtime.prefix_cache;
+    not for models with sliding-window layers)."""
 
     def __init__(self, model: str | Path | None = None, target: str = "auto", quant: str | None = None, *,
                  max_batch: int = 4, context_window: int | None = None, kv_cache_tokens: int | None = None,
                  prefill_chunk: int = 512, device_id: int = 0, policy: str = "no_evict",
                  tensor_parallel: int | None = None, options: CompileOptions | None = None,
-                 pipeline: bool | None = None, weights: str = "files", num_threads: int | None = None):
+                 pipeline: bool | None = None, weights: str = "files", num_threads: int | None = None,
+                 prefix_cache: bool = True):
         from mlcc.targets import detect_local
 
         from .jit import resolve_model
@@ -77,12 +80,17 @@ class Engine:
             kv_cache_tokens = self._default_kv_tokens(max_batch)
         kv_cache_tokens = max(kv_cache_tokens, 64)
         self.kv_cache_tokens = kv_cache_tokens
+        if prefix_cache and self.model.has_sliding_window:
+            log.info("prefix cache off: %s has sliding-window layers", self.model_name)
+            prefix_cache = False
         self.core = EngineCore(self.model, Sampler.for_model(self.model), max_batch, kv_cache_tokens,
-                               min(prefill_chunk, kv_cache_tokens), policy=policy, pipeline=pipeline)
+                               min(prefill_chunk, kv_cache_tokens), policy=policy, pipeline=pipeline,
+                               prefix_cache=prefix_cache)
         self.chat = _Chat(self)
         self.completions = _Completions(self)
-        log.info("engine ready: %s on %s, KV cache %d tokens (%.0f MB), batch %d", self.model_name,
-                 cfg["target"], kv_cache_tokens, kv_cache_tokens * _kv_bytes_per_token(cfg) / 1e6, max_batch)
+        log.info("engine ready: %s on %s, KV cache %d tokens (%.0f MB), batch %d, prefix cache %s", self.model_name,
+                 cfg["target"], kv_cache_tokens, kv_cache_tokens * _kv_bytes_per_token(cfg) / 1e6, max_batch,
+                 "on" if prefix_cache else "off")
 
     def _default_kv_tokens(self, max_batch: int) -> int:
         """Enough for max_batch full contexts, capped by a memory budget (CPU: 1/4 of free RAM, at most 2 GiB)."""

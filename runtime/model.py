@@ -74,36 +74,49 @@ class PagedModel:
         self.kv = self.fns.create_paged_kv_cache(S([max_batch]), S([max_total_tokens]), S([prefill_chunk]),
                                                  S([page_size]), S([0]))
         self.page_size, self.prefill_chunk, self.max_batch = page_size, prefill_chunk, max_batch
+        # each sequence's length in the cache: a pipelined decode's last step may have fed one token more than
+        # its request counted (runtime.decode_graph)
+        self.seq_lens: dict[int, int] = {}
         if self.graph is not None:
             self.graph.attach(self.kv, page_size)
         return self.kv
+
+    @property
+    def has_sliding_window(self) -> bool:
+        return any(self.config.get("model_config", {}).get("layer_sliding") or [])
 
     def free_pages(self) -> int:
         return self._count(self.kv_ops.free_pages(self.kv))
 
     def add_sequence(self, seq_id: int) -> None:
         self.kv_ops.add_sequence(self.kv, seq_id)
+        self.seq_lens[seq_id] = 0
         if self.graph is not None:
             self.graph.add(seq_id)
 
     def remove_sequence(self, seq_id: int) -> None:
         self.kv_ops.remove_sequence(self.kv, seq_id)
+        self.seq_lens.pop(seq_id, None)
         if self.graph is not None:
             self.graph.forget(seq_id)
 
-    def fork_sequence(self, parent: int, child: int) -> None:
-        """`child` starts as a copy of `parent`'s KV state: full pages are shared, a partly filled last page is
-        copied (TVM's ForkSequence)."""
-        self.kv_ops.fork_sequence(self.kv, parent, child, -1)
+    def fork_sequence(self, parent: int, child: int, pos: int = -1) -> None:
+        """`child` starts as a copy of `parent`'s first `pos` tokens (-1: all): full pages are shared, a partly
+        filled last page is copied (TVM's ForkSequence)."""
+        self.kv_ops.fork_sequence(self.kv, parent, child, pos)
+        self.seq_lens[child] = self.seq_lens.get(parent, 0) if pos < 0 else pos
         if self.graph is not None:
             self.graph.forget(parent)
 
     def popn(self, seq_id: int, n: int) -> None:
         self.kv_ops.popn(self.kv, seq_id, n)
+        self.seq_lens[seq_id] = self.seq_lens.get(seq_id, n) - n
         if self.graph is not None:
             self.graph.grow([seq_id], [-n])
 
     def _grow(self, seq_ids: Sequence[int], lens: Sequence[int]) -> None:
+        for s, n in zip(seq_ids, lens):
+            self.seq_lens[s] = self.seq_lens.get(s, 0) + n
         if self.graph is not None:
             self.graph.grow(seq_ids, lens)
 

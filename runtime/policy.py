@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Sequence
+from typing import Callable, Sequence
 
 from .request import Request
 
@@ -41,10 +41,13 @@ class Policy:
         self.page_size, self.total_pages, self.prefill_chunk = page_size, total_pages, prefill_chunk
 
     def schedule(self, waiting: Sequence[Request], running: Sequence[Request], free_pages: int,
-                 free_slots: int) -> Plan:
-        """waiting: the queue, oldest first; running: admitted requests in admission order; free_slots: sequences
-        the cache can still add."""
+                 free_slots: int, prepare: Callable[[list[Request]], None] | None = None) -> Plan:
+        """waiting: the queue, oldest first; running: admitted requests in admission order; free_pages: pages free
+        or held only by the prefix cache (evicted on demand); free_slots: sequences the cache can still add.
+        prepare(admitted): runs before the prefill chunk is cut (the prefix cache sets what each already holds)."""
         admit = self.admit(waiting, running, free_pages, free_slots)
+        if prepare is not None:
+            prepare(admit)
         active = [*running, *admit]
         plan = Plan(admit=admit, prefill=self.chunk(active), decode=[r for r in active if r.decoding])
         self.make_room(plan, running, free_pages)
@@ -68,6 +71,11 @@ class Policy:
             if r.kv_len + take == len(r.prefill_ids):
                 need += r.fork_pages(ps)
         return need + sum(1 for r in plan.decode if r.kv_len % ps == 0)
+
+    def admit_pages(self, plan: Plan) -> int:
+        """Pages the plan's forks from the prefix cache take from the available ones: the shared full pages (no
+        longer evictable, unless another running request holds them already) and a copied partly filled page."""
+        return sum(math.ceil(r.prefix_hit.pos / self.page_size) for r in plan.admit if r.prefix_hit is not None)
 
     def admit(self, waiting: Sequence[Request], running: Sequence[Request], free_pages: int,
               free_slots: int) -> list[Request]:
@@ -127,7 +135,7 @@ class MaxUtil(Policy):
     def make_room(self, plan, running, free_pages):
         free = free_pages
         candidates = [*running, *plan.admit]
-        while self.step_pages(plan) > free and candidates:
+        while self.step_pages(plan) + self.admit_pages(plan) > free and candidates:
             victim = candidates.pop()   # the most recently admitted
             plan.drop(victim)
             if victim in plan.admit:
@@ -137,7 +145,7 @@ class MaxUtil(Policy):
             free += victim.held_pages(self.page_size)
             s = victim.shared
             if s is not None and all(h in plan.preempt for h in s.holders):
-                free += s.pages   # its last holder goes: TVM frees the shared pages too
+                free += s.pages - s.cached   # its last holder goes: TVM frees the shared pages too
 
     def may_burst(self, r, free_pages):
         left = r.max_new - len(r.output_ids)

@@ -25,12 +25,14 @@ class Event:
     error: BaseException | None = None
     logprob: Any = None            # delta: the token's runtime.logit_processing.TokenLogprob, where asked for
     prompt_logprobs: list | None = None   # finish: the prompt's TokenLogprobs (None for its first token), echo
+    cached_tokens: int = 0         # finish: prompt tokens whose KV came from the prefix cache
 
 
 @dataclasses.dataclass(eq=False)
 class SharedPrefix:
     """Full KV pages that forked sequences hold together (TVM frees them with the last holder)."""
     pages: int
+    cached: int = 0   # of them, pages the parent shares with the prefix cache (other requests may hold them too)
     holders: set = dataclasses.field(default_factory=set)   # the Requests still running on them
 
 
@@ -63,6 +65,16 @@ class Request:
     top_logprobs: int | None = None
     prompt_top_logprobs: int | None = None     # echo with logprobs: score the prompt too
     prompt_logprobs: list = dataclasses.field(default_factory=list)
+    # prefix caching (runtime.prefix_cache): the cached prefix it is forked from when admitted (a Hit), the fork
+    # position, the cached entry, the mirror pages its sequence may share with others and how many of them came
+    # from the cache; the prompt tokens its first admission reused (usage); its KV length when preempted
+    prefix_hit: Any = None
+    fork_pos: int = 0
+    source: Any = None
+    kv_pages: list = dataclasses.field(default_factory=list)
+    cache_pages: int = 0
+    cached_tokens: int = 0
+    retired_len: int = 0
 
     def __post_init__(self) -> None:
         self.prefill_ids = list(self.prompt_ids)
@@ -87,7 +99,7 @@ class Request:
     def preempt(self) -> None:
         """Drop the KV state; on re-admission prompt + output so far are recomputed and generation resumes."""
         self.prefill_ids = self.prompt_ids + self.output_ids
-        self.kv_len = 0
+        self.retired_len, self.kv_len = self.kv_len, 0
         self.leave_shared()
 
     def leave_shared(self) -> None:
@@ -98,8 +110,9 @@ class Request:
     # -- KV pages (the policy's arithmetic: TVM's paged cache gives a sequence ceil(tokens / page_size) pages; the
     # pages of a SharedPrefix are counted once, by the policy, not here) ------------------------------------------
     def held_pages(self, page_size: int) -> int:
-        """Pages this request alone holds: removing it frees them (and the shared ones, if it holds them last)."""
-        return math.ceil(self.kv_len / page_size) - (self.shared.pages if self.shared else 0)
+        """Pages this request alone holds: removing it frees them (and the shared ones, if it holds them last).
+        Pages shared with the prefix cache are not counted: other running requests may hold them too."""
+        return math.ceil(self.kv_len / page_size) - max(self.shared.pages if self.shared else 0, self.cache_pages)
 
     def reserved_pages(self, page_size: int) -> int:
         """Pages this request and the forks it will make may hold alone by the time they finish."""
@@ -153,5 +166,5 @@ class Request:
 
     def close(self) -> None:
         self.sink(Event("finish", finish_reason=self.finish_reason, prompt_tokens=len(self.prompt_ids),
-                        completion_tokens=len(self.output_ids),
+                        completion_tokens=len(self.output_ids), cached_tokens=self.cached_tokens,
                         prompt_logprobs=self.prompt_logprobs if self.prompt_top_logprobs is not None else None))

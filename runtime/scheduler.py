@@ -8,22 +8,28 @@ back what ended (`finish`) and what forked (`forked`). Nothing here touches the 
 from __future__ import annotations
 
 import collections
+import itertools
 import logging
 import threading
 
 from .policy import Plan, Policy
+from .prefix_cache import PrefixCache
 from .request import Request, SharedPrefix
 
 log = logging.getLogger(__name__)
 
 
 class Scheduler:
-    def __init__(self, policy: Policy, max_batch: int, stats: collections.Counter | None = None):
+    def __init__(self, policy: Policy, max_batch: int, stats: collections.Counter | None = None,
+                 prefix_cache: PrefixCache | None = None):
         self.policy = policy
         self.max_batch = max_batch
+        self.prefix_cache = prefix_cache
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []
-        self._free_seq_ids = list(range(max_batch))
+        # sequence ids are never reused: a request's sequence may stay in the KV cache as a cached prefix
+        self._seq_ids = itertools.count()
+        self._free_slots = max_batch
         self.stats = stats if stats is not None else collections.Counter()
         self._cv = threading.Condition()
         self._closed = False
@@ -93,12 +99,18 @@ class Scheduler:
                 self.waiting.extendleft(reversed(orphans))
                 self.stats["aborted"] += 1
             self._drop_cancelled_waiting()
-            plan = self.policy.schedule(list(self.waiting), list(self.running), free_pages, len(self._free_seq_ids))
+            prepared: list[Request] = []
+            plan = self.policy.schedule(list(self.waiting), list(self.running), free_pages, self._free_slots,
+                                        prepare=lambda admit: prepared.extend(self._match(admit)))
+            for r in prepared:
+                if r not in plan.admit:   # not admitted after all: it looks up again when it is
+                    self._unmatch(r)
             for r in plan.admit:
                 assert self.waiting[0] is r
                 self.waiting.popleft()
                 for q in r.group():
-                    q.seq_id = self._free_seq_ids.pop()
+                    q.seq_id = next(self._seq_ids)
+                self._free_slots -= len(r.group())
                 self.running.append(r)
             # the victims' slots are freed after the admissions (the policy admitted into the slots free before),
             # and each keeps its seq_id until re-admitted: the worker removes that sequence first
@@ -117,11 +129,9 @@ class Scheduler:
         with self._cv:
             forks, parent.forks = parent.forks, []
             live = [f for f in forks if not f.cancelled]
-            for f in forks:
-                if f.cancelled:
-                    self._free_seq_ids.append(f.seq_id)
+            self._free_slots += len(forks) - len(live)
             if live:
-                shared = SharedPrefix(parent.kv_len // self.policy.page_size)
+                shared = SharedPrefix(parent.kv_len // self.policy.page_size, cached=parent.cache_pages)
                 for r in [parent, *live]:
                     r.shared = shared
                     shared.holders.add(r)
@@ -147,9 +157,28 @@ class Scheduler:
     def _release(self, r: Request) -> None:
         """Out of the running list; its sequence slot (and its forks', if not forked yet) free again."""
         self.running.remove(r)
-        for q in r.group():
-            self._free_seq_ids.append(q.seq_id)
+        self._free_slots += len(r.group())
         r.leave_shared()
+
+    def _match(self, admit: list[Request]) -> list[Request]:
+        """Admitted requests start from the longest cached prefix of what they must prefill: the engine core forks
+        it (runtime.prefix_cache). Returns those that found one."""
+        cache, found = self.prefix_cache, []
+        if cache is None:
+            return found
+        for r in admit:
+            if r.kv_len or r.prompt_top_logprobs is not None:   # echo's prompt scoring needs every position
+                continue
+            hit = cache.match(r.prefill_ids)
+            if not r.output_ids:
+                r.cached_tokens = min(hit.pos, len(r.prompt_ids)) if hit else 0
+            if hit is not None:
+                r.prefix_hit, r.kv_len, r.cache_pages = hit, hit.pos, hit.pos // self.policy.page_size
+                found.append(r)
+        return found
+
+    def _unmatch(self, r: Request) -> None:
+        r.prefix_hit, r.kv_len, r.cache_pages = None, 0, 0
 
     def _drop_cancelled_waiting(self) -> None:
         """Cancelled requests leave the queue unseen. Forks of a cancelled request that are still wanted run on

@@ -62,6 +62,21 @@ class _Metrics:
         Gauge("mlcc_kv_pages_total", "KV cache pages", registry=r).set_function(lambda: core.total_pages)
         Gauge("mlcc_queue_length", "requests waiting for admission", registry=r).set_function(core.queue_length)
         Gauge("mlcc_running_requests", "requests in the running batch", registry=r).set_function(core.num_running)
+        Gauge("mlcc_prefix_cache_pages", "KV cache pages only the prefix cache holds (evicted when needed)",
+              registry=r).set_function(core.cached_pages)
+        cache = core.prefix_cache
+        if cache is not None:
+            Gauge("mlcc_prefix_cache_hit_rate", "prompt tokens served from the prefix cache, of all prompt tokens",
+                  registry=r).set_function(cache.hit_rate)
+            Gauge("mlcc_prefix_cache_cached_tokens", "prompt tokens served from the prefix cache",
+                  registry=r).set_function(lambda: cache.cached_tokens)
+            Gauge("mlcc_prefix_cache_hits", "requests that reused a cached prefix",
+                  registry=r).set_function(lambda: cache.hits)
+            Gauge("mlcc_prefix_cache_queries", "requests looked up in the prefix cache",
+                  registry=r).set_function(lambda: cache.queries)
+            Gauge("mlcc_prefix_cache_entries", "cached sequences", registry=r).set_function(lambda: cache.num_entries)
+            Gauge("mlcc_prefix_cache_evictions", "cached sequences evicted for pages",
+                  registry=r).set_function(lambda: cache.evictions)
 
 
 def create_app(engine: Engine, api_key: str | None = None, served_name: str | None = None) -> FastAPI:
