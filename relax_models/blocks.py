@@ -118,13 +118,14 @@ def _head_norm_te(x: te.Tensor, q_weight: te.Tensor, k_weight: te.Tensor, *, q_h
     tokens, heads, d = x.shape
     normed_heads = q_heads + kv_heads
     r = te.reduce_axis((0, d), name="r")
-    sumsq = te.compute((tokens, normed_heads),
+    # the sums run over every head, v's included: with the reduction's domain narrower than the output's, the
+    # CUDA reduction schedule launches only the normed heads' blocks and never writes v
+    sumsq = te.compute((tokens, heads),
                        lambda t, h: te.sum(x[t, h, r].astype("float32") * x[t, h, r].astype("float32"), axis=r),
                        name="head_sumsq")
 
     def value(t, h, i):
-        inv = tirx.rsqrt(sumsq[t, tirx.min(h, normed_heads - 1)] / tirx.const(int(d), "float32")
-                         + tirx.const(eps, "float32"))
+        inv = tirx.rsqrt(sumsq[t, h] / tirx.const(int(d), "float32") + tirx.const(eps, "float32"))
         weight = tirx.if_then_else(h < q_heads, q_weight[i], k_weight[i])
         normed = (x[t, h, i].astype("float32") * inv).astype(x.dtype) * weight
         return tirx.if_then_else(h < normed_heads, normed, x[t, h, i])
