@@ -13,6 +13,13 @@ then a soak with client disconnects, then (optionally) batched throughput agains
    pages in use once idle, the server alive.
 3. --batched: the same 256 prompts x 128 new tokens submitted at once to mlcc's Engine (max_batch 64) and to
    transformers' continuous batching (`generate_batch`, fp16, the SmolLM2 shape with random weights; CUDA only).
+--shared-prefix F: that fraction of every sweep prompt is the same for all requests (a common system prompt); with
+--prefix-ab the sweep runs twice, on a server with the prefix cache (the default) and on one started with
+--no-prefix-cache, same prompts and arrivals (rows "sweep" and "sweep_no_prefix_cache"); for shape-only builds
+(no tokenizer) bench/prefix_cache.py load runs the same comparison in one process:
+
+    python3 bench/serve.py --model DIR --target cuda --shared-prefix 0.9 --input-len 800 --prefix-ab \
+        --soak-seconds 0 --out $OUT
 The server runs with --max-batch = max(--soak-clients, 8) and the max_util policy (preempt and recompute).
 Writes serve.json to --out.
 """
@@ -43,20 +50,21 @@ def metric(base: str, name: str) -> float:
     raise KeyError(name)
 
 
-def start_server(a) -> tuple[subprocess.Popen, str]:
+def start_server(a, extra: tuple[str, ...] = ()) -> tuple[subprocess.Popen, str]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     cmd = [sys.executable, "-m", "mlcc", "serve", *([a.model] if a.model else []), "--target", a.target,
-           "--port", str(port), "--max-batch", str(max(a.soak_clients, 8)), "--policy", "max_util"]
-    log = open(Path(a.out) / "server.log", "w")
+           "--port", str(port), "--max-batch", str(max(a.soak_clients, 8)), "--policy", "max_util", *extra]
+    log = open(Path(a.out) / f"server{'-'.join(('',) + extra)}.log", "w")
     return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT), f"http://127.0.0.1:{port}"
 
 
 def sweep(base: str, a) -> list[dict]:
     from mlcc.runtime.loadgen import print_table, run_load
 
-    rows = [asyncio.run(run_load(f"{base}/v1", None, "none", a.num_prompts, a.input_len, a.output_len, rate, None))
+    rows = [asyncio.run(run_load(f"{base}/v1", None, "none", a.num_prompts, a.input_len, a.output_len, rate, None,
+                                 shared_prefix=a.shared_prefix))
             for rate in (float(x) for x in a.rates.split(",") if x)]
     print_table(rows)
     return rows
@@ -166,6 +174,8 @@ def main() -> None:
     p.add_argument("--soak-seconds", type=int, default=180, help="0: no soak")
     p.add_argument("--soak-clients", type=int, default=64)
     p.add_argument("--batched", action="store_true", help="also batched throughput against transformers (CUDA)")
+    p.add_argument("--shared-prefix", type=float, default=0.0, help="fraction of each sweep prompt shared by all")
+    p.add_argument("--prefix-ab", action="store_true", help="the sweep again on a server without the prefix cache")
     p.add_argument("--out", required=True)
     a = p.parse_args()
 
@@ -184,11 +194,20 @@ def main() -> None:
     finally:
         proc.terminate()
         proc.wait(timeout=60)
+    if a.prefix_ab:
+        proc, base = start_server(a, ("--no-prefix-cache",))
+        try:
+            wait_until_healthy(base, proc, timeout=900)
+            res["sweep_no_prefix_cache"] = sweep(base, a)
+        finally:
+            proc.terminate()
+            proc.wait(timeout=60)
     if a.batched:
         res["batched"] = batched_throughput(a)
         print(json.dumps(res["batched"], indent=1))
     write_json(a.out, "serve.json", res)
-    if not res.get("soak", {"pass": True})["pass"] or any(r["errors"] for r in res["sweep"]):
+    if not res.get("soak", {"pass": True})["pass"] or \
+            any(r["errors"] for r in res["sweep"] + res.get("sweep_no_prefix_cache", [])):
         sys.exit(1)
 
 

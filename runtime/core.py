@@ -39,11 +39,12 @@ class EngineCore:
     """pipeline: decode a lone request pipelined — None: where the device reads sampled ids back without waiting
     for the steps queued after them (CUDA); True: wherever the model can feed ids back (elsewhere it only adds a
     wasted step at the end of each request: the same tokens, for tests); False: never. prefix_cache: reuse cached
-    prompt prefixes (runtime.prefix_cache)."""
+    prompt prefixes (runtime.prefix_cache); prefix_forks: by forking cached sequences too, not only by continuing
+    them."""
 
     def __init__(self, model, sampler: Sampler, max_batch: int, max_total_tokens: int, prefill_chunk: int,
                  page_size: int = 16, policy: str = "no_evict", pipeline: bool | None = None,
-                 prefix_cache: bool = True):
+                 prefix_cache: bool = True, prefix_forks: bool = True):
         self.model = model
         self.sampler = sampler
         self.page_size = page_size
@@ -51,7 +52,7 @@ class EngineCore:
         self.total_pages = model.free_pages()
         self.policy = make_policy(policy, page_size, self.total_pages, prefill_chunk)
         self.stats: collections.Counter = collections.Counter()
-        self.prefix_cache = (PrefixCache(page_size, model.remove_sequence, model.free_pages)
+        self.prefix_cache = (PrefixCache(page_size, model.remove_sequence, model.free_pages, forks=prefix_forks)
                              if prefix_cache else None)
         self.scheduler = Scheduler(self.policy, max_batch, self.stats, self.prefix_cache)
         self.processor = LogitProcessor(model, model.vocab)
@@ -146,10 +147,18 @@ class EngineCore:
             copies = sum(1 for r in admit if r.prefix_hit is not None and r.prefix_hit.pos % ps)
             if copies > self.model.free_pages():   # a fork copies a partly filled page: keep the entries forked
                 cache.evict_until(copies, keep=[r.prefix_hit.entry for r in admit if r.prefix_hit is not None])
+        hits = collections.Counter(id(r.prefix_hit.entry) for r in admit if r.prefix_hit is not None)
         for r in admit:
             hit, r.prefix_hit = r.prefix_hit, None
             if hit is None:
                 self.model.add_sequence(r.seq_id)
+            elif hits[id(hit.entry)] == 1 and cache.takes_over(hit):   # its only taker: continue that sequence
+                r.seq_id = hit.entry.seq_id
+                extra = self.model.seq_lens.get(r.seq_id, hit.pos) - hit.pos
+                if extra > 0:
+                    self.model.popn(r.seq_id, extra)
+                r.cache_pages = cache.taken(hit, r.kv_pages)
+                self.stats["cached_prefill_tokens"] += hit.pos
             else:
                 if hit.pos % ps and self.model.free_pages() == 0:   # no page to copy into: share full pages only
                     hit.pos -= hit.pos % ps
@@ -174,7 +183,7 @@ class EngineCore:
         if extra > 0:   # a pipelined decode's wasted last step
             self.model.popn(r.seq_id, extra)
         tokens = (r.prompt_ids + r.output_ids)[:kv_len]
-        cache.insert(r.seq_id, tokens, r.kv_pages, r.source, r.fork_pos)
+        cache.insert(r.seq_id, tokens, r.kv_pages, r.source, r.fork_pos, len(r.prompt_ids))
         r.source, r.fork_pos, r.cache_pages = None, 0, 0
 
     def _prefill(self, plan: Plan) -> None:

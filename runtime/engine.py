@@ -44,7 +44,7 @@ class Engine:
     weights: "files", or "random" for a shape-only build (speed benchmarks: `compile_shape_only`). num_threads:
     a CPU build's threads (default: the physical cores this process may use, runtime.cpu_threads). prefix_cache:
     keep finished requests' KV pages and reuse the longest cached prefix of each new prompt (runtime.prefix_cache;
-    not for models with sliding-window layers)."""
+    models with sliding-window layers only continue a cached sequence, as a chat's next turn does)."""
 
     def __init__(self, model: str | Path | None = None, target: str = "auto", quant: str | None = None, *,
                  max_batch: int = 4, context_window: int | None = None, kv_cache_tokens: int | None = None,
@@ -80,12 +80,10 @@ class Engine:
             kv_cache_tokens = self._default_kv_tokens(max_batch)
         kv_cache_tokens = max(kv_cache_tokens, 64)
         self.kv_cache_tokens = kv_cache_tokens
-        if prefix_cache and self.model.has_sliding_window:
-            log.info("prefix cache off: %s has sliding-window layers", self.model_name)
-            prefix_cache = False
+        forks = not self.model.has_sliding_window   # windows over a forked prefix are not exact (prefix_cache)
         self.core = EngineCore(self.model, Sampler.for_model(self.model), max_batch, kv_cache_tokens,
                                min(prefill_chunk, kv_cache_tokens), policy=policy, pipeline=pipeline,
-                               prefix_cache=prefix_cache)
+                               prefix_cache=prefix_cache, prefix_forks=forks)
         self.chat = _Chat(self)
         self.completions = _Completions(self)
         log.info("engine ready: %s on %s, KV cache %d tokens (%.0f MB), batch %d, prefix cache %s", self.model_name,

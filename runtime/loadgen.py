@@ -1,7 +1,8 @@
 """`mlcc bench`: load generator for any OpenAI-compatible endpoint (ours or another).
 
-Fixed or uniform input/output lengths, open-loop Poisson request-rate sweep or fixed concurrency, streaming;
-reports TTFT and inter-token latency p50/p90/p99, output tok/s and errors as a table and JSON.
+Fixed or uniform input/output lengths, optionally a fraction of each prompt shared by all requests (a common system
+prompt: what a prefix cache reuses), open-loop Poisson request-rate sweep or fixed concurrency, streaming; reports
+TTFT and inter-token latency p50/p90/p99, output tok/s and errors as a table and JSON.
 """
 
 from __future__ import annotations
@@ -92,7 +93,8 @@ async def one_request(client, model: str, prompt: str, max_tokens: int, timeout:
 
 async def run_load(base_url: str, model: str | None, api_key: str, num_prompts: int, input_len: str,
                    output_len: str, rate: float | None, concurrency: int | None, seed: int = 0,
-                   timeout: float = 600.0) -> dict[str, Any]:
+                   timeout: float = 600.0, shared_prefix: float = 0.0) -> dict[str, Any]:
+    """shared_prefix: the fraction of each prompt's words that are the same words, in the same order, for all."""
     import openai
 
     client = openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0)
@@ -100,7 +102,12 @@ async def run_load(base_url: str, model: str | None, api_key: str, num_prompts: 
         model = (await client.models.list()).data[0].id
     rng = random.Random(seed)
     (ia, ib), (oa, ob) = parse_len(input_len), parse_len(output_len)
-    jobs = [(make_prompt(rng, rng.randint(ia, ib)), rng.randint(oa, ob)) for _ in range(num_prompts)]
+    common = make_prompt(rng, ib).split()
+    jobs = []
+    for _ in range(num_prompts):
+        n = rng.randint(ia, ib)
+        k = round(n * shared_prefix)
+        jobs.append((" ".join(common[:k] + [make_prompt(rng, n - k)] if n > k else common[:k]), rng.randint(oa, ob)))
     sem = asyncio.Semaphore(concurrency) if concurrency else None
 
     async def guarded(p: str, m: int) -> Result:
@@ -118,7 +125,8 @@ async def run_load(base_url: str, model: str | None, api_key: str, num_prompts: 
     results = await asyncio.gather(*tasks)
     wall = time.perf_counter() - t0
     return summarize(results, wall, {"rate": rate, "concurrency": concurrency, "input_len": input_len,
-                                     "output_len": output_len, "num_prompts": num_prompts, "model": model})
+                                     "output_len": output_len, "num_prompts": num_prompts, "model": model,
+                                     "shared_prefix": shared_prefix})
 
 
 def summarize(results: list[Result], wall: float, setup: dict[str, Any]) -> dict[str, Any]:
@@ -158,6 +166,8 @@ def add_bench_parser(sub) -> None:
     b.add_argument("--output-len", default="64", help="tokens per answer: N or uniform:A:B")
     b.add_argument("--request-rate", default=None, help="comma-separated req/s for an open-loop sweep")
     b.add_argument("--concurrency", type=int, default=None, help="fixed number of requests in flight")
+    b.add_argument("--shared-prefix", type=float, default=0.0, metavar="F",
+                   help="fraction of each prompt that is the same for all requests (default 0)")
     b.add_argument("--json", default=None, help="write the results here")
     b.set_defaults(func=run_bench)
 
@@ -167,7 +177,8 @@ def run_bench(args: argparse.Namespace) -> int:
     if rates == [None] and not args.concurrency:
         args.concurrency = 8
     rows = [asyncio.run(run_load(args.base_url, args.model, args.api_key, args.num_prompts, args.input_len,
-                                 args.output_len, rate, args.concurrency)) for rate in rates]
+                                 args.output_len, rate, args.concurrency, shared_prefix=args.shared_prefix))
+            for rate in rates]
     print_table(rows)
     if args.json:
         with open(args.json, "w") as f:

@@ -4,11 +4,15 @@ A policy decides and changes nothing: runtime.scheduler applies its plan to the 
 model. Page arithmetic follows TVM's paged KV cache: a sequence of n tokens holds ceil(n / page_size) pages, a
 decode step takes a new page only for a sequence whose pages are full, and a fork shares the parent's full pages
 and copies a partly filled last one.
+Pages only the prefix cache holds (runtime.prefix_cache) count as free: the engine core evicts them when a step
+needs them. A request forked from a cached prefix is charged all its pages (others may share them), but its
+preemption is counted to free only those it holds beyond the cached prefix.
 
 - no_evict: admit a request only when the pages every running request may still need, plus its own, fit in the
   cache; nothing is ever preempted.
 - max_util: admit whatever fits now; when a step would need more pages than are free, preempt the most recently
-  admitted requests (their KV state is dropped and recomputed on re-admission) until it fits.
+  admitted requests (their KV state is dropped, or left to the prefix cache, and recomputed on re-admission as far
+  as it is no longer cached) until it fits.
 """
 
 from __future__ import annotations

@@ -4,8 +4,10 @@ How it works. A request that ends (finished, aborted or preempted) leaves its KV
 `PagedKVCache` as a *cached entry* instead of removing it: the sequence stays under its id, referenced by nobody
 running, with the token ids its KV holds. A new request looks up the longest cached prefix of its prompt and starts
 as a fork of that entry at that position (`ForkSequence(entry, child, pos)`: the full pages below `pos` are shared,
-a partly filled page at `pos` is copied), so only the rest of the prompt is prefilled. At least the last prompt
-token is always prefilled: its logits give the first output token. When a step needs pages that are not free, the
+a partly filled page at `pos` is copied), so only the rest of the prompt is prefilled; where the entry holds less
+than a page beyond the match (a chat's next turn) the request continues the entry's own sequence instead, cut to
+the match (`PopN`): no copy, and the sequence stays one block of pages. At least the last prompt token is always
+prefilled: its logits give the first output token. When a step needs pages that are not free, the
 least recently used entries are removed (LRU); TVM refcounts the blocks a fork shares, so removing an entry frees
 only the pages no other sequence holds: pages a running request uses are never freed.
 
@@ -18,9 +20,9 @@ free), which the scheduler counts as available: pages are evicted for a step onl
 A lookup walks the tree by whole pages, then extends the match token by token into the next page of the entries
 found, up to one token before the prompt's end.
 
-Not cached: models with sliding-window layers (TVM's attention over a shared prefix block windows each block on
-its own, which is exact only within the window), and requests that score their prompt (echo with logprobs, which
-needs the logits of every prompt position).
+Models with sliding-window layers only continue sequences, never fork them (TVM's attention over a shared prefix
+block windows each block on its own, which is exact only within the window). Requests that score their prompt
+(echo with logprobs, which needs the logits of every prompt position) do not look up.
 """
 
 from __future__ import annotations
@@ -51,11 +53,13 @@ class _Page:
 
 @dataclasses.dataclass(eq=False)
 class Entry:
-    """A cached sequence: its TVM sequence id, the token ids its KV holds, its full pages in the mirror."""
+    """A cached sequence: its TVM sequence id, the token ids its KV holds (its request's prompt_len prompt tokens,
+    then output), its full pages in the mirror."""
     seq_id: int
     tokens: list[int]
     pages: list[_Page]
     last_used: int = 0
+    prompt_len: int = 0
 
 
 @dataclasses.dataclass
@@ -65,10 +69,12 @@ class Hit:
 
 
 class PrefixCache:
-    """remove(seq_id) removes a sequence from the KV cache; free_pages() -> pages free in it."""
+    """remove(seq_id) removes a sequence from the KV cache; free_pages() -> pages free in it. forks: whether a
+    request may fork an entry (False: it may only continue one, PrefixCache.takes_over)."""
 
-    def __init__(self, page_size: int, remove: Callable[[int], None], free_pages: Callable[[], int]):
-        self.page_size = page_size
+    def __init__(self, page_size: int, remove: Callable[[int], None], free_pages: Callable[[], int],
+                 forks: bool = True):
+        self.page_size, self.forks = page_size, forks
         self._remove, self._free_pages = remove, free_pages
         self._root = _Page((), None)
         self._entries: dict[Entry, None] = {}   # LRU order: least recently used first
@@ -118,7 +124,8 @@ class PrefixCache:
             if pos > best_len:
                 best, best_len = e, pos
         assert best is not None
-        return Hit(best, min(best_len, limit))
+        hit = Hit(best, min(best_len, limit))
+        return hit if self.forks or self.takes_over(hit) else None
 
     def record_query(self, prompt_tokens: int, cached_tokens: int) -> None:
         self.queries += 1
@@ -138,6 +145,31 @@ class PrefixCache:
         self._touch(hit.entry)
         return len(shared)
 
+    def takes_over(self, hit: Hit) -> bool:
+        """Whether a request continues the entry's own sequence (what it holds beyond the match is popped off)
+        instead of forking it: where the match covers the entry's whole prompt, as a chat's next turn does (its
+        prompt is the previous turn's and the answer, re-encoded), or a preempted request re-admitted. The
+        sequence keeps its one block of pages (a fork adds a block: CUDA's batch-1 decode graph serves
+        single-block sequences only) and no page is copied; a prompt that shares less (another user's question
+        after the same system prompt) forks, leaving the entry for its own next turn."""
+        return hit.pos >= hit.entry.prompt_len
+
+    def taken(self, hit: Hit, held: list) -> int:
+        """hit.entry's sequence now runs a request, cut to hit.pos tokens: it is no longer cached. Returns the full
+        pages it keeps (other sequences may share them)."""
+        e, keep = hit.entry, hit.pos // self.page_size
+        del self._entries[e]
+        for p in e.pages:
+            del p.entries[e]
+        for p in e.pages[:keep]:
+            self._adjust(p, 0, 1)
+        for p in e.pages[keep:]:   # popped off (or a partly filled last page now)
+            self._adjust(p, -1, 0)
+        if len(e.tokens) % self.page_size:
+            self.evictable_pages -= 1   # its partly filled page: popped, or the request's
+        held[:] = e.pages[:keep]
+        return keep
+
     def shared(self, parent_tokens: Sequence[int], parent_held: list, child_held: list, pos: int) -> None:
         """A running sequence was forked from a running one at `pos` (n > 1): both hold the full pages below it."""
         self._materialize(parent_tokens, parent_held, pos // self.page_size)
@@ -152,7 +184,7 @@ class PrefixCache:
         held.clear()
 
     def insert(self, seq_id: int, tokens: list[int], held: list, source: Entry | None = None,
-               fork_pos: int = 0) -> bool:
+               fork_pos: int = 0, prompt_len: int = 0) -> bool:
         """A running sequence whose KV holds exactly `tokens` ends: it becomes a cached entry (True), or is removed
         when it would add nothing a lookup could use (False): shorter than a page, or nothing computed beyond the
         prefix it was forked with from `source`, whose tokens already start with all of its own."""
@@ -166,7 +198,7 @@ class PrefixCache:
                 self._touch(source)
             return False
         self._materialize(tokens, held, len(tokens) // ps)
-        e = Entry(seq_id, tokens, list(held), next(self._clock))
+        e = Entry(seq_id, tokens, list(held), next(self._clock), prompt_len)
         for p in e.pages:
             self._adjust(p, 0, -1)
             p.entries[e] = None

@@ -87,6 +87,8 @@ def test_chat_turns_reuse_the_previous_turn(cold, warm):
         assert r.usage.prompt_tokens_details.cached_tokens >= previous, turn
         previous = r.usage.prompt_tokens
         messages.append({"role": "assistant", "content": want})
+    # each turn continued the previous turn's sequence (its prompt was all reused): one entry
+    assert warm.core.prefix_cache.num_entries == 1
     settled(warm)
 
 
@@ -214,3 +216,24 @@ def test_lookup_matches_whole_pages_then_tokens():
     assert removed == [1]
     cache.clear()
     assert removed == [1, 0] and cache.evictable_pages == 0 and cache.match(a) is None
+
+
+@pytest.mark.slow
+def test_sliding_window_models_continue_sequences_only(compiled):
+    """Gemma 2's alternating windows (8 tokens here): a chat's next turn continues the previous turn's sequence
+    (exact), a fork (inexact over a window) is never made; answers equal a cold engine's."""
+    d = compiled("gemma2", "q0f32")
+    with Engine(d, target="llvm", prefix_cache=False) as cold, Engine(d, target="llvm") as warm:
+        assert not warm.core.prefix_cache.forks
+        messages = [{"role": "user", "content": "hello there, how are you today?"}]
+        for turn in range(3):
+            kw = dict(messages=messages, max_tokens=12, temperature=0)
+            want = cold.chat.completions.create(**kw).choices[0].message.content
+            r = warm.chat.completions.create(**kw)
+            assert r.choices[0].message.content == want
+            assert (r.usage.prompt_tokens_details.cached_tokens > 0) == (turn > 0)
+            messages += [{"role": "assistant", "content": want}, {"role": "user", "content": f"and {turn}?"}]
+        prompt = ids(5, 40)
+        assert greedy(warm, prompt) == greedy(cold, prompt)
+        assert greedy(warm, prompt[:30] + [1, 2]) == (greedy(cold, prompt[:30] + [1, 2])[0], 0)   # no fork
+        settled(warm)

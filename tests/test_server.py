@@ -72,6 +72,28 @@ def test_completions_echo_and_n_over_http(client):
     assert r.usage.prompt_tokens == 3 and r.usage.completion_tokens == 2 * plain.usage.completion_tokens
 
 
+def test_prefix_cache_over_http(server, client):
+    """A prompt that starts like an earlier one: usage says how much of it the prefix cache served (the OpenAI
+    field), /metrics its hit rate and the pages it holds."""
+    system = {"role": "system", "content": "You answer in one word. " * 4}
+    ask = [[system, {"role": "user", "content": q}] for q in ("First?", "Second?")]
+    first = client.chat.completions.create(model="tiny", messages=ask[0], max_tokens=4, temperature=0)
+    second = client.chat.completions.create(model="tiny", messages=ask[1], max_tokens=4, temperature=0)
+    assert second.usage.prompt_tokens_details.cached_tokens >= len(system["content"])   # one token per byte here
+    chunks = list(client.chat.completions.create(model="tiny", messages=ask[0], max_tokens=4, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True}))
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens == first.usage.prompt_tokens - 1
+    assert 0 < _metric(server, "mlcc_prefix_cache_hit_rate") <= 1
+    assert _metric(server, "mlcc_prefix_cache_pages") > 0 and _metric(server, "mlcc_prefix_cache_hits") >= 2
+
+
+def test_no_prefix_cache_flag():
+    from mlcc.cli import build_parser
+
+    assert build_parser().parse_args(["serve", "--no-prefix-cache"]).prefix_cache is False
+    assert build_parser().parse_args(["serve"]).prefix_cache is True
+
+
 def test_serve_refuses_a_folder_built_with_other_compile_options(compiled):
     r = subprocess.run([sys.executable, "-m", "mlcc", "serve", str(compiled("llama", "q0f32")), "--target", "llvm",
                         "--port", str(free_port()), "--option", "decode_graph=0"],
