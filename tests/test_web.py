@@ -137,6 +137,24 @@ def test_requests_in_node_logit_bias_logprobs_grammars_and_refusals(tiny_site, n
     assert tools["code"] == "unsupported_parameter" and "not supported by the web engine" in tools["message"]
 
 
+def test_next_chat_turn_reuses_the_previous_turns_kv(tiny_site, node_path, tmp_path):
+    """The web engine keeps its KV sequence between requests: a chat's next turn prefills only what is new (the
+    previous prompt at least), and every answer is what a cold engine gives."""
+    from mlcc.runtime.engine import Engine
+
+    site, cpu = tiny_site
+    turn2 = ASK + [{"role": "assistant", "content": "Paris."}, {"role": "user", "content": "And of Spain?"}]
+    first, second, again, other = run_requests(site, node_path, tmp_path, [
+        {"messages": m, "max_tokens": 6, "temperature": 0} for m in (ASK, turn2, turn2, ASK)])
+    with Engine(cpu, prefix_cache=False) as engine:
+        n_ask, n_turn2 = len(engine.encode_chat(ASK)), len(engine.encode_chat(turn2))
+        want = engine.chat.completions.create(messages=turn2, max_tokens=6, temperature=0).choices[0].message.content
+    cached = [r["reply"]["usage"]["prompt_tokens_details"]["cached_tokens"] for r in (first, second, again, other)]
+    assert cached[0] == 0 and cached[1] >= n_ask and cached[2] == n_turn2 - 1 and cached[3] == n_ask - 1
+    assert [r["reply"]["choices"][0]["message"]["content"] for r in (second, again)] == [want, want]
+    assert other["token_ids"] == first["token_ids"]
+
+
 def test_grammar_and_logprobs_in_the_browser(tiny_site, node_path):
     """web-xgrammar loads in Chromium next to the bundle: a JSON schema constrains the answer there too."""
     site, _ = tiny_site

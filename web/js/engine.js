@@ -16,6 +16,7 @@ import { TOP_LOGPROBS, addBias, applyMask, argmaxOf, logprobsOf, makeRng, repeti
 import { Vocabulary } from "./tokens.js";
 import { fetchBytes, fetchJSON, joinUrl } from "./download.js";
 import { WebGrammars } from "./grammar.js";
+import { SequenceKV } from "./kv_reuse.js";
 
 export { EngineError };
 
@@ -36,7 +37,9 @@ export class MLCEngine {
 
   /**
    * opts: {models: [{url, dtype}] | modelUrl, deps: {tvmjs, tokenizers, Template}, gpu, fetch,
-   *        useCache (browser Cache API), onProgress({stage, loaded, total, text}), maxTotalTokens, logger}
+   *        useCache (browser Cache API), onProgress({stage, loaded, total, text}), maxTotalTokens, logger,
+   *        prefixCache (default true: a request reuses the KV of the previous one as far as their tokens agree, so
+   *        a chat's next turn prefills only the new messages)}
    */
   static async create(opts) {
     const engine = new MLCEngine();
@@ -62,6 +65,7 @@ export class MLCEngine {
     this.fetch = opts.fetch || globalThis.fetch.bind(globalThis);
     this.onProgress = opts.onProgress;
     this.useCache = opts.useCache !== false;
+    this.prefixCache = opts.prefixCache !== false;
     const gpu = opts.gpu || (typeof navigator !== "undefined" ? navigator.gpu : undefined);
     if (!gpu) throw new EngineError("WebGPU is not available here (no navigator.gpu); use a browser with WebGPU");
     const adapter = await gpu.requestAdapter({ powerPreference: "high-performance" });
@@ -130,7 +134,7 @@ export class MLCEngine {
     for (const [key, name] of [["sampleTopP", "vm.builtin.sample_top_p_from_logits"],
 ["kvAdd", "vm.builtin.kv_state_add_sequence"],
       ["kvRemove", "vm.builtin.kv_state_remove_sequence"], ["kvBegin", "vm.builtin.kv_state_begin_forward"],
-      ["kvEnd", "vm.builtin.kv_state_end_forward"]]) {
+      ["kvEnd", "vm.builtin.kv_state_end_forward"], ["kvPopn", "vm.builtin.kv_state_popn"]]) {
       this.fn[key] = tvm.detachFromCurrentScope(tvm.getGlobalFunc(name));
     }
 
@@ -188,6 +192,7 @@ export class MLCEngine {
     for (const t of added) if (t.content === this.eosToken) this.eosIds.add(t.id);
     this.grammars = opts.deps.xgrammar ? new WebGrammars(opts.deps.xgrammar, this.vocabulary, this.eosIds) : null;
     this._busy = false;
+    this.sequence = new SequenceKV(this.fn, this.kv, tvm, this.prefixCache);
     this._progress("ready", 1, 1, "ready");
   }
 
@@ -407,7 +412,7 @@ export class MLCEngine {
       throw e;
     }
     const t0 = performance.now();
-    this.fn.kvAdd(this.kv, this.tvm.scalar(0, "int64"));
+    const cached = this.sequence.start(prompt);
     const out = [];
     let pendingLps = [];
     let text = "";
@@ -418,9 +423,11 @@ export class MLCEngine {
     try {
       yield chunk({ role: "assistant", content: "" }, null);
       let step = null;
-      for (let off = 0; off < prompt.length; off += this.prefillChunk) {
+      for (let off = cached; off < prompt.length; off += this.prefillChunk) {
         const last = off + this.prefillChunk >= prompt.length;
-        step = await this._nextToken(prompt.slice(off, off + this.prefillChunk), false, st, last);
+        const ids = prompt.slice(off, off + this.prefillChunk);
+        step = await this._nextToken(ids, false, st, last);
+        this.sequence.push(ids);
       }
       tFirst = performance.now();
       while (true) {
@@ -445,14 +452,19 @@ export class MLCEngine {
         if (hitStop) { finish = "stop"; stopped = true; break; }
         if (out.length >= st.maxTokens) break;
         step = await this._nextToken([token], true, st);
+        this.sequence.push([token]);
       }
+    } catch (e) {
+      this.sequence.drop();   // a forward that failed midway: what the sequence holds is unknown
+      throw e;
     } finally {
-      this.fn.kvRemove(this.kv, this.tvm.scalar(0, "int64"));
+      if (!this.prefixCache) this.sequence.drop();
       if (st.matcher) st.matcher.dispose();
       this._busy = false;
     }
     const tEnd = performance.now();
-    this.lastStats = { prompt_tokens: prompt.length, completion_tokens: out.length, prefill_s: (tFirst - t0) / 1000,
+    this.lastStats = { prompt_tokens: prompt.length, cached_tokens: cached, completion_tokens: out.length,
+      prefill_s: (tFirst - t0) / 1000,
       decode_tok_s: out.length > 1 ? (out.length - 1) / ((tEnd - tFirst) / 1000) : null,
       token_ids: out.slice() };
     if (!stopped && text.length > sent) {
@@ -461,7 +473,8 @@ export class MLCEngine {
       pendingLps = [];
     }
     yield chunk({}, finish, st.logprobs && pendingLps.length ? pendingLps : null);
-    const usage = { prompt_tokens: prompt.length, completion_tokens: out.length, total_tokens: prompt.length + out.length };
+    const usage = { prompt_tokens: prompt.length, completion_tokens: out.length,
+      total_tokens: prompt.length + out.length, prompt_tokens_details: { cached_tokens: cached } };
     if (!req.stream || (req.stream_options && req.stream_options.include_usage)) {
       yield { id, object: "chat.completion.chunk", created, model: this.modelId, choices: [], usage };
     }
