@@ -58,14 +58,13 @@ class Entry:
     seq_id: int
     tokens: list[int]
     pages: list[_Page]
-    last_used: int = 0
     prompt_len: int = 0
 
 
 @dataclasses.dataclass
 class Hit:
     entry: Entry
-    pos: int          # tokens reused: the child is forked at this position
+    pos: int          # tokens reused: the request forks (or continues) the entry's sequence at this position
 
 
 class PrefixCache:
@@ -78,7 +77,6 @@ class PrefixCache:
         self._remove, self._free_pages = remove, free_pages
         self._root = _Page((), None)
         self._entries: dict[Entry, None] = {}   # LRU order: least recently used first
-        self._clock = itertools.count(1)
         self.evictable_pages = 0   # pages only cached entries hold (full pages and partly filled last pages)
         self.queries = self.hits = self.prompt_tokens = self.cached_tokens = self.evictions = 0
 
@@ -141,7 +139,6 @@ class PrefixCache:
         for p in shared:
             self._adjust(p, 1, 1)
         held[:] = shared
-        hit.entry.last_used = next(self._clock)
         self._touch(hit.entry)
         return len(shared)
 
@@ -198,7 +195,7 @@ class PrefixCache:
                 self._touch(source)
             return False
         self._materialize(tokens, held, len(tokens) // ps)
-        e = Entry(seq_id, tokens, list(held), next(self._clock), prompt_len)
+        e = Entry(seq_id, tokens, list(held), prompt_len)
         for p in e.pages:
             self._adjust(p, 0, -1)
             p.entries[e] = None
