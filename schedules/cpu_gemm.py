@@ -9,7 +9,8 @@ products: one broadcast of x[m, k] against nc/16 weight vectors per FMA group, v
 width the target has). Rows left over (M % mr) get the same sweep one row at a time. Tiles of N are the parallel
 loop, so both cores work on every projection of the small models (576 columns = 18 tiles of 32).
 
-The kernel keeps the fused function's parameters and epilogue (none, or `+ residual`), so it replaces it in place.
+The kernel keeps the fused function's parameters and epilogue (none, `+ residual` or `+ bias`), so it replaces it
+in place.
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ class GemmShape:
     k: int                    # input features
     x_shape: tuple            # (1, m, k) or (m, 1, k): m symbolic
     weights: str              # "q4f32_1" | "float32"
-    epilogue: str = "none"    # "none" | "add"
+    epilogue: str = "none"    # "none" | "add" (a residual shaped like y) | "bias" (one value per output feature)
 
 
 def tiles_for(shape: GemmShape, tiles: GemmTiles | None = None) -> GemmTiles | None:
@@ -73,7 +74,12 @@ def make_gemm(shape: GemmShape, tiles: GemmTiles | None = None) -> tirx.PrimFunc
     w_shape = (T.int64(n), T.int64(k // 8)) if q4 else (T.int64(n), T.int64(k))
     w_dtype = "uint32" if q4 else "float32"
     s_shape = (T.int64(n), T.int64(k // GROUP))
-    add = shape.epilogue == "add"
+    add = shape.epilogue in ("add", "bias")
+    bias = shape.epilogue == "bias"
+    r_shape = (T.int64(n),) if bias else y_shape
+
+    def epilogue(r, rf, row, col):
+        return r[col] if bias else rf[row, col]
 
     # One word of each of the tile's nc rows at a time (a strided gather, once per 8 codes), unpacked into 8 rows
     # of the transposed tile with vector shifts: the gather is the transposition.
@@ -122,7 +128,7 @@ def make_gemm(shape: GemmShape, tiles: GemmTiles | None = None) -> tirx.PrimFunc
                     for i in T.unroll(T.int64(mr)):
                         for c in T.vectorized(T.int64(nc)):
                             if add:
-                                yf[mo * mr + i, no * nc + c] = acc[i, c] + rf[mo * mr + i, no * nc + c]
+                                yf[mo * mr + i, no * nc + c] = acc[i, c] + epilogue(r, rf, mo * mr + i, no * nc + c)
                             else:
                                 yf[mo * mr + i, no * nc + c] = acc[i, c]
                 for mt in T.serial(m % mr):
@@ -134,7 +140,7 @@ def make_gemm(shape: GemmShape, tiles: GemmTiles | None = None) -> tirx.PrimFunc
                             acc1[c] = acc1[c] + xf[row, kk] * wt[kk, c]
                     for c in T.vectorized(T.int64(nc)):
                         if add:
-                            yf[row, no * nc + c] = acc1[c] + rf[row, no * nc + c]
+                            yf[row, no * nc + c] = acc1[c] + epilogue(r, rf, row, no * nc + c)
                         else:
                             yf[row, no * nc + c] = acc1[c]
 
@@ -145,7 +151,7 @@ def make_gemm(shape: GemmShape, tiles: GemmTiles | None = None) -> tirx.PrimFunc
             x = T.match_buffer(var_x, x_shape, "float32")
             w = T.match_buffer(var_w, w_shape, w_dtype)
             s = T.match_buffer(var_s, s_shape, "float32")
-            r = T.match_buffer(var_r, y_shape, "float32")
+            r = T.match_buffer(var_r, r_shape, "float32")
             y = T.match_buffer(var_y, y_shape, "float32")
             body(x, w, s, r, y)
     elif q4:
@@ -163,7 +169,7 @@ def make_gemm(shape: GemmShape, tiles: GemmTiles | None = None) -> tirx.PrimFunc
             T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True})
             x = T.match_buffer(var_x, x_shape, "float32")
             w = T.match_buffer(var_w, w_shape, w_dtype)
-            r = T.match_buffer(var_r, y_shape, "float32")
+            r = T.match_buffer(var_r, r_shape, "float32")
             y = T.match_buffer(var_y, y_shape, "float32")
             body(x, w, w, r, y)
     else:
@@ -182,8 +188,9 @@ def _static(d) -> int | None:
 
 
 def match_gemm(func: tirx.PrimFunc) -> GemmShape | None:
-    """The shape of a many-token projection — q4f32_1 dequantize→matmul or float32 NT_matmul, [→ + residual],
-    over activations (1, m, K) or (m, 1, K) with m symbolic — or None for anything else (batch-1 GEMVs included)."""
+    """The shape of a many-token projection — q4f32_1 dequantize→matmul or float32 NT_matmul, [→ + residual or
+    bias], over activations (1, m, K) or (m, 1, K) with m symbolic — or None for anything else (batch-1 GEMVs
+    included)."""
     from .gemv_match import _blocks, _reads_row_major
 
     blocks = _blocks(func)
@@ -221,7 +228,7 @@ def match_gemm(func: tirx.PrimFunc) -> GemmShape | None:
     if s is not None and [_static(d) for d in s.shape] != [n, k // GROUP]:
         return None
     y = mm.writes[0].source
-    res = None
+    res, bias = None, False
     if extra:
         blk = blocks["T_add"]
         reads = [r.source for r in blk.reads]
@@ -229,14 +236,15 @@ def match_gemm(func: tirx.PrimFunc) -> GemmShape | None:
         if len(reads) != 2 or len(others) != 1 or not isinstance(blk.body.value, tirx.Add):
             return None
         res, y = others[0], blk.writes[0].source
-        if res.dtype != "float32" or not _same_shape(res.shape, y.shape):
+        bias = len(res.shape) == 1 and _static(res.shape[0]) == n
+        if res.dtype != "float32" or not (bias or _same_shape(res.shape, y.shape)):
             return None
     if y.dtype != "float32" or not _same_shape(y.shape, list(x.shape[:2]) + [n]):
         return None
     expected = [x, w] + ([s] if s is not None else []) + ([res] if res is not None else []) + [y]
     if len(func.params) != len(expected) or not all(p.same_as(e) for p, e in zip(func.params, expected)):
         return None
-    return GemmShape(n, k, tuple(x.shape), weights, "add" if res is not None else "none")
+    return GemmShape(n, k, tuple(x.shape), weights, "none" if res is None else "bias" if bias else "add")
 
 
 def _same_shape(a, b) -> bool:
@@ -250,3 +258,4 @@ def gemm_for(func: tirx.PrimFunc, tiles: GemmTiles | None = None) -> tirx.PrimFu
     if shape is None or tiles_for(shape, tiles) is None:
         return None
     return make_gemm(shape, tiles)
+

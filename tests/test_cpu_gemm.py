@@ -12,7 +12,7 @@ from mlcc.schedules.cpu import ApplyCPUMatmulSchedule
 from mlcc.schedules.cpu_gemm import GemmTiles, gemm_for, match_gemm
 
 
-def _projection(n: int, k: int, weights: str, add: bool, lead: int) -> tirx.PrimFunc:
+def _projection(n: int, k: int, weights: str, add: bool | str, lead: int) -> tirx.PrimFunc:
     """A PrimFunc shaped like TVM's legalized (dequantize→)matmul[→add] over a symbolic token count."""
     m = tirx.Var("seq_len", "int64")
     shape = (1, m) if lead == 1 else (m, 1)
@@ -30,18 +30,22 @@ def _projection(n: int, k: int, weights: str, add: bool, lead: int) -> tirx.Prim
         mm = te.compute((*shape, n), lambda a, b, c: te.sum(x[a, b, r] * w[c, r], axis=r), name="NT_matmul")
         args = [x, w]
     out = mm
-    if add:
+    if add == "bias":
+        res = te.placeholder((n,), "float32", "bias")
+        out = te.compute((*shape, n), lambda a, b, c: mm[a, b, c] + res[c], name="T_add")
+        args.append(res)
+    elif add:
         res = te.placeholder((*shape, n), "float32", "res")
         out = te.compute((*shape, n), lambda a, b, c: mm[a, b, c] + res[a, b, c], name="T_add")
         args.append(res)
     return te.create_prim_func(args + [out])
 
 
-def _run(func: tirx.PrimFunc, n: int, k: int, m: int, weights: str, add: bool, lead: int) -> None:
+def _run(func: tirx.PrimFunc, n: int, k: int, m: int, weights: str, add: bool | str, lead: int) -> None:
     rng = np.random.default_rng(n + k + m)
     shape = (1, m) if lead == 1 else (m, 1)
     x = rng.standard_normal((*shape, k)).astype("float32")
-    res = rng.standard_normal((*shape, n)).astype("float32")
+    res = rng.standard_normal((n,) if add == "bias" else (*shape, n)).astype("float32")
     if weights == "q4f32_1":
         qw = rng.integers(0, 2**32, (n, k // 8), dtype=np.uint32)
         qs = (rng.random((n, k // 32)) * 0.1).astype("float32")
@@ -64,11 +68,12 @@ CASES = [  # n, k, m, weights, add, lead
     (960, 576, 37, "q4f32_1", False, 1),     # SmolLM2 qkv, M not a multiple of the block
     (3072, 576, 16, "q4f32_1", False, 0),    # SmolLM2 gate_up, batched decode layout
     (576, 1536, 1, "q4f32_1", True, 1),      # SmolLM2 down + residual, one token
-    (1152, 896, 13, "q4f32_1", False, 1),    # Qwen2.5-0.5B qkv (14x64 + 2x2x64)
+    (1152, 896, 13, "q4f32_1", "bias", 1),   # Qwen2.5-0.5B qkv (14x64 + 2x2x64) + its bias
     (896, 4864, 9, "q4f32_1", True, 1),      # Qwen2.5-0.5B down + residual
     (49152, 576, 3, "q4f32_1", False, 0),    # SmolLM2 lm_head, batched decode
     (576, 576, 11, "float32", True, 1),      # float32 weights
     (128, 896, 8, "float32", False, 0),      # Qwen2.5 k/v-sized, exactly one block
+    (128, 896, 5, "float32", "bias", 0),     # float32 weights + bias
 ]
 
 
@@ -77,6 +82,7 @@ def test_gemm_matches_numpy(n, k, m, weights, add, lead):
     func = _projection(n, k, weights, add, lead)
     shape = match_gemm(func)
     assert shape is not None and (shape.n, shape.k, shape.weights) == (n, k, weights)
+    assert shape.epilogue == ("bias" if add == "bias" else "add" if add else "none")
     _run(gemm_for(func), n, k, m, weights, add, lead)
 
 
