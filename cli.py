@@ -64,7 +64,8 @@ def cmd_chat(args: argparse.Namespace) -> int:
 
     return run_chat(args.model, target=args.target, quant=args.quant, prompt=args.prompt,
                     max_tokens=args.max_tokens, temperature=args.temperature,
-                    options=CompileOptions.parse(args.option) if args.option else None, num_threads=args.threads)
+                    options=CompileOptions.parse(args.option) if args.option else None, num_threads=args.threads,
+                    speculative_config=args.speculative_config)
 
 
 def cmd_web(args: argparse.Namespace) -> int:
@@ -123,6 +124,8 @@ def build_parser() -> argparse.ArgumentParser:
     ch.add_argument("--temperature", type=float, default=0.0)
     ch.add_argument("--threads", type=int, default=None, metavar="N",
                     help="CPU threads (default: the physical cores this process may use)")
+    ch.add_argument("--speculative-config", default=None, metavar="JSON",
+                    help="speculative decoding, as `mlcc serve --speculative-config`")
     add_option_flag(ch)
     ch.set_defaults(func=cmd_chat)
 

@@ -75,3 +75,8 @@ class RequestError(MlccError, ValueError):
 class ContextWindowExceededError(RequestError):
     def __init__(self, message: str):
         super().__init__(message, param="messages", code="context_length_exceeded")
+
+
+class SpeculativeConfigError(MlccError, ValueError):
+    """A speculative_config that names an unknown key or method, a bad value, or a draft model that cannot draft
+    for the target (another tokenizer)."""

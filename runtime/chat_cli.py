@@ -12,10 +12,12 @@ from .engine import Engine
 
 def run_chat(model: str | None, target: str = "auto", quant: str | None = None, prompt: str | None = None,
              max_tokens: int = 256, temperature: float = 0.0, options: CompileOptions | None = None,
-             num_threads: int | None = None) -> int:
-    """options: as Engine's (the compile options of a model compiled on first use, or those a folder must have)."""
+             num_threads: int | None = None, speculative_config: str | None = None) -> int:
+    """options: as Engine's (the compile options of a model compiled on first use, or those a folder must have);
+    speculative_config: as Engine's (JSON text)."""
     t0 = time.time()
-    engine = Engine(model, target=target, quant=quant, max_batch=1, options=options, num_threads=num_threads)
+    engine = Engine(model, target=target, quant=quant, max_batch=1, options=options, num_threads=num_threads,
+                    speculative_config=speculative_config)
     print(f"[{engine.model_name} on {engine.model.config['target']}, ready in {time.time() - t0:.1f}s]",
           file=sys.stderr)
     history: list[dict[str, str]] = []

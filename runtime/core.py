@@ -30,6 +30,7 @@ from .prefix_cache import PrefixCache
 from .request import Event, Request
 from .sampler import DeviceDraw, Sampler
 from .scheduler import Scheduler
+from .speculative import Speculator
 from .token_fetch import TokenFetcher
 
 log = logging.getLogger(__name__)
@@ -40,11 +41,12 @@ class EngineCore:
     for the steps queued after them (CUDA); True: wherever the model can feed ids back (elsewhere it only adds a
     wasted step at the end of each request: the same tokens, for tests); False: never. prefix_cache: reuse cached
     prompt prefixes (runtime.prefix_cache); prefix_forks: by forking cached sequences too, not only by continuing
-    them."""
+    them. make_speculator(model, page_size, stats) -> the runtime.speculative.Speculator of speculative
+    decoding, or None."""
 
     def __init__(self, model, sampler: Sampler, max_batch: int, max_total_tokens: int, prefill_chunk: int,
                  page_size: int = 16, policy: str = "no_evict", pipeline: bool | None = None,
-                 prefix_cache: bool = True, prefix_forks: bool = True):
+                 prefix_cache: bool = True, prefix_forks: bool = True, make_speculator=None):
         self.model = model
         self.sampler = sampler
         self.page_size = page_size
@@ -56,6 +58,8 @@ class EngineCore:
                              if prefix_cache else None)
         self.scheduler = Scheduler(self.policy, max_batch, self.stats, self.prefix_cache)
         self.processor = LogitProcessor(model, model.vocab)
+        self.speculator: Speculator | None = (make_speculator(model, page_size, self.stats)
+                                              if make_speculator is not None else None)
         feeds_back = hasattr(model, "decode_fed_back")
         self._fetcher = TokenFetcher(model.dev) if feeds_back and pipeline is not False else None
         self._pipeline = self._fetcher is not None and (pipeline or (pipeline is None and self._fetcher.overlaps))
@@ -116,6 +120,8 @@ class EngineCore:
                         pass
                     if self.prefix_cache is not None:
                         self.prefix_cache.released(r.kv_pages)
+                    if self.speculator is not None:
+                        self.speculator.release(r)
                     r.sink(Event("error", error=e))
 
     def step(self) -> None:
@@ -175,6 +181,8 @@ class EngineCore:
     def _retire(self, r: Request, kv_len: int) -> None:
         """A request's sequence leaves the running batch with `kv_len` tokens of KV: it stays cached (with the
         prefix cache) or is removed."""
+        if self.speculator is not None:
+            self.speculator.release(r)
         cache = self.prefix_cache
         if cache is None:
             self.model.remove_sequence(r.seq_id)
@@ -249,9 +257,15 @@ class EngineCore:
             rows.append(group_rows)
 
     def _decode(self, running: list[Request]) -> None:
+        spec = self.speculator
+        if spec is not None:   # speculating requests verify their proposals; the rest decode below
+            running = spec.step(running, self._emit_token)
+            if not running:
+                return
         # a burst lasts until another request arrives: with one already waiting (for pages), decode step by step
         if len(running) == 1 and self.scheduler.num_running() == 1 and self._pipeline and \
-                not self.scheduler.has_waiting() and self.policy.may_burst(running[0], self.available_pages()):
+                not self.scheduler.has_waiting() and self.policy.may_burst(running[0], self.available_pages()) and \
+                (spec is None or not spec.wants(running[0], 1)):
             draw = self._device_draw(running[0])
             if draw is not None:
                 self._decode_pipelined(running[0], draw)
@@ -261,6 +275,15 @@ class EngineCore:
             r.kv_len += 1
         self.stats["decode_tokens"] += len(running)
         self._sample_and_emit(running, logits)
+
+    @staticmethod
+    def _emit_token(r: Request, tid: int) -> bool:
+        """A speculative step's token to r; whether r goes on."""
+        if r.cancelled:
+            r.finish_reason = "abort"
+            return False
+        r.on_token(tid)
+        return r.finish_reason is None
 
     def _device_draw(self, r: Request) -> DeviceDraw | None:
         """How a lone request's next id is drawn on the device: with its logit_bias and grammar mask applied

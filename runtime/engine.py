@@ -16,7 +16,7 @@ from typing import Any, AsyncIterator, Iterator
 import numpy as np
 
 from mlcc import artifact
-from mlcc.errors import RequestError
+from mlcc.errors import RequestError, SpeculativeConfigError
 from mlcc.options import CompileOptions
 
 from . import prepare, protocol, structured, tool_calls
@@ -24,6 +24,8 @@ from .call import Call
 from .core import EngineCore
 from .request import Event, Request
 from .sampler import Sampler
+from .spec_config import parse_speculative_config
+from .speculative import Speculator
 
 log = logging.getLogger(__name__)
 
@@ -44,14 +46,17 @@ class Engine:
     weights: "files", or "random" for a shape-only build (speed benchmarks: `compile_shape_only`). num_threads:
     a CPU build's threads (default: the physical cores this process may use, runtime.cpu_threads). prefix_cache:
     keep finished requests' KV pages and reuse the longest cached prefix of each new prompt (runtime.prefix_cache;
-    models with sliding-window layers only continue a cached sequence, as a chat's next turn does)."""
+    models with sliding-window layers only continue a cached sequence, as a chat's next turn does).
+    speculative_config: speculative decoding (runtime.speculative), vLLM's keys as a dict or JSON text
+    (runtime.spec_config): {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 4} or {"method": "draft", "model": PATH,
+    "num_speculative_tokens": 4}; None: off."""
 
     def __init__(self, model: str | Path | None = None, target: str = "auto", quant: str | None = None, *,
                  max_batch: int = 4, context_window: int | None = None, kv_cache_tokens: int | None = None,
                  prefill_chunk: int = 512, device_id: int = 0, policy: str = "no_evict",
                  tensor_parallel: int | None = None, options: CompileOptions | None = None,
                  pipeline: bool | None = None, weights: str = "files", num_threads: int | None = None,
-                 prefix_cache: bool = True):
+                 prefix_cache: bool = True, speculative_config: dict[str, Any] | str | None = None):
         from mlcc.targets import detect_local
 
         from .jit import resolve_model
@@ -60,6 +65,7 @@ class Engine:
 
         if target == "auto":
             target = detect_local()
+        self.speculative_config = parse_speculative_config(speculative_config)   # refused before any loading
         self.model_dir = resolve_model(model, target, quant, tensor_parallel or 1, options)
         built_tp = int(artifact.read_config(self.model_dir).get("tensor_parallel", 1))
         if tensor_parallel is not None and tensor_parallel != built_tp:
@@ -83,12 +89,42 @@ class Engine:
         forks = not self.model.has_sliding_window   # windows over a forked prefix are not exact (prefix_cache)
         self.core = EngineCore(self.model, Sampler.for_model(self.model), max_batch, kv_cache_tokens,
                                min(prefill_chunk, kv_cache_tokens), policy=policy, pipeline=pipeline,
-                               prefix_cache=prefix_cache, prefix_forks=forks)
+                               prefix_cache=prefix_cache, prefix_forks=forks,
+                               make_speculator=self._speculator_factory(target, device_id, num_threads, max_batch,
+                                                                        min(prefill_chunk, kv_cache_tokens)))
         self.chat = _Chat(self)
         self.completions = _Completions(self)
-        log.info("engine ready: %s on %s, KV cache %d tokens (%.0f MB), batch %d, prefix cache %s", self.model_name,
-                 cfg["target"], kv_cache_tokens, kv_cache_tokens * _kv_bytes_per_token(cfg) / 1e6, max_batch,
-                 "on" if prefix_cache else "off")
+        log.info("engine ready: %s on %s, KV cache %d tokens (%.0f MB), batch %d, prefix cache %s, speculative %s",
+                 self.model_name, cfg["target"], kv_cache_tokens, kv_cache_tokens * _kv_bytes_per_token(cfg) / 1e6,
+                 max_batch, "on" if prefix_cache else "off",
+                 self.speculative_config.method if self.speculative_config else "off")
+
+    def _speculator_factory(self, target: str, device_id: int, num_threads: int | None, max_batch: int,
+                            prefill_chunk: int):
+        """How the engine core builds its Speculator (None without speculation); a draft model is loaded here, on
+        the target's device, and must share its tokenizer."""
+        config = self.speculative_config
+        if config is None:
+            return None
+        draft = None
+        if config.method == "draft":
+            from .draft import DraftProposer, check_same_tokenizer
+            from .jit import resolve_model
+            from .model import LoadedModel
+
+            path = Path(config.model)
+            if not path.exists():
+                raise SpeculativeConfigError(f"speculative_config.model: {path}: no such model folder or file")
+            draft_dir = resolve_model(path, target, config.quantization)
+            check_same_tokenizer(self.model_dir, draft_dir)
+            model = LoadedModel(draft_dir, device_id=device_id, num_threads=num_threads)
+            draft = DraftProposer(model, self.model.vocab, max_batch, self.kv_cache_tokens, prefill_chunk)
+            log.info("draft model %s (%d speculative tokens)", draft_dir, config.num_speculative_tokens)
+
+        def make(model, page_size: int, stats) -> Speculator:
+            return Speculator(config, model, page_size, stats, draft)
+
+        return make
 
     def _default_kv_tokens(self, max_batch: int) -> int:
         """Enough for max_batch full contexts, capped by a memory budget (CPU: 1/4 of free RAM, at most 2 GiB)."""

@@ -174,7 +174,6 @@ class PagedModel:
         self._grow(seq_ids, [1] * n)
         return self._logits(out, n)
 
-
     def prefill_all(self, seq_id: int, ids: Sequence[int]):
         """Prefill of one sequence returning the logits of every position, [len(ids), vocab] (echo's prompt
         logprobs); at most the prefill chunk of tokens."""
@@ -189,6 +188,20 @@ class PagedModel:
         self.kv_ops.end_forward(self.kv)
         self._grow([seq_id], [n])
         return self._logits(out, n)
+
+    def verify(self, seq_ids: Sequence[int], token_lists: Sequence[Sequence[int]]):
+        """One ragged forward over several sequences returning the logits of every new position,
+        [sum of lengths, vocab] in order (speculative verification: runtime.speculative); each list at most
+        max_prefill_chunk long, all together at most the prefill chunk."""
+        lens = [len(t) for t in token_lists]
+        flat = [t for ts in token_lists for t in ts]
+        emb = self._embed_shaped(flat, [1, len(flat), self.hidden])
+        self.kv_ops.begin_forward(self.kv, self._shape(list(seq_ids)), self._shape(lens))
+        out = self.fns.batch_prefill(emb, self._positions(np.arange(len(flat), dtype=np.int32)), self.kv,
+                                     self.params)
+        self.kv_ops.end_forward(self.kv)
+        self._grow(seq_ids, lens)
+        return self._logits(out, len(flat))
 
     # -- logit functions (compiler/sampling.attach_logit_functions), on the logits where they are -------------------
     @property

@@ -160,10 +160,17 @@ def apply_penalties(row: np.ndarray, p: SamplingParams, history: History) -> np.
 
 
 def sample_row(row: np.ndarray, p: SamplingParams, history: History, rng: np.random.Generator) -> int:
+    if p.greedy:
+        return int(np.argmax(np.clip(apply_penalties(row.astype(np.float64), p, history), -1e300, 1e300)))
+    probs = target_probs(row, p, history)
+    return int(rng.choice(probs.size, p=probs))
+
+
+def target_probs(row: np.ndarray, p: SamplingParams, history: History) -> np.ndarray:
+    """The distribution a non-greedy request samples from (penalties, temperature, top-k, top-p), float64; the
+    speculative acceptance (runtime.rejection) compares drafts against it."""
     # float64 and a clip: extreme (but valid) penalties or temperatures must not turn into inf - inf = NaN
     row = np.clip(apply_penalties(row.astype(np.float64), p, history), -1e300, 1e300)
-    if p.greedy:
-        return int(np.argmax(row))
     z = np.clip(row / p.temperature, -1e300, 1e300)
     if p.top_k and p.top_k < z.size:
         kth = np.partition(z, -p.top_k)[-p.top_k]
@@ -178,4 +185,4 @@ def sample_row(row: np.ndarray, p: SamplingParams, history: History, rng: np.ran
         mask = np.zeros_like(probs)
         mask[keep] = probs[keep]
         probs = mask / mask.sum()
-    return int(rng.choice(probs.size, p=probs))
+    return probs

@@ -64,6 +64,17 @@ class _Metrics:
         Gauge("mlcc_running_requests", "requests in the running batch", registry=r).set_function(core.num_running)
         Gauge("mlcc_prefix_cache_pages", "KV cache pages only the prefix cache holds (evicted when needed)",
               registry=r).set_function(core.cached_pages)
+        spec = core.speculator
+        if spec is not None:   # vLLM's spec_decode counters, and the two ratios
+            for name, key, doc in (("num_drafts", "spec_drafts", "verify steps of speculating requests"),
+                                   ("num_draft_tokens", "spec_draft_tokens", "tokens proposed"),
+                                   ("num_accepted_tokens", "spec_accepted_tokens", "proposed tokens accepted"),
+                                   ("num_emitted_tokens", "spec_emitted_tokens", "tokens speculating steps emitted")):
+                Gauge(f"mlcc_spec_decode_{name}", doc, registry=r).set_function(lambda k=key: core.stats[k])
+            Gauge("mlcc_spec_decode_acceptance_rate", "proposed tokens accepted, of all proposed",
+                  registry=r).set_function(spec.acceptance_rate)
+            Gauge("mlcc_spec_decode_mean_tokens_per_step", "tokens a speculating request emits per verify step",
+                  registry=r).set_function(spec.mean_tokens_per_step)
         cache = core.prefix_cache
         if cache is not None:
             Gauge("mlcc_prefix_cache_hit_rate", "prompt tokens served from the prefix cache, of all prompt tokens",

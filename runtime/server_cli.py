@@ -22,6 +22,10 @@ def add_serve_parser(sub) -> None:
                    help="no_evict: admit only what can finish; max_util: admit eagerly, preempt and recompute")
     s.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_false",
                    help="do not keep finished requests' KV pages for reuse by later prompts (runtime.prefix_cache)")
+    s.add_argument("--speculative-config", default=None, metavar="JSON",
+                   help='speculative decoding, vLLM\'s keys: \'{"method": "ngram", "num_speculative_tokens": 5, '
+                        '"prompt_lookup_max": 4}\' or \'{"method": "draft", "model": PATH, '
+                        '"num_speculative_tokens": 4}\' (runtime.speculative)')
     s.add_argument("--served-model-name", default=None)
     s.add_argument("--tensor-parallel", type=int, default=None, metavar="N",
                    help="GPUs the model is sharded over (must match how it was compiled; default: as compiled)")
@@ -42,7 +46,8 @@ def run_serve(args: argparse.Namespace) -> int:
     engine = Engine(args.model, target=args.target, quant=args.quant, max_batch=args.max_batch,
                     kv_cache_tokens=args.kv_cache_tokens, prefill_chunk=args.prefill_chunk, policy=args.policy,
                     tensor_parallel=args.tensor_parallel, num_threads=args.threads, prefix_cache=args.prefix_cache,
-                    options=CompileOptions.parse(args.option) if args.option else None)
+                    options=CompileOptions.parse(args.option) if args.option else None,
+                    speculative_config=args.speculative_config)
     app = create_app(engine, api_key=args.api_key, served_name=args.served_model_name)
     try:
         uvicorn.run(app, host=args.host, port=args.port, log_level="info")
