@@ -5,6 +5,7 @@ preemption, and no KV page leaks. The tiny test Llama's tokenizer is byte-level:
 from __future__ import annotations
 
 import asyncio
+import queue
 import random
 import threading
 
@@ -12,6 +13,8 @@ import pytest
 
 from mlcc import AsyncEngine, Engine
 from mlcc.runtime.prefix_cache import PrefixCache
+from mlcc.runtime.request import Request
+from mlcc.runtime.sampler import SamplingParams
 
 PS = 16
 
@@ -138,22 +141,35 @@ def test_evictions_in_a_small_cache(cold, model_dir):
     assert got == want
 
 
+def submit_together(engine: Engine, prompts: list[list[int]], new: int) -> list[list[int]]:
+    """Greedy ids of requests queued under the scheduler's lock, so the worker sees them all in its next step."""
+    queues = [queue.Queue() for _ in prompts]
+    reqs = [Request(list(p), SamplingParams(temperature=0, ignore_eos=True), new, q.put, None, set())
+            for p, q in zip(prompts, queues)]
+    with engine.core.scheduler._cv:  # reentrant: submit takes it again
+        for r in reqs:
+            engine.core.submit(r)
+    out = []
+    for q in queues:
+        got = []
+        while (ev := q.get(timeout=120)).kind == "delta":
+            if ev.token_id is not None:
+                got.append(ev.token_id)
+        assert ev.kind == "finish", ev.error
+        out.append(got)
+    return out
+
+
 def test_preempted_requests_resume_from_the_cache(cold, model_dir):
     """max_util with 5 pages for four growing requests: preempted ones leave their KV cached and are forked from
     it when re-admitted (or recomputed, if it was evicted meanwhile)."""
     prompts = [ids(20 * i, 10 + 5 * i) for i in range(4)]
-    want = [greedy(cold, p, 30)[0] for p in prompts]
+    want = [submit_together(cold, [p], 30)[0] for p in prompts]
     with Engine(model_dir, target="llvm", max_batch=4, kv_cache_tokens=80, policy="max_util") as small:
-        got: dict[int, list[str]] = {}
-        threads = [threading.Thread(target=lambda i=i: got.__setitem__(i, greedy(small, prompts[i], 30)[0]))
-                   for i in range(4)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
+        got = submit_together(small, prompts, 30)
         assert small.core.stats["preempted"] > 0
         settled(small)
-    assert [got[i] for i in range(4)] == want
+    assert got == want
 
 
 def test_pipelined_decode_leaves_exactly_its_tokens_cached(cold, model_dir):
