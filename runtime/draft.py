@@ -55,6 +55,12 @@ class DraftProposer:
         self._ids = itertools.count()
         self._seqs: dict[Request, list[int]] = {}   # request -> [draft sequence id, tokens of it in the draft KV]
         self._pending: dict[Request, tuple[int, int]] = {}   # request -> (tokens before drafting, drafts fed)
+        # A lone greedy request drafts on the device: each drafted id (the compiled argmax) is the next decode step's
+        # input without coming back first, so the k steps are queued back to back and one read at the end returns
+        # them all (not on the CPU: nothing waits there, and numpy's argmax beats a VM call). Not where the draft's
+        # vocabulary is larger than the target's: its argmax could name an id the target does not have.
+        self.chain_on_device = model.device_kind != "cpu" and getattr(model, "argmax", None) is not None and \
+            hasattr(model, "decode_fed_back") and self.vocab == int(model.vocab)
 
     @property
     def context_window(self) -> int:
@@ -87,6 +93,12 @@ class DraftProposer:
             todo.append((r, k, tokens, s))
         if not todo:
             return {}
+        if len(todo) == 1 and todo[0][0].params.greedy and self.chain_on_device:
+            r, k, tokens, s = todo[0]
+            drafts = self._greedy_chain(s[0], self._catch_up(todo, host=False), k)
+            s[1] = len(tokens) + k - 1
+            self._pending[r] = (len(tokens), k - 1)
+            return {r: (drafts, None)}
         logits = self._catch_up(todo)
         drafts: dict[Request, list[int]] = {r: [] for r, *_ in todo}
         dists: dict[Request, list[np.ndarray]] = {r: [] for r, *_ in todo}
@@ -121,8 +133,16 @@ class DraftProposer:
             self.model.popn(s[0], fed - keep)
         s[1] = before + keep
 
-    def _catch_up(self, todo: list) -> np.ndarray:
-        """Feed each request's tokens the draft KV lacks; the logits after each request's last token [n, vocab]."""
+    def _greedy_chain(self, seq_id: int, logits: Any, k: int) -> list[int]:
+        ids = [self.model.argmax(logits)]
+        for _ in range(k - 1):
+            logits, _ = self.model.decode_fed_back(seq_id, ids[-1])
+            ids.append(self.model.argmax(logits))
+        return [int(t.numpy().reshape(-1)[0]) for t in ids]
+
+    def _catch_up(self, todo: list, host: bool = True) -> Any:
+        """Feed each request's tokens the draft KV lacks; the logits after each request's last token [n, vocab]
+        (host=False, one request: the device tensor)."""
         rests = []
         for r, _, tokens, s in todo:
             rest = tokens[s[1]:]
@@ -130,6 +150,8 @@ class DraftProposer:
                 self.model.prefill([s[0]], [rest[:self.chunk]])
                 rest = rest[self.chunk:]
             rests.append(rest)
+        if not host:
+            return self.model.prefill([todo[0][3][0]], rests)
         rows: list[np.ndarray] = []
         group: list[int] = []
         for i in range(len(todo) + 1):

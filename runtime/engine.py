@@ -48,8 +48,8 @@ class Engine:
     keep finished requests' KV pages and reuse the longest cached prefix of each new prompt (runtime.prefix_cache;
     models with sliding-window layers only continue a cached sequence, as a chat's next turn does).
     speculative_config: speculative decoding (runtime.speculative), vLLM's keys as a dict or JSON text
-    (runtime.spec_config): {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 4} or {"method": "draft", "model": PATH,
-    "num_speculative_tokens": 4}; None: off."""
+    (runtime.spec_config): {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 4} or
+    {"method": "draft", "model": PATH, "num_speculative_tokens": 4}; None: off."""
 
     def __init__(self, model: str | Path | None = None, target: str = "auto", quant: str | None = None, *,
                  max_batch: int = 4, context_window: int | None = None, kv_cache_tokens: int | None = None,

@@ -62,3 +62,12 @@ def _fit(q: np.ndarray, n: int) -> np.ndarray:
     if q.size == n:
         return q
     return q[:n] if q.size > n else np.concatenate([q, np.zeros(n - q.size)])
+
+
+def accept_greedy(best: Sequence[int], drafts: Sequence[int]) -> tuple[list[int], int]:
+    """accept() for a greedy request without penalties, from the argmax of each row alone (best[i]: the argmax
+    of logits row i, len(drafts) + 1 of them): the proposals up to the first that is not the argmax, then it."""
+    for i, d in enumerate(drafts):
+        if int(best[i]) != d:
+            return [int(t) for t in drafts[:i]] + [int(best[i])], i
+    return [int(t) for t in drafts] + [int(best[len(drafts)])], len(drafts)

@@ -25,7 +25,7 @@ import numpy as np
 
 from .draft import DraftProposer
 from .ngram import propose_ngram
-from .rejection import accept
+from .rejection import accept, accept_greedy
 from .request import Request
 from .spec_config import SpeculativeConfig
 
@@ -51,6 +51,9 @@ class Speculator:
                  draft: DraftProposer | None = None):
         self.config, self.model, self.page_size, self.stats, self.draft = config, model, page_size, stats, draft
         self.k = config.num_speculative_tokens
+        # greedy verification from the compiled argmax (not on the CPU: there the logits are on the host already,
+        # and numpy's argmax beats a VM call)
+        self.device_argmax = model.device_kind != "cpu" and getattr(model, "argmax", None) is not None
         self._state: dict[Request, _State] = {}
 
     # -- metrics ------------------------------------------------------------------------------------------------
@@ -120,14 +123,24 @@ class Speculator:
 
     def _verify(self, spec: list[Request], proposals: dict, emit: Callable[[Request, int], bool]) -> None:
         lists = [[r.output_ids[-1], *proposals[r][0]] for r in spec]
-        logits = self.model.verify([r.seq_id for r in spec], lists).numpy()
+        out = self.model.verify([r.seq_id for r in spec], lists)
         self.stats["spec_forwards"] += 1
+        # greedy without penalties needs only each position's argmax: the logits can stay on the device and one
+        # id per position comes back (k + 1 rows of a 150k vocabulary are ~3 MB to copy every step)
+        on_device = self.device_argmax and all(r.params.greedy and not r.params.penalised for r in spec)
+        if on_device:
+            best = self.model.argmax(out).numpy()
+        else:
+            logits = out.numpy()
         row = 0
         for r, fed in zip(spec, lists):
             drafts, q = proposals[r]
-            rows = logits[row: row + len(fed)]
+            if on_device:
+                tokens, kept = accept_greedy(best[row: row + len(fed)], drafts)
+            else:
+                tokens, kept = accept(logits[row: row + len(fed)], drafts, q, r.params, r.prompt_ids,
+                                      r.output_ids, r.rng)
             row += len(fed)
-            tokens, kept = accept(rows, drafts, q, r.params, r.prompt_ids, r.output_ids, r.rng)
             done = 0
             for t in tokens:
                 done += 1

@@ -18,7 +18,7 @@ from mlcc import Engine
 from mlcc.errors import SpeculativeConfigError
 from mlcc.runtime.draft import check_same_tokenizer
 from mlcc.runtime.ngram import propose_ngram
-from mlcc.runtime.rejection import accept
+from mlcc.runtime.rejection import accept, accept_greedy
 from mlcc.runtime.sampler import SamplingParams, target_probs
 from mlcc.runtime.spec_config import parse_speculative_config
 from server_support import mlcc_serve
@@ -121,6 +121,22 @@ def test_draft_model_greedy_equals_plain_decoding(plain, target, compiled, draft
         assert rate == 1.0 if draft_kind == "llama" else rate < 1.0
         _settled(spec)
         assert spec.core.speculator.draft.model.free_pages() == spec.core.speculator.draft.total_pages
+
+
+def test_device_argmax_paths_equal_plain_decoding(plain, target, compiled):
+    """The paths a GPU takes for greedy requests (verification from the compiled argmax, the draft's ids fed back
+    on the device), forced on the CPU: the same answers."""
+    prompts = [PROMPT, [9, 8, 7, 100, 101, 102, 5]]
+    want = [_greedy(plain, p, 30) for p in prompts]
+    for kind in ("llama", "qwen2"):
+        config = {"method": "draft", "model": str(compiled(kind, "q0f32")), "num_speculative_tokens": 4}
+        with Engine(target, target="llvm", max_batch=4, speculative_config=config) as spec:
+            speculator = spec.core.speculator
+            speculator.device_argmax = speculator.draft.chain_on_device = True
+            assert [_greedy(spec, p, 30) for p in prompts] == want
+            assert spec.core.stats["spec_drafts"] > 0
+            _settled(spec)
+            assert speculator.draft.model.free_pages() == speculator.draft.total_pages
 
 
 def test_stop_strings_max_tokens_and_streaming(plain, target):
@@ -250,6 +266,9 @@ def test_greedy_acceptance_is_the_argmax():
     assert accept(logits, [2, 5], None, p, [], [], rng) == ([2, 5, 1], 2)
     assert accept(logits, [2, 4], None, p, [], [], rng) == ([2, 5], 1)
     assert accept(logits, [3, 5], None, p, [], [], rng) == ([2], 0)
+    best = logits.argmax(-1)
+    for drafts in ([2, 5], [2, 4], [3, 5], []):
+        assert accept_greedy(best, drafts) == accept(logits[:len(drafts) + 1], drafts, None, p, [], [], rng)
 
 
 # -- real weights ----------------------------------------------------------------------------------------------
