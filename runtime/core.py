@@ -262,10 +262,11 @@ class EngineCore:
             running = spec.step(running, self._emit_token)
             if not running:
                 return
-        # a burst lasts until another request arrives: with one already waiting (for pages), decode step by step
+        # a burst lasts until another request arrives: with one already waiting (for pages), decode step by step;
+        # so does a request whose speculation is paused (its cool-down counts steps: it resumes after them)
         if len(running) == 1 and self.scheduler.num_running() == 1 and self._pipeline and \
                 not self.scheduler.has_waiting() and self.policy.may_burst(running[0], self.available_pages()) and \
-                (spec is None or not spec.wants(running[0], 1)):
+                (spec is None or not (spec.wants(running[0], 1) or spec.paused(running[0]))):
             draw = self._device_draw(running[0])
             if draw is not None:
                 self._decode_pipelined(running[0], draw)

@@ -76,6 +76,11 @@ class Speculator:
         s = self._state.get(r)
         return s is None or s.cooldown == 0
 
+    def paused(self, r: Request) -> bool:
+        """r stopped speculating for a cool-down (of plain steps, counted by step())."""
+        s = self._state.get(r)
+        return s is not None and s.cooldown > 0
+
     def release(self, r: Request) -> None:
         """r left the running batch (finished, aborted, preempted, failed)."""
         self._state.pop(r, None)

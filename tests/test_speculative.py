@@ -139,6 +139,22 @@ def test_device_argmax_paths_equal_plain_decoding(plain, target, compiled):
             assert speculator.draft.model.free_pages() == speculator.draft.total_pages
 
 
+def test_a_paused_lone_request_resumes_speculating(plain, target, compiled):
+    """A draft that is mostly wrong pauses a lone request's speculation; the cool-down is counted in steps, so
+    the request is not handed to the pipelined burst (which would decode it plainly to its end) and speculates
+    again afterwards, with the same answer."""
+    from mlcc.runtime.speculative import COOLDOWN, WINDOW
+
+    config = {"method": "draft", "model": str(compiled("qwen2", "q0f32")), "num_speculative_tokens": 4}
+    n = 2 * WINDOW + COOLDOWN[0] + 16
+    want = _greedy(plain, PROMPT, n)
+    with Engine(target, target="llvm", max_batch=2, speculative_config=config, pipeline=True) as spec:
+        assert _greedy(spec, PROMPT, n) == want
+        st = spec.core.stats
+        assert st["spec_pauses"] >= 1 and st["spec_drafts"] > WINDOW, dict(st)
+        _settled(spec)
+
+
 def test_stop_strings_max_tokens_and_streaming(plain, target):
     base = _greedy(plain, PROMPT, 40)[0]
     stop = base[17:19]
