@@ -51,7 +51,11 @@ def get_quantization(name: str) -> Quantization:
 # -- numpy: pack / unpack ----------------------------------------------------------------------------------------
 
 def group_quantize(w: np.ndarray, q: Quantization) -> tuple[np.ndarray, np.ndarray]:
-    """float[N, K] → (uint32[N, K/8], scale[N, K/32]) in MLC's q4 layout."""
+    """float[N, K] → (uint32[N, K/8], scale[N, K/32]) in MLC's q4 layout; leading dimensions (stacked experts,
+    [E, N, K]) are kept: each row is quantized on its own."""
+    if w.ndim > 2:
+        packed, scale = group_quantize(w.reshape(-1, w.shape[-1]), q)
+        return packed.reshape(*w.shape[:-1], -1), scale.reshape(*w.shape[:-1], -1)
     n, k = w.shape
     if k % q.group_size:
         raise ValueError(f"cannot {q.name}-quantize a [{n}, {k}] weight: {k} is not a multiple of {q.group_size}")
@@ -69,6 +73,9 @@ def group_quantize(w: np.ndarray, q: Quantization) -> tuple[np.ndarray, np.ndarr
 
 def group_dequantize(packed: np.ndarray, scale: np.ndarray, q: Quantization) -> np.ndarray:
     """Inverse of group_quantize, in float32: the reference the compiled kernels are tested against."""
+    if packed.ndim > 2:
+        w = group_dequantize(packed.reshape(-1, packed.shape[-1]), scale.reshape(-1, scale.shape[-1]), q)
+        return w.reshape(*packed.shape[:-1], -1)
     n = packed.shape[0]
     shifts = (np.arange(q.per_word, dtype=np.uint32) * q.bits)
     codes = (packed[:, :, None] >> shifts) & ((1 << q.bits) - 1)

@@ -99,6 +99,8 @@ def quantize_model(model: nn.Module, q: Quantization) -> nn.Module:
                 return GroupQuantLinear(node.in_features, node.out_features, node.bias is not None, q)
             if isinstance(node, nn.Embedding):
                 return GroupQuantEmbedding(node.num, node.dim, q)
+            if hasattr(node, "group_quantized"):  # stacked expert weights (relax_models/moe.py)
+                return node.group_quantized(q)
             return self.visit(name, node)
 
     return _Swap().visit("", model)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import re
 import struct
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -33,11 +34,26 @@ class ModelSource:
         for alias in (name, *(name.replace(a, b, 1) for a, b in _PREFIX_ALIASES if name.startswith(a))):
             if alias in self.tensors:
                 return self.tensors[alias]()
+        stacked = self._stacked_experts(name)
+        if stacked is not None:
+            return stacked
         raise ModelSourceError(f"{self.path}: tensor '{name}' is missing from the checkpoint")
+
+    def _stacked_experts(self, name: str) -> np.ndarray | None:
+        """`<block>.experts.<proj>.weight` (one tensor over all experts, as GGUF stores them) from an HF
+        checkpoint's per-expert `<block>.experts.<e>.<proj>.weight`, stacked to [E, out, in]."""
+        m = _MERGED_EXPERTS.match(name)
+        if m is None or f"{m[1]}.0.{m[2]}.weight" not in self.tensors:
+            return None
+        count = 0
+        while f"{m[1]}.{count}.{m[2]}.weight" in self.tensors:
+            count += 1
+        return np.stack([self.tensors[f"{m[1]}.{e}.{m[2]}.weight"]() for e in range(count)])
 
 
 # multimodal checkpoints name their language model one way on the Hub and another once transformers saves them
 _PREFIX_ALIASES = (("model.language_model.", "language_model.model."),)
+_MERGED_EXPERTS = re.compile(r"^(.*\.experts)\.([A-Za-z_][A-Za-z0-9_]*)\.weight$")
 
 
 # -- safetensors (read with numpy memmaps: bf16 has no numpy dtype, so we widen it ourselves) ------------------
@@ -113,21 +129,22 @@ def _gguf_field(reader, key: str) -> Any:
 def load_gguf(path: Path) -> ModelSource:
     import gguf
 
-    from mlcc.relax_models import family_for
+    from mlcc.relax_models import family_for, gguf_model_type
 
     try:
         reader = gguf.GGUFReader(str(path))
     except Exception as e:  # noqa: BLE001 - gguf raises bare ValueErrors on bad magic
         raise ModelSourceError(f"{path}: not a readable GGUF file ({e})") from e
     arch = _gguf_field(reader, "general.architecture")
-    family = family_for(arch, source="gguf")
     fields = {k: _gguf_field(reader, k) for k in reader.fields if not k.startswith("tokenizer.ggml.")}
+    model_type = gguf_model_type(arch, fields)
+    family = family_for(model_type, source="gguf")
     by_name = {t.name: t for t in reader.tensors}
     if "token_embd.weight" not in by_name:
         raise ModelSourceError(f"{path}: GGUF has no token_embd.weight")
     vocab = int(by_name["token_embd.weight"].shape[-1])
     config = family.gguf_config(fields, arch, vocab, has_output="output.weight" in by_name)
-    config["model_type"] = arch
+    config["model_type"] = model_type
     if "rope_factors_long.weight" in by_name:  # LongRoPE (Phi-3) keeps its factors as tensors
         from mlcc.relax_models.phi3 import gguf_rope_factors
 
@@ -145,7 +162,7 @@ def load_gguf(path: Path) -> ModelSource:
             if g is None or g not in by_name:
                 continue
             tensors[hf_name] = _gguf_loader(by_name[g], fixups.get(hf_name))
-    return ModelSource("gguf", path, arch, config, tensors)
+    return ModelSource("gguf", path, model_type, config, tensors)
 
 
 def _gguf_arch_enum(arch: str):

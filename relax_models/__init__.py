@@ -2,7 +2,7 @@
 
 Every family builds the shared decoder (blocks.py); its module parses the config (`config_from_hf`), says where the
 weights live (`hf_weight_plan`, optional `hf_fixups`), and reads GGUF metadata (`gguf_config`, optional
-`gguf_fixups`, `gguf_tensors` for tensors GGUF keeps outside the layers' names).
+`gguf_fixups`); a family whose model is not the plain decoder names its class `MODEL_CLS` (the MoE families).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from typing import Any, Callable
 
 from mlcc.errors import UnknownArchitectureError
 
-from . import gemma, gemma2, gemma3, granite, llama, olmo2, phi3, qwen2, qwen3
+from . import gemma, gemma2, gemma3, granite, llama, mixtral, olmo2, phi3, qwen2, qwen2_moe, qwen3, qwen3_moe
 from .blocks import DecoderConfig, DecoderForCausalLM
 from .weight_plans import check_tensor_parallel, shard_weight
 
@@ -47,8 +47,10 @@ class Family:
         return shard_weight(name, w, cfg, rank, shards)
 
 
-_FAMILIES = {m.__name__.rsplit(".", 1)[1]: Family(m.__name__.rsplit(".", 1)[1], m)
-             for m in (llama, qwen2, qwen3, gemma, gemma2, gemma3, phi3, olmo2, granite)}
+_FAMILIES = {m.__name__.rsplit(".", 1)[1]: Family(m.__name__.rsplit(".", 1)[1], m,
+                                                  getattr(m, "MODEL_CLS", DecoderForCausalLM))
+             for m in (llama, qwen2, qwen3, gemma, gemma2, gemma3, phi3, olmo2, granite, mixtral, qwen2_moe,
+                       qwen3_moe)}
 
 # HF model_type → family
 ARCHITECTURES: dict[str, Family] = {
@@ -64,12 +66,24 @@ ARCHITECTURES: dict[str, Family] = {
     "phi3": _FAMILIES["phi3"],
     "olmo2": _FAMILIES["olmo2"],
     "granite": _FAMILIES["granite"],
+    "mixtral": _FAMILIES["mixtral"],
+    "qwen2_moe": _FAMILIES["qwen2_moe"],
+    "qwen3_moe": _FAMILIES["qwen3_moe"],
 }
 
 # GGUF general.architecture → family
 GGUF_ARCHITECTURES: dict[str, Family] = {
-    name: _FAMILIES[name] for name in ("llama", "qwen2", "qwen3", "gemma", "gemma2", "gemma3", "phi3", "olmo2",
-                                       "granite")}
+    **{name: _FAMILIES[name] for name in ("llama", "qwen2", "qwen3", "gemma", "gemma2", "gemma3", "phi3", "olmo2",
+                                          "granite")},
+    "qwen2moe": _FAMILIES["qwen2_moe"], "qwen3moe": _FAMILIES["qwen3_moe"],
+    "mixtral": _FAMILIES["mixtral"],  # (what gguf_model_type calls llama.cpp's `llama` files with experts)
+}
+
+
+def gguf_model_type(arch: str, fields: dict[str, Any]) -> str:
+    """The GGUF_ARCHITECTURES key of a GGUF file: its `general.architecture`, except that llama.cpp writes
+    Mixtral as `llama` with an expert count."""
+    return "mixtral" if arch == "llama" and int(fields.get("llama.expert_count") or 0) > 0 else arch
 
 
 def family_for(model_type: str, source: str = "hf") -> Family:

@@ -60,6 +60,41 @@ def decoder_plan(cfg: DecoderConfig, norms: dict[str, str] = LLAMA_NORMS, fused_
     return _fold_multipliers(plan, cfg)
 
 
+def _concat_rows(ts: list[np.ndarray]) -> np.ndarray:
+    """Stacked [E, out, in] tensors joined along out (gate then up, per expert)."""
+    return np.concatenate(ts, axis=1)
+
+
+def moe_plan(cfg: Any, plan: Plan, block: str, expert_names: tuple[str, str, str], prefix: str = "model") -> Plan:
+    """`plan` with the dense MLP of each sparse layer replaced by the MoE block's parameters (relax_models/moe.py).
+    block: where the checkpoint keeps the MoE block in a layer ("mlp"; Mixtral "block_sparse_moe");
+    expert_names: its gate, up and down projections. Experts are read as one stacked [E, out, in] tensor per
+    projection under the name gguf's table gives the merged tensor (`<block>.experts.<name>.weight`); an HF folder
+    stores one tensor per expert, which the weight source stacks (compiler/weights.py)."""
+    gate, up, down = expert_names
+    for i in range(cfg.num_hidden_layers):
+        if not cfg.sparse_layers[i]:
+            continue
+        ours, hf = f"model.layers.{i}.mlp", f"{prefix}.layers.{i}.{block}"
+        del plan[f"{ours}.gate_up_proj.weight"], plan[f"{ours}.down_proj.weight"]
+        plan[f"{ours}.gate.weight"] = ([f"{hf}.gate.weight"], None)
+        plan[f"{ours}.experts.gate_up_proj.weight"] = (
+            [f"{hf}.experts.{gate}.weight", f"{hf}.experts.{up}.weight"], _concat_rows)
+        plan[f"{ours}.experts.down_proj.weight"] = ([f"{hf}.experts.{down}.weight"], None)
+        if cfg.shared_expert_intermediate_size:
+            shared = f"{hf}.shared_expert"
+            plan[f"{ours}.shared_expert.gate_up_proj.weight"] = (
+                [f"{shared}.gate_proj.weight", f"{shared}.up_proj.weight"], _concat)
+            plan[f"{ours}.shared_expert.down_proj.weight"] = ([f"{shared}.down_proj.weight"], None)
+            plan[f"{ours}.shared_expert_gate.weight"] = ([f"{hf}.shared_expert_gate.weight"], _as_row)
+    return plan
+
+
+def _as_row(ts: list[np.ndarray]) -> np.ndarray:
+    """The shared expert's gate as [1, hidden] (GGUF may store it as a vector)."""
+    return ts[0].reshape(1, -1)
+
+
 def _scaled(combine: Callable | None, factor: float) -> Callable:
     def scaled(ts: list[np.ndarray]) -> np.ndarray:
         return (combine(ts) if combine else ts[0]).astype(np.float32) * np.float32(factor)
@@ -103,14 +138,18 @@ def check_tensor_parallel(cfg: DecoderConfig, shards: int, group_size: int | Non
     if cfg.qk_norm == "projection":
         raise TensorParallelError("--tensor-parallel: this model normalizes q and k over all heads at once (OLMo2), "
                                   "which a split over GPUs cannot compute without an extra all-reduce; use one GPU")
-    for what, n in (("attention heads", cfg.num_attention_heads), ("key/value heads", cfg.num_key_value_heads),
-                    ("intermediate size", cfg.intermediate_size)):
+    mlps = [("MLP", cfg.intermediate_size)] + [  # (mixture-of-experts models: the experts' and the shared one's)
+        (label, getattr(cfg, key)) for key, label in (("moe_intermediate_size", "expert MLP"),
+                                                      ("shared_expert_intermediate_size", "shared expert MLP"))
+        if getattr(cfg, key, 0)]
+    for what, n in [("attention heads", cfg.num_attention_heads), ("key/value heads", cfg.num_key_value_heads)] + [
+            (f"{label} intermediate size", n) for label, n in mlps]:
         if n % shards:
             raise TensorParallelError(f"--tensor-parallel {shards}: the model's {what} ({n}) do not split evenly; "
                                       f"use a shard count that divides {n}")
     if group_size:
-        for what, n in (("attention output width", cfg.num_attention_heads // shards * cfg.head_dim),
-                        ("MLP width", cfg.intermediate_size // shards)):
+        for what, n in [("attention output width", cfg.num_attention_heads // shards * cfg.head_dim)] + [
+                (f"{label} width", n // shards) for label, n in mlps]:
             if n % group_size:
                 raise TensorParallelError(
                     f"--tensor-parallel {shards}: each shard's {what} ({n}) is not a multiple of the "
@@ -123,6 +162,8 @@ def shard_weight(name: str, w: np.ndarray, cfg: Any, rank: int, shards: int) -> 
     embeddings, norms (also the per-head q/k norms) and the LM head are replicated."""
     if shards == 1:
         return w
+    if w.ndim == 3:  # stacked experts [E, out, in]: each expert splits like the dense MLP
+        return np.stack([shard_weight(name, e, cfg, rank, shards) for e in w])
     hd = cfg.head_dim
 
     def block(x: np.ndarray, axis: int) -> np.ndarray:

@@ -74,7 +74,17 @@ FAMILY_CONFIGS = {
                                            tie_word_embeddings=False)),
     "granite": ("GraniteForCausalLM", dict(embedding_multiplier=6.0, residual_multiplier=0.5,
                                            attention_multiplier=0.2, logits_scaling=4.0, tie_word_embeddings=True)),
+    # mixture of experts (tests/test_moe.py): Mixtral's renormalised top 2; Qwen2-MoE's shared expert, a dense layer
+    # (mlp_only_layers) and the softmax over all experts; Qwen3-MoE's renormalised top k with q/k norms
+    "mixtral": ("MixtralForCausalLM", dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=64,
+                                           tie_word_embeddings=False)),
+    "qwen2_moe": ("Qwen2MoeForCausalLM", dict(
+        num_hidden_layers=3, num_experts=8, num_experts_per_tok=4, moe_intermediate_size=32,
+        shared_expert_intermediate_size=64, norm_topk_prob=False, mlp_only_layers=[1], tie_word_embeddings=False)),
+    "qwen3_moe": ("Qwen3MoeForCausalLM", dict(num_experts=16, num_experts_per_tok=4, moe_intermediate_size=32,
+                                             norm_topk_prob=True, head_dim=32, tie_word_embeddings=False)),
 }
+MOE_FAMILIES = ["mixtral", "qwen2_moe", "qwen3_moe"]
 
 
 def make_hf_model(kind: str, folder: Path, seed: int = 0) -> Path:
@@ -114,6 +124,8 @@ def make_hf_model(kind: str, folder: Path, seed: int = 0) -> Path:
         for name, p in model.named_parameters():
             if name.endswith("bias") or "norm" in name:
                 p.add_(0.1 * torch.randn_like(p))
+            if name.endswith("mlp.gate.weight"):  # MoE routers: decisive choices, different experts per token
+                p.mul_(10.0)
     model.eval().save_pretrained(folder)
     write_tokenizer(folder)
     return folder
