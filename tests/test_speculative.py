@@ -302,6 +302,84 @@ def test_smollm2_ngram_greedy_equals_plain_on_a_copy_heavy_prompt():
         assert e.core.speculator.mean_tokens_per_step() > 2
 
 
+@pytest.fixture(scope="module")
+def smollm2_pair():
+    """The bundled SmolLM2 without and with n-gram speculation (max_batch 2: a grammar request and a speculating
+    one decode together)."""
+    with Engine(target="llvm", max_batch=2) as plain, \
+            Engine(target="llvm", max_batch=2, speculative_config=NGRAM) as spec:
+        yield plain, spec
+
+
+QUOTE = ("Quote the following notice word for word, then stop:\n\nThe library is open from nine in the morning until "
+         "six in the evening on weekdays, and from ten until four on Saturdays. Books may be borrowed for three "
+         "weeks and renewed twice, online or at the front desk, unless another reader has reserved them. Late "
+         "returns cost twenty cents a day per book. Study rooms on the second floor can be booked for up to two "
+         "hours at a time.")
+PERSON = {"type": "json_schema", "json_schema": {"name": "person", "strict": True, "schema": {
+    "type": "object", "properties": {"name": {"type": "string", "maxLength": 30},
+                                     "age": {"type": "integer", "minimum": 0, "maximum": 120},
+                                     "city": {"type": "string", "maxLength": 30}},
+    "required": ["name", "age", "city"], "additionalProperties": False}}}
+
+
+def _chat(engine: Engine, text: str, **kw):
+    return engine.chat.completions.create(messages=[{"role": "user", "content": text}], temperature=0, **kw)
+
+
+def test_json_schema_with_speculation_equals_plain(smollm2_pair):
+    """A response_format=json_schema request on a speculating engine: the same JSON as without speculation (the
+    grammar's mask needs each token before the next: such requests decode plainly), alone and while another
+    request speculates beside it."""
+    plain, spec = smollm2_pair
+    ask = "Give me a person who lives in Paris as JSON, with a name, an age and a city."
+    want = _chat(plain, ask, response_format=PERSON, max_tokens=60)
+    assert want.choices[0].finish_reason == "stop"
+    value = json.loads(want.choices[0].message.content)
+    assert set(value) == {"name", "age", "city"}
+    drafts = spec.core.stats["spec_drafts"]
+    got = _chat(spec, ask, response_format=PERSON, max_tokens=60)
+    assert got.choices[0].message.content == want.choices[0].message.content
+    assert got.choices[0].finish_reason == "stop"
+    assert spec.core.stats["spec_drafts"] == drafts    # it did not speculate
+    want_quote = _chat(plain, QUOTE, max_tokens=80).choices[0].message.content
+    got: dict = {}
+    threads = [threading.Thread(target=lambda: got.setdefault("json", _chat(spec, ask, response_format=PERSON,
+                                                                             max_tokens=60))),
+               threading.Thread(target=lambda: got.setdefault("quote", _chat(spec, QUOTE, max_tokens=80)))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert got["json"].choices[0].message.content == want.choices[0].message.content
+    assert got["quote"].choices[0].message.content == want_quote
+    assert spec.core.stats["spec_drafts"] > drafts
+    _settled(spec)
+
+
+def test_stop_strings_inside_accepted_drafts(smollm2_pair):
+    """SmolLM2 quoting a notice: most n-gram proposals are accepted (3-4 tokens per verify), so a stop string mostly
+    ends inside a run of tokens one verify step emits: the text, finish reason and token count are plain
+    decoding's, streamed too."""
+    plain, spec = smollm2_pair
+    full = _chat(plain, QUOTE, max_tokens=100).choices[0].message.content
+    before = dict(spec.core.stats)
+    for stop in ("three weeks", "front desk", "second floor", "reserved"):
+        assert stop in full
+        kw = dict(max_tokens=100, stop=[stop])
+        w, r = _chat(plain, QUOTE, **kw), _chat(spec, QUOTE, **kw)
+        assert (r.choices[0].message.content, r.choices[0].finish_reason, r.usage.completion_tokens) == \
+            (w.choices[0].message.content, "stop", w.usage.completion_tokens)
+        assert r.choices[0].message.content == full[:full.index(stop)]
+        streamed = "".join(c.choices[0].delta.content or "" for c in _chat(spec, QUOTE, stream=True, **kw)
+                           if c.choices)
+        assert streamed == w.choices[0].message.content
+    st = spec.core.stats
+    emitted, drafts = (st[k] - before.get(k, 0) for k in ("spec_emitted_tokens", "spec_drafts"))
+    assert emitted > 2 * drafts > 0
+    _settled(spec)
+
+
 # -- the server ------------------------------------------------------------------------------------------------
 
 def test_serve_flag_and_metrics(target, tmp_path):
