@@ -3,6 +3,7 @@ with real weights, on the H200 with random weights of the real shapes.
 
     python bench/speculative.py cpu --out /tmp/spec                       # both parts below
     python bench/speculative.py cpu --out /tmp/spec --skip-draft          # the n-gram part only
+    python bench/speculative.py cpu --out /tmp/spec --skip-ngram          # the draft pair only
     python bench/speculative.py build --out .dev/specgpu                  # here: the CUDA libraries (shape only)
     bash bench/gpu.sh run python3 bench/speculative.py gpu --libs .dev/specgpu --out $OUT   # device
                                                                           # (carry .gpu-rt .whl .dev/specgpu)
@@ -160,10 +161,11 @@ def cmd_cpu(a) -> None:
 
     res: dict = {"build": build_info(), "load_before": _load(), "max_tokens": a.max_tokens, "repeats": a.repeats}
     kw = dict(target="llvm", max_batch=1, kv_cache_tokens=4096)
-    print("ngram, bundled SmolLM2-135M", flush=True)
-    with Engine(**kw) as plain, Engine(speculative_config=NGRAM, **kw) as spec:
-        res["ngram"] = {"config": NGRAM, "model": plain.model_name,
-                        "prompts": _compare(plain, spec, NGRAM_PROMPTS, a.max_tokens, a.repeats)}
+    if not a.skip_ngram:
+        print("ngram, bundled SmolLM2-135M", flush=True)
+        with Engine(**kw) as plain, Engine(speculative_config=NGRAM, **kw) as spec:
+            res["ngram"] = {"config": NGRAM, "model": plain.model_name,
+                            "prompts": _compare(plain, spec, NGRAM_PROMPTS, a.max_tokens, a.repeats)}
     if not a.skip_draft:
         target = _coder(a.target_model, "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf")
         draft = _coder(a.draft_model, "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf")
@@ -181,6 +183,7 @@ def _args(p) -> None:
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--skip-draft", action="store_true")
+    p.add_argument("--skip-ngram", action="store_true")
     p.add_argument("--target-model", default=None, help="Qwen2.5-Coder-1.5B-Instruct: .gguf or artifacts folder")
     p.add_argument("--draft-model", default=None, help="Qwen2.5-Coder-0.5B-Instruct: .gguf or artifacts folder")
 
