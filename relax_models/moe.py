@@ -121,18 +121,18 @@ class SparseMoE(nn.Module):
         self.normalize = cfg.norm_topk_prob
         self.hidden = cfg.hidden_size
         self.inter = cfg.moe_intermediate_size // self.shards
-        self.gate = Router(cfg.hidden_size, cfg.num_experts)
+        shared = cfg.shared_expert_intermediate_size
+        # the shared expert's gate is one more row of the router: one projection, and no 1-column matmul (which
+        # dlight's GPU GEMV rule cannot schedule)
+        self.gate = Router(cfg.hidden_size, cfg.num_experts + (1 if shared else 0))
         self.experts = ExpertsMLP(cfg.num_experts, cfg.hidden_size, self.inter)
-        if cfg.shared_expert_intermediate_size:
-            self.shared_expert = MLP(dataclasses.replace(cfg, intermediate_size=cfg.shared_expert_intermediate_size))
-            self.shared_expert_gate = Router(cfg.hidden_size, 1)
-        else:
-            self.shared_expert = None
+        self.shared_expert = MLP(dataclasses.replace(cfg, intermediate_size=shared)) if shared else None
 
     def forward(self, x: Tensor) -> Tensor:
         b, s, h = x.shape
         flat = op.reshape(x, (b * s, h))
-        weights, ids = topk_softmax(self.gate(flat), self.k, self.normalize, self.target)
+        logits = self.gate(flat)
+        weights, ids = topk_softmax(logits, self.num_experts, self.k, self.normalize, self.target)
         fmt = ExpertFormat(x.dtype, self.experts.gate_up_proj.bits, self.experts.gate_up_proj.group_size)
         if isinstance(b * s, int) and b * s == 1:  # decode: one token, a GEMV over its k experts
             out = self.experts.one_token(flat, op.reshape(ids, (self.k,)), weights, fmt, self.target)
@@ -141,7 +141,7 @@ class SparseMoE(nn.Module):
                                        self.target)
         out = _allreduce_across_shards(out, self.shards)
         if self.shared_expert is not None:  # (its down projection all-reduces on its own)
-            gate = op.sigmoid(self.shared_expert_gate(flat)).astype(x.dtype)
+            gate = op.sigmoid(op.split(logits, [self.num_experts], axis=1)[1]).astype(x.dtype)
             out = out + gate * self.shared_expert(flat)
         return op.reshape(out, (b, s, h))
 

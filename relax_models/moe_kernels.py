@@ -77,10 +77,11 @@ def _tile(n: int) -> int:
 
 # -- routing ----------------------------------------------------------------------------------------------------
 
-def topk_softmax(logits: Tensor, k: int, renormalize: bool, target) -> tuple[Tensor, Tensor]:
-    """logits [T, E] float32 → (weights [T, k] float32, expert ids [T, k] int32), in descending order; among equal
-    logits the lower expert id first. Without `renormalize` the weights are the softmax over all E experts."""
-    tokens, experts = logits.shape
+def topk_softmax(logits: Tensor, experts: int, k: int, renormalize: bool, target) -> tuple[Tensor, Tensor]:
+    """logits [T, ≥E] float32 (columns past E are not the experts') → (weights [T, k] float32, expert ids [T, k]
+    int32), in descending order; among equal logits the lower expert id first. Without `renormalize` the weights
+    are the softmax over all E experts."""
+    tokens, width = logits.shape
     gpu = _gpu(target)
 
     @T.macro
@@ -125,7 +126,7 @@ def topk_softmax(logits: Tensor, k: int, renormalize: bool, target) -> tuple[Ten
     def func(lg_h: T.handle, w_h: T.handle, ids_h: T.handle):
         T.func_attr(_OPAQUE)
         n = T.int64()
-        lg = T.match_buffer(lg_h, (n, experts), "float32")
+        lg = T.match_buffer(lg_h, (n, width), "float32")
         w = T.match_buffer(w_h, (n, k), "float32")
         ids = T.match_buffer(ids_h, (n, k), "int32")
         if gpu:

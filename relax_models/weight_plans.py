@@ -77,7 +77,7 @@ def moe_plan(cfg: Any, plan: Plan, block: str, expert_names: tuple[str, str, str
             continue
         ours, hf = f"model.layers.{i}.mlp", f"{prefix}.layers.{i}.{block}"
         del plan[f"{ours}.gate_up_proj.weight"], plan[f"{ours}.down_proj.weight"]
-        plan[f"{ours}.gate.weight"] = ([f"{hf}.gate.weight"], None)
+        plan[f"{ours}.gate.weight"] = ([f"{hf}.gate.weight"], None)  # the router
         plan[f"{ours}.experts.gate_up_proj.weight"] = (
             [f"{hf}.experts.{gate}.weight", f"{hf}.experts.{up}.weight"], _concat_rows)
         plan[f"{ours}.experts.down_proj.weight"] = ([f"{hf}.experts.{down}.weight"], None)
@@ -86,13 +86,14 @@ def moe_plan(cfg: Any, plan: Plan, block: str, expert_names: tuple[str, str, str
             plan[f"{ours}.shared_expert.gate_up_proj.weight"] = (
                 [f"{shared}.gate_proj.weight", f"{shared}.up_proj.weight"], _concat)
             plan[f"{ours}.shared_expert.down_proj.weight"] = ([f"{shared}.down_proj.weight"], None)
-            plan[f"{ours}.shared_expert_gate.weight"] = ([f"{hf}.shared_expert_gate.weight"], _as_row)
+            # its sigmoid gate is the router's last row (moe.SparseMoE)
+            plan[f"{ours}.gate.weight"] = ([f"{hf}.gate.weight", f"{hf}.shared_expert_gate.weight"], _router_rows)
     return plan
 
 
-def _as_row(ts: list[np.ndarray]) -> np.ndarray:
-    """The shared expert's gate as [1, hidden] (GGUF may store it as a vector)."""
-    return ts[0].reshape(1, -1)
+def _router_rows(ts: list[np.ndarray]) -> np.ndarray:
+    """The router's rows, then the shared expert's gate (GGUF may store that one as a vector)."""
+    return np.concatenate([ts[0], ts[1].reshape(1, -1)], axis=0)
 
 
 def _scaled(combine: Callable | None, factor: float) -> Callable:

@@ -83,6 +83,10 @@ FAMILY_CONFIGS = {
         shared_expert_intermediate_size=64, norm_topk_prob=False, mlp_only_layers=[1], tie_word_embeddings=False)),
     "qwen3_moe": ("Qwen3MoeForCausalLM", dict(num_experts=16, num_experts_per_tok=4, moe_intermediate_size=32,
                                              norm_topk_prob=True, head_dim=32, tie_word_embeddings=False)),
+    # every layer sparse, as llama.cpp's qwen2moe files are (the GGUF test)
+    "qwen2_moe_sparse": ("Qwen2MoeForCausalLM", dict(
+        num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=64,
+        norm_topk_prob=False, tie_word_embeddings=False)),
 }
 MOE_FAMILIES = ["mixtral", "qwen2_moe", "qwen3_moe"]
 
