@@ -1,97 +1,211 @@
 #!/usr/bin/env bash
-# mlcc's Vulkan build on the H200: the WebGPU library (WGSL in a .wasm) run in Node.js by Dawn's Vulkan backend on
-# NVIDIA's Vulkan driver, greedy output checked against the CPU target's, a table and $OUT/vulkan_nvidia.json.
-# Run from the checkout root.
+# mlcc's WebGPU build on a real GPU: the WebGPU library (WGSL in a .wasm) run in Node.js by Dawn's Vulkan backend
+# (npm `webgpu`) on NVIDIA's Vulkan driver, against the CUDA build of the same model in the same run. SmolLM2-135M and
+# the Qwen2.5-0.5B shape, q4f16_1 and q4f32_1, seeded random weights (bench/vulkan_bench.py says why and how they are
+# checked against the CPU build). Run from the checkout root.
 #
-#   here:   bash bench/vulkan.sh prepare [MODEL]   # needs emscripten and npm (as `mlcc web` does); MODEL: HF folder
-#                                                  # or .gguf, default the tests' tiny random Llama (small enough
-#                                                  # to carry: a real model's weights are not)
-#   device: run(command="bash bench/vulkan.sh run", carry=[".vk"])
+#   here:    bash bench/vulkan.sh prepare      # needs emscripten, npm, apt-get download; writes .vk/ (git-ignored)
+#   device:  run(command="bash bench/gpu.sh run bash bench/vulkan.sh run", carry=[".gpu-rt", ".vk"])
+#            (bench/gpu.sh prepare writes .gpu-rt: runtime-only TVM for the CUDA builds and the weights writer)
+#   here:    bash bench/vulkan.sh local        # the run stage on this machine's Vulkan (lavapipe / SwiftShader),
+#                                              # web side only and short: checks everything but the driver
 #
-# prepare compiles MODEL for `vulkan` (q4f16_1) and `webgpu` (q4f32_1) and, for the expected answers, for `llvm`
-# with both quantizations; bundles a site (`mlcc web`); and packs .vk/ (git-ignored): node (xz), npm webgpu (Dawn,
-# linux-x64 only), this machine's Vulkan loader, the site, expected.json.
+# .vk/ holds payload.tar.xz: node (xz'd, static: no libnode to find there), npm webgpu's linux-x64 dawn.node, the
+# Vulkan loader and libglvnd .debs (NVIDIA's ICD, libGLX_nvidia.so.0, needs libGLdispatch/libGLX: without them the
+# loader reports "Could not get 'vkCreateInstance' via 'vk_icdGetInstanceProcAddr'"), the site (engine + the four
+# .wasm, no weights: the device writes them, 0.5B in q4f32_1 is ~350 MB), the cuda libraries, the CPU's answers.
+# The device run prints diagnostics first (driver, ICD json, unresolved libraries, Dawn's adapter), so one call
+# says what failed; results: $OUT/vulkan_webgpu.json (rows: target, device, tok_per_s, cuda_tok_per_s, checks,
+# per-token dispatch counts, shader time), $OUT/log.txt, $OUT/raw.tar.xz; the table on stdout.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-PROMPT="What is the capital of France?"
-TOKENS=16
+W=${VK_BUILD:-.dev/vkbench}   # build folder here
+VK_BUDGET_MIB=45        # .vk's share of one call's 64 MiB (the tree and .gpu-rt travel beside it)
+DEBS="libvulkan1 libglvnd0 libglx0 libgl1 libegl1 libgles2 libopengl0"
+
+die() { echo "vulkan.sh: $*" >&2; exit 1; }
 
 prepare() {
-  local w=.dev/vk model=${1:-} out=.vk exclude
+  local exclude nm stage=.dev/vkstage
   exclude=$(git rev-parse --git-path info/exclude)
   mkdir -p "$(dirname "$exclude")"
   for p in /.vk/ /.dev/; do grep -qx "$p" "$exclude" 2>/dev/null || echo "$p" >> "$exclude"; done
-  rm -rf "$w" && mkdir -p "$w"
-  if [ -z "$model" ]; then
-    model=$w/hf
-    python -c "import sys; from pathlib import Path; sys.path.insert(0, 'tests'); from conftest import make_hf_model
-make_hf_model('llama', Path('$model'))" || return 1
+  command -v node > /dev/null || die "no node here: apt-get install nodejs npm (its binary is what travels)"
+  echo "== prepare: libraries (webgpu, cuda, llvm), the CPU build's answers, the site into $W"
+  if [ -n "${VK_REUSE:-}" ] && [ -f "$W/expected.json" ]; then   # an earlier build folder as it is
+    python bench/vulkan_bench.py jobs --out "$W" || die "could not write the job files"
+  else
+    python bench/vulkan_bench.py build --out "$W" \
+      || die "build failed (above): emscripten (apt-get install emscripten) and npm are needed, as for mlcc web"
   fi
-  python -m mlcc compile "$model" --target vulkan --quant q4f16_1 --output "$w/vk-q4f16_1" || return 1
-  python -m mlcc compile "$model" --target webgpu --quant q4f32_1 --output "$w/vk-q4f32_1" || return 1
-  python -m mlcc web "$w/vk-q4f32_1" "$w/vk-q4f16_1" --output "$w/site" || return 1
-  python - "$model" "$w" <<PY || return 1
-import json, sys
-from pathlib import Path
-from mlcc.compiler.build import compile_model
-from mlcc.runtime.engine import Engine
-model, w = sys.argv[1], Path(sys.argv[2])
-want = {}
-for build, quant in (("vk-q4f32_1", "q4f32_1"), ("vk-q4f16_1", "q4f16_1")):
-    compile_model(model, "llvm", quant, w / f"cpu-{quant}")
-    with Engine(w / f"cpu-{quant}", target="llvm") as e:
-        r = e.chat.completions.create(messages=[{"role": "user", "content": "$PROMPT"}], max_tokens=$TOKENS,
-                                      temperature=0)
-    want[build] = {"content": r.choices[0].message.content, "completion_tokens": r.usage.completion_tokens}
-(w / "expected.json").write_text(json.dumps(want, indent=1))
-PY
-  rm -rf "$out" && mkdir -p "$out/node_modules/webgpu/dist/linux-x64"
-  local nm
-  nm=$(python -c "from mlcc.web.npm_deps import node_modules; print(node_modules())") || return 1
-  cp "$nm/webgpu/package.json" "$nm/webgpu/index.js" "$out/node_modules/webgpu/"
-  cp "$nm/webgpu/dist/linux-x64/dawn.node" "$out/node_modules/webgpu/dist/linux-x64/"
-  xz -T2 -6 -c "$(command -v node)" > "$out/node.xz"
-  cp -L /usr/lib/x86_64-linux-gnu/libvulkan.so.1 "$out/"
-  cp -r "$w/site" "$out/site"
-  rm -f "$out"/site/vendor/*.js "$out/site/index.html" "$out/site/app.js"   # Node needs only the .cjs copies
-  cp "$w/expected.json" "$out/expected.json"
-  du -sh "$out"
+  echo "== prepare: Vulkan loader + libglvnd .debs"
+  mkdir -p .dev/vkdebs
+  ( cd .dev/vkdebs && for d in $DEBS; do compgen -G "${d}_*.deb" > /dev/null || apt-get download "$d" 2>/dev/null \
+      || { echo "apt-get download $d failed"; exit 1; }; done ) \
+    || die "could not fetch the .debs: see /work/.library/device/README.md for apt-get download with amd64 lists"
+  echo "== prepare: packing"
+  nm=$(python -c "from mlcc.web.npm_deps import node_modules; print(node_modules())") || die "npm deps missing"
+  rm -rf "$stage" && mkdir -p "$stage/webgpu/dist/linux-x64" "$stage/debs" "$stage/cuda"
+  cp "$nm/webgpu/package.json" "$nm/webgpu/index.js" "$stage/webgpu/"
+  cp "$nm/webgpu/dist/linux-x64/dawn.node" "$stage/webgpu/dist/linux-x64/"
+  cp "$(readlink -f "$(command -v node)")" "$stage/node"
+  ldd "$stage/node" | grep -q libnode && die "this node links libnode (Debian's): install nodesource's static node"
+  cp .dev/vkdebs/*.deb "$stage/debs/"
+  cp -r "$W/site" "$stage/site"
+  # the browser-only files stay behind (Node uses the .cjs copies; xgrammar is optional), and so do the weights
+  rm -f "$stage"/site/vendor/*.js "$stage"/site/vendor/xgrammar.cjs "$stage/site/index.html" "$stage/site/app.js" \
+        "$stage"/site/models/*/params_shard_*.bin
+  for d in "$W"/cuda/*/; do
+    mkdir -p "$stage/cuda/$(basename "$d")" && cp "$d"/model.so "$d"/mlcc-config.json "$stage/cuda/$(basename "$d")/"
+  done
+  cp "$W"/expected.json "$W"/job-*.json "$stage/"
+  rm -rf .vk && mkdir -p .vk
+  tar -C "$stage" -cf - . | xz -T2 -9 > .vk/payload.tar.xz || die "packing failed"
+  local mib
+  mib=$(( $(stat -c %s .vk/payload.tar.xz) / 1048576 ))
+  du -sh .vk .gpu-rt 2>/dev/null
+  [ "$mib" -le "$VK_BUDGET_MIB" ] || die ".vk is ${mib} MiB, over its ${VK_BUDGET_MIB} MiB share of a call"
+  [ -f .gpu-rt/setup.sh ] || echo "note: no .gpu-rt here yet: bash bench/gpu.sh prepare (the device run needs it)"
+  echo "prepared: carry [\".gpu-rt\", \".vk\"]; command: bash bench/gpu.sh run bash bench/vulkan.sh run"
+}
+
+unpack() {   # payload -> $VK (once per machine: a warm one keeps /tmp)
+  local sum
+  [ -f .vk/payload.tar.xz ] || die "no .vk/payload.tar.xz here: bash bench/vulkan.sh prepare, then carry .vk"
+  sum=$(sha256sum .vk/payload.tar.xz | cut -c1-16)
+  if [ "$(cat "$VK/.payload" 2>/dev/null)" != "$sum" ]; then
+    rm -rf "$VK" && mkdir -p "$VK" && xz -dc .vk/payload.tar.xz | tar -C "$VK" -xf - || die "unpacking failed"
+    echo "$sum" > "$VK/.payload"
+  fi
+  chmod +x "$VK/node"
+  mkdir -p "$VK/node_modules" && ln -sfn "$VK/webgpu" "$VK/node_modules/webgpu"
+  export NODE_PATH=$VK/node_modules
+}
+
+loaders() {  # the Vulkan loader and libglvnd where the image has none (README's recipe: into /, then ldconfig)
+  [ -n "${VK_NO_LOADERS:-}" ] && return 0   # (local: this machine's own loader; never unpack into its /)
+  if ! ldconfig -p | grep -q 'libvulkan.so.1 ' || ! ldconfig -p | grep -q 'libGLdispatch.so.0 '; then
+    if [ -w / ]; then
+      for f in "$VK"/debs/*.deb; do dpkg -x "$f" / || echo "dpkg -x $f failed"; done
+      ldconfig
+    else   # not root: a private copy on the library path
+      for f in "$VK"/debs/*.deb; do dpkg -x "$f" "$VK/root"; done
+      export LD_LIBRARY_PATH=$VK/root/usr/lib/x86_64-linux-gnu${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+    fi
+  fi
+}
+
+diagnose() { # which driver, which ICD json, what the ICD library cannot resolve, what Dawn sees
+  local icd="" glx lib ver
+  echo "== diagnostics"
+  command -v nvidia-smi > /dev/null && nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
+  ls -d /dev/nvidia* 2>/dev/null | tr '\n' ' '; echo
+  for lib in libvulkan.so.1 libGLdispatch.so.0 libGLX.so.0 libEGL.so.1 libGLX_nvidia.so.0 libEGL_nvidia.so.0; do
+    printf '  %-22s %s\n' "$lib" "$(ldconfig -p | grep -m1 "$lib " | sed 's/.*=> //' || true)"
+  done
+  [ -d /usr/local/nvidia/lib64 ] && export LD_LIBRARY_PATH=/usr/local/nvidia/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+  glx=$(ldconfig -p | grep -m1 'libGLX_nvidia.so.0 ' | sed 's/.*=> //')
+  [ -n "$glx" ] || glx=$(ls /usr/local/nvidia/lib64/libGLX_nvidia.so.0 /usr/lib/x86_64-linux-gnu/libGLX_nvidia.so.0 \
+                         2>/dev/null | head -1)
+  if [ -n "$glx" ]; then
+    echo "  $glx: unresolved: $(ldd "$glx" 2>&1 | grep 'not found' | tr -s ' \t\n' ' ' || true)"
+    echo "  driver libraries beside it: $(ls "$(dirname "$glx")" | grep -E 'nvidia-(glcore|glvkspirv|tls|gpucomp|eglcore)' \
+      | tr '\n' ' ')"
+  else
+    echo "  no libGLX_nvidia.so.0 (NVIDIA's Vulkan ICD) anywhere: the image lacks the driver's graphics libraries"
+  fi
+  for f in ${VK_DRIVER_FILES:-} /usr/local/nvidia/share/vulkan/icd.d/nvidia_icd.json /etc/vulkan/icd.d/nvidia_icd.json \
+           /usr/share/vulkan/icd.d/nvidia_icd.json; do
+    [ -f "$f" ] && { icd=$f; break; }
+  done
+  if [ -z "$icd" ] && [ -n "$glx" ]; then   # the driver's libraries without its manifest: write one
+    ver=$(ls /usr/lib/x86_64-linux-gnu/libnvidia-glcore.so.* /usr/local/nvidia/lib64/libnvidia-glcore.so.* 2>/dev/null \
+          | head -1 | sed 's/.*\.so\.//')
+    icd=$VK/nvidia_icd.json
+    printf '{"file_format_version": "1.0.1", "ICD": {"library_path": "%s", "api_version": "1.3.0"}}\n' "$glx" > "$icd"
+    echo "  no nvidia_icd.json found: wrote $icd (driver ${ver:-?})"
+  fi
+  if [ -n "$icd" ]; then
+    echo "  ICD: $icd: $(tr -d '\n ' < "$icd")"
+    export VK_DRIVER_FILES=$icd VK_ICD_FILENAMES=$icd
+  fi
+  for f in /usr/local/nvidia/share/glvnd/egl_vendor.d/10_nvidia.json /usr/share/glvnd/egl_vendor.d/10_nvidia.json; do
+    [ -f "$f" ] && { export __EGL_VENDOR_LIBRARY_FILENAMES=$f; break; }
+  done
+  if ! timeout 60 "$VK/node" bench/vulkan_probe.mjs; then
+    echo "  Dawn found no adapter; the Vulkan loader's own account:"
+    VK_LOADER_DEBUG=error,warn,driver timeout 60 "$VK/node" bench/vulkan_probe.mjs 2>&1 | grep -v '^\s*$' | tail -40
+    return 1
+  fi
+}
+
+web_runs() { # each build in its own node (a crash or hang costs one build), the 0.5B shape first
+  local b m t
+  for b in "${BUILDS[@]}"; do
+    m=${b%-q4f*}
+    t=$(( $(date +%s) - T0 ))
+    if [ "$t" -gt "${WEB_DEADLINE_S:-200}" ]; then echo "web $b: skipped, ${t}s gone"; continue; fi
+    echo "== web $b"
+    timeout "${WEB_TIMEOUT_S:-80}" "$VK/node" bench/vulkan_bench.mjs "$VK/site" "$b" "$VK/job-$m.json" \
+      --backend vulkan ${VK_DAWN:+--dawn "$VK_DAWN"} > "$R/web-$b.json" 2> "$R/web-$b.err"
+    echo "   rc $? in $(( $(date +%s) - T0 - t ))s; $(grep -a 'vulkan_bench' "$R/web-$b.err" | tail -3 | cut -c1-300)"
+    grep -a -v '^\[vulkan_bench' "$R/web-$b.err" | tail -5
+    report > /dev/null   # after each build: a run cut short still brings back what it measured
+  done
+}
+
+report() {
+  local webs=() b
+  for b in "${BUILDS[@]}"; do webs+=("$R/web-$b.json"); done
+  python3 bench/vulkan_bench.py report --expected "$VK/expected.json" --cuda "$R/cuda.json" --site "$VK/site" \
+    --web "${webs[@]}" --out "$OUT" 2>&1
 }
 
 run() {
-  local vk=$PWD/.vk results=() line build
-  [ -d "$vk/site" ] || { echo "no .vk here: bash bench/vulkan.sh prepare, then carry .vk"; return 2; }
-  xz -dc "$vk/node.xz" > /tmp/node && chmod +x /tmp/node
-  export LD_LIBRARY_PATH="$vk${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" NODE_PATH="$vk/node_modules"
-  # NVIDIA's ICD: the driver's own folder where the image mounts it, else the system one
-  local icd=/usr/local/nvidia/share/vulkan/icd.d/nvidia_icd.json
-  [ -f "$icd" ] || icd=/usr/share/vulkan/icd.d/nvidia_icd.json
-  export VK_ICD_FILENAMES=${VK_ICD_FILENAMES:-$icd}
-  cd "$vk/site" || return 1
-  for build in vk-q4f32_1 vk-q4f16_1; do
-    line=$(/tmp/node node_chat.mjs "models/$build" --prompt "$PROMPT" --max-tokens $TOKENS --json \
-           --backend vulkan 2>/tmp/err.txt | tail -1)
-    [ -n "$line" ] || line="{\"error\": $(python3 -c 'import json;print(json.dumps(open("/tmp/err.txt").read()[-800:]))')}"
-    results+=("\"$build\": $line")
-  done
-  local json
-  json="{$(IFS=,; echo "${results[*]}")}"
-  mkdir -p "${OUT:-/tmp/out}"
-  echo "$json" > "${OUT:-/tmp/out}/vulkan_nvidia.json"
-  python3 - "$json" "$vk/expected.json" <<'PY'
-import json, sys
-got, want = json.loads(sys.argv[1]), json.load(open(sys.argv[2]))
-print(f"{'build':12s} {'adapter':40s} {'match CPU':9s} {'prefill s':>9s} {'decode tok/s':>12s}")
-for build, r in got.items():
-    if "error" in r:
-        print(f"{build:12s} ERROR {r['error'][:300]}"); continue
-    ok = r["content"] == want[build]["content"]
-    print(f"{build:12s} {r['adapter']['description'][:40]:40s} {str(ok):9s} {r['prefill_s']:9.3f} {r['decode_tok_s'] or 0:12.1f}")
-PY
+  T0=$(date +%s)
+  VK=${VK_DIR:-/tmp/vk}
+  OUT=${OUT:-/tmp/out}; R=$VK/results
+  mkdir -p "$OUT"
+  unpack; rm -rf "$R"; mkdir -p "$R"
+  # the 0.5B shape first: its ratio is the goal, should the time run out
+  mapfile -t BUILDS < <(python3 -c "import json; m = json.load(open('$VK/expected.json'))['models']
+print('\n'.join(sorted(m, key=lambda b: not b.startswith('qwen'))))")
+  [ -n "${VK_BUILDS:-}" ] && read -r -a BUILDS <<< "$VK_BUILDS"
+  loaders
+  # (not in a pipeline: its exports, the driver's library path and ICD, are for the runs below too)
+  diagnose > "$R/diag.txt" 2>&1
+  local dawn_ok=$? tvm_ok=1
+  cat "$R/diag.txt"
+  python3 -c "import tvm, mlcc.runtime.model" 2>/dev/null || tvm_ok=0
+  [ "$tvm_ok" = 1 ] || echo "no TVM runtime / mlcc on python3's path: run under bench/gpu.sh run (carry .gpu-rt)"
+  echo "== weights (seeded random, written here) $(( $(date +%s) - T0 ))s"
+  if [ "$tvm_ok" = 1 ]; then
+    python3 bench/vulkan_bench.py weights "${BUILDS[@]/#/$VK/site/models/}" 2>&1 | tee "$R/weights.txt"
+  fi
+  # CUDA first: its timing is the predictable part, and a web run cut short still has its ratio
+  if [ "$tvm_ok" = 1 ] && command -v nvidia-smi > /dev/null && [ -z "${VK_NO_CUDA:-}" ]; then
+    echo "== cuda $(( $(date +%s) - T0 ))s"
+    timeout "${CUDA_TIMEOUT_S:-150}" python3 bench/vulkan_bench.py cuda --libs "$VK/cuda" --expected "$VK/expected.json" \
+      --out "$R" 2>&1 | grep -v Warning | tail -20
+  fi
+  [ "$dawn_ok" = 0 ] && [ "$tvm_ok" = 1 ] && web_runs
+  echo "== report $(( $(date +%s) - T0 ))s"
+  report
+  local b
+  # the raw outputs as one file (a call brings back at most 8)
+  ( cd "$R" && for b in "${BUILDS[@]}"; do [ -f "web-$b.json" ] && mv "web-$b.json" "web-$b.txt"; done
+    tar -cJf "$OUT/raw.tar.xz" . )
+  cp "$R/diag.txt" "$OUT/diag.txt"
+  echo "done in $(( $(date +%s) - T0 ))s: $OUT/vulkan_webgpu.json"
 }
 
 case "${1:-}" in
-  prepare) shift; prepare "$@" ;;
-  run) run ;;
-  *) echo "usage: bash bench/vulkan.sh prepare [MODEL] | run"; exit 2 ;;
+  prepare) prepare ;;
+  run) mkdir -p "${OUT:-/tmp/out}"; run 2>&1 | tee "${OUT:-/tmp/out}/log.txt" ;;
+  local)   # this machine's Vulkan: a short web-only pass over the same payload (SwiftShader/lavapipe are slow)
+    export VK_DIR=/tmp/vk-local VK_NO_CUDA=1 VK_NO_LOADERS=1 OUT=${OUT:-/tmp/vk-local-out} \
+      WEB_TIMEOUT_S=${WEB_TIMEOUT_S:-900} WEB_DEADLINE_S=${WEB_DEADLINE_S:-100000} VK_DECODE=${VK_DECODE:-6} \
+      VK_PREFILL=${VK_PREFILL:-64} VK_PREFILL_REPEATS=${VK_PREFILL_REPEATS:-1} VK_PROFILE_TOKENS=${VK_PROFILE_TOKENS:-2}
+    mkdir -p "$OUT"; run 2>&1 | tee "$OUT/log.txt" ;;
+  *) echo "usage: bash bench/vulkan.sh prepare | run | local"; exit 2 ;;
 esac
