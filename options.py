@@ -33,6 +33,10 @@ class CompileOptions:
     decode_attention_tokens: int = 0
     # CUDA: TVM's prefill attention rebuilt with a grid that fills the GPU
     wide_prefill_attention: bool = True
+    # CUDA sm_80+: many-token projections (prefill) on mlcc's tensor-core GEMM (False: dlight's Matmul rule)
+    prefill_gemm: bool = False
+    # CUDA sm_80+: prefill self-attention on mlcc's tensor-core kernel (False: TVM's ragged prefill kernel)
+    flash_prefill_attention: bool = True
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):

@@ -166,9 +166,8 @@ def cmd_build(a) -> None:
     out = Path(a.out)
     options = parse_options(a.option)
     info = {**build_info(options), "compile_s": {}}
-    for model, quant in RUNS:
-        if not _selected(a, model, quant):
-            continue
+    # --only may name any preset and quantization (a float32 reference build, say), not just the table's rows
+    for model, quant in [tuple(r.split("/")) for r in a.only.split(",")] if a.only else RUNS:
         arch, cfg = MODELS[model]
         s = compile_shape_only(arch, cfg, "cuda", quant, out / f"{model}-{quant}", options=options)
         info["compile_s"][f"{model}/{quant}"] = s

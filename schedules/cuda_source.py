@@ -13,7 +13,7 @@ from pathlib import Path
 _DEFINED = re.compile(r"__device__\s+__forceinline__\s+[\w\s*]+?\b(\w+)\s*\(")
 
 # In dependency order: a group may call the groups listed before it (none does today).
-HELPER_FILES = ("q4_gemv.cuh", "f16_gemv.cuh", "rms_norm.cuh", "pdl.cuh")
+HELPER_FILES = ("q4_gemv.cuh", "f16_gemv.cuh", "rms_norm.cuh", "pdl.cuh", "tc_gemm.cuh", "flash_prefill.cuh")
 HELPER_DIR = Path(__file__).with_name("cuda")
 # Each group is added whole where the code, or another group added, calls any function it defines.
 HELPER_GROUPS = tuple((HELPER_DIR / name).read_text() for name in HELPER_FILES)
@@ -31,7 +31,8 @@ def add_cuda_helpers(code: str) -> str:
     for i in reversed(range(len(groups))):  # callers come after their callees: one pass from the end
         src, names = groups[i]
         # (a call, not the definition a previous insertion brought along: those sit behind the group's marker)
-        if any(f"{n}(" in calls for n in names) and _marker(names[0]) not in code:
+        # (a template is called with its arguments: `name<...>(`)
+        if any(f"{n}(" in calls or f"{n}<" in calls for n in names) and _marker(names[0]) not in code:
             chosen.add(i)
             calls += src
     if not chosen:

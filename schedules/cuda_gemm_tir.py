@@ -1,0 +1,207 @@
+"""The tensor-core prefill GEMM (cuda_gemm, cuda/tc_gemm.cuh) in a compiled model: which of TVM's fused PrimFuncs
+are many-token projections with float16 activations, and the PrimFunc that replaces one in place (same parameters)
+with a single launch of the templated kernel.
+
+A projection matches when its activations are (1, m, K) or (m, 1, K) with m symbolic (prefill, batched calls):
+batch-1 decode has a static (1, 1, K) and keeps its GEMV kernel. Weights are q4f16_1 (dequantize → matmul) or
+float16 (NT_matmul); the epilogue TVM fused into it is none, + bias[n] or + a residual shaped like the output.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import tvm
+from tvm import tirx
+
+from .cuda_gemm import GemmParams, default_params, supported, template_call
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class PrefillGemm:
+    n: int              # output features (rows of W)
+    k: int              # input features
+    x_shape: tuple      # (1, m, K) or (m, 1, K), m symbolic
+    weights: str        # "q4f16_1" | "float16"
+    epilogue: str       # "none" | "bias" | "add"
+
+    @property
+    def m(self) -> tirx.Var:
+        return next(d for d in self.x_shape if not isinstance(d, (int, tirx.IntImm)))
+
+
+def _static(d) -> int | None:
+    return int(d) if isinstance(d, (int, tirx.IntImm)) else None
+
+
+def _same_shape(a, b) -> bool:
+    return len(a) == len(b) and all(p.same_as(q) or (_static(p) is not None and _static(p) == _static(q))
+                                    for p, q in zip(a, b))
+
+
+def match_prefill_gemm(func: tirx.PrimFunc) -> PrefillGemm | None:
+    """The shape of a many-token float16 projection, or None for anything else."""
+    from .gemv_match import _blocks, _reads_row_major
+
+    blocks = _blocks(func)
+    if blocks is None:
+        return None
+    if {"dequantize", "matmul"} <= set(blocks):
+        core, weights = {"dequantize", "matmul"}, "q4f16_1"
+        deq, mm = blocks["dequantize"], blocks["matmul"]
+        if len(deq.reads) != 2 or len(mm.reads) != 2:
+            return None
+        w, s = (r.source for r in deq.reads)
+        x = next((r.source for r in mm.reads if not r.source.same_as(deq.writes[0].source)), None)
+        if x is None or w.dtype != "uint32" or s.dtype != "float16":
+            return None
+    elif "NT_matmul" in blocks:
+        core, weights, s = {"NT_matmul"}, "float16", None
+        mm = blocks["NT_matmul"]
+        if len(mm.reads) != 2:
+            return None
+        x, w = (r.source for r in mm.reads)
+        if w.dtype != "float16" or not _reads_row_major(mm, w):
+            return None
+    else:
+        return None
+    extra = set(blocks) - core
+    if not extra <= {"T_add"}:
+        return None
+    ws = [_static(d) for d in w.shape]
+    if len(ws) != 2 or None in ws or len(x.shape) != 3 or x.dtype != "float16":
+        return None
+    n, k = (ws[0], ws[1] * 8) if weights == "q4f16_1" else tuple(ws)
+    lead = [_static(d) for d in x.shape[:2]]
+    if _static(x.shape[2]) != k or sorted(lead, key=lambda v: v is None) != [1, None]:
+        return None
+    if s is not None and [_static(d) for d in s.shape] != [n, k // 32]:
+        return None
+    y = mm.writes[0].source
+    res, bias = None, False
+    if extra:
+        blk = blocks["T_add"]
+        reads = [r.source for r in blk.reads]
+        others = [b for b in reads if not b.same_as(y)]
+        if len(reads) != 2 or len(others) != 1 or not isinstance(blk.body.value, tirx.Add):
+            return None
+        res, y = others[0], blk.writes[0].source
+        bias = len(res.shape) == 1 and _static(res.shape[0]) == n
+        if res.dtype != "float16" or not (bias or _same_shape(res.shape, y.shape)):
+            return None
+    if y.dtype != "float16" or not _same_shape(y.shape, list(x.shape[:2]) + [n]):
+        return None
+    expected = [x, w] + ([s] if s is not None else []) + ([res] if res is not None else []) + [y]
+    if len(func.params) != len(expected) or not all(p.same_as(e) for p, e in zip(func.params, expected)):
+        return None
+    return PrefillGemm(n, k, tuple(x.shape), weights, "none" if res is None else "bias" if bias else "add")
+
+
+def make_prefill_gemm(shape: PrefillGemm, params: GemmParams) -> tirx.PrimFunc:
+    """One launch of the templated kernel with the parameters of TVM's fused function: x, W[, scales][, bias or
+    residual], y. Grid: N / bn blocks by ceil(m / bm)."""
+    from tvm.script import tirx as T
+
+    n, k, p, m = shape.n, shape.k, params, shape.m
+    q4 = shape.weights == "q4f16_1"
+    call = template_call(shape.weights, shape.epilogue, params)
+    x_shape = tuple(shape.x_shape)
+    y_shape = x_shape[:-1] + (T.int64(n),)
+    w_shape, w_dtype = ((T.int64(n), T.int64(k // 8)), "uint32") if q4 else ((T.int64(n), T.int64(k)), "float16")
+    s_shape = (T.int64(n), T.int64(k // 32))
+    r_shape = (T.int64(n),) if shape.epilogue == "bias" else y_shape
+    m_blocks = (m + (p.bm - 1)) // p.bm
+    smem_bytes = p.smem_bytes(q4)
+
+    @T.macro
+    def body(x, w, s, r, y):
+        for bx in T.thread_binding(n // p.bn, thread="blockIdx.x"):
+            for by in T.thread_binding(m_blocks, thread="blockIdx.y"):
+                for tx in T.thread_binding(p.threads, thread="threadIdx.x"):
+                    with T.sblock("tc_gemm"):
+                        T.reads()
+                        T.writes()
+                        # TVM launches the kernel with this much dynamic shared memory (opting in past 48 KB)
+                        smem = T.alloc_buffer((smem_bytes,), "uint8", scope="shared.dyn")
+                        T.evaluate(T.call_extern("void", call, x.data, w.data, s.data, r.data, y.data,
+                                                 T.Cast("int32", m), T.int32(n), T.int32(k), smem.data))
+
+    attrs = {"tirx.noalias": True, "tirx.is_scheduled": True}
+    epi = shape.epilogue != "none"
+    # one signature per parameter list (x, W[, scales][, bias or residual], y); the call reads x in place of the
+    # ones this shape lacks
+    if q4 and epi:
+        @T.prim_func(private=True, s_tir=True)
+        def func(var_x: T.handle, var_w: T.handle, var_s: T.handle, var_r: T.handle, var_y: T.handle):
+            T.func_attr(attrs)
+            x = T.match_buffer(var_x, x_shape, "float16")
+            w = T.match_buffer(var_w, w_shape, w_dtype)
+            s = T.match_buffer(var_s, s_shape, "float16")
+            r = T.match_buffer(var_r, r_shape, "float16")
+            y = T.match_buffer(var_y, y_shape, "float16")
+            body(x, w, s, r, y)
+    elif q4:
+        @T.prim_func(private=True, s_tir=True)
+        def func(var_x: T.handle, var_w: T.handle, var_s: T.handle, var_y: T.handle):
+            T.func_attr(attrs)
+            x = T.match_buffer(var_x, x_shape, "float16")
+            w = T.match_buffer(var_w, w_shape, w_dtype)
+            s = T.match_buffer(var_s, s_shape, "float16")
+            y = T.match_buffer(var_y, y_shape, "float16")
+            body(x, w, s, x, y)
+    elif epi:
+        @T.prim_func(private=True, s_tir=True)
+        def func(var_x: T.handle, var_w: T.handle, var_r: T.handle, var_y: T.handle):
+            T.func_attr(attrs)
+            x = T.match_buffer(var_x, x_shape, "float16")
+            w = T.match_buffer(var_w, w_shape, w_dtype)
+            r = T.match_buffer(var_r, r_shape, "float16")
+            y = T.match_buffer(var_y, y_shape, "float16")
+            body(x, w, x, r, y)
+    else:
+        @T.prim_func(private=True, s_tir=True)
+        def func(var_x: T.handle, var_w: T.handle, var_y: T.handle):
+            T.func_attr(attrs)
+            x = T.match_buffer(var_x, x_shape, "float16")
+            w = T.match_buffer(var_w, w_shape, w_dtype)
+            y = T.match_buffer(var_y, y_shape, "float16")
+            body(x, w, x, x, y)
+    return func
+
+
+def params_for(shape: PrefillGemm, sm: int, params: GemmParams | None = None) -> GemmParams | None:
+    """The parameters to build `shape` with on SM version `sm` (None: the kernel does not apply)."""
+    q4 = shape.weights == "q4f16_1"
+    # N not a multiple of the default tile (small models): the 64-column tile
+    for p in [params] if params is not None else [default_params(shape.weights, sm=sm), GemmParams(128, 64, 2, 2, 4)]:
+        if p.valid(q4, sm) and supported(shape.n, shape.k, p, shape.epilogue):
+            return p
+    return None
+
+
+def prefill_gemm_pass(sm: int) -> tvm.transform.Pass:
+    """Swap every many-token float16 projection for the tensor-core kernel (before dlight sees it)."""
+
+    @tvm.transform.module_pass(opt_level=0, name="mlcc_cuda_prefill_gemm")
+    def _pass(mod: tvm.ir.IRModule, _ctx) -> tvm.ir.IRModule:
+        from .gemv_match import is_unscheduled_prim_func
+
+        replaced = 0
+        for gv, func in list(mod.functions.items()):
+            if not is_unscheduled_prim_func(func):
+                continue
+            shape = match_prefill_gemm(func)
+            p = params_for(shape, sm) if shape is not None else None
+            if p is None:
+                continue
+            new = make_prefill_gemm(shape, p)
+            attrs = {k: v for k, v in func.attrs.items()} if func.attrs is not None else {}
+            mod[gv] = new.with_attrs(attrs).with_attr("tirx.is_scheduled", True)
+            replaced += 1
+        log.debug("tensor-core prefill GEMMs: %d", replaced)
+        return mod
+
+    return _pass
