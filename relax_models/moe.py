@@ -19,7 +19,7 @@ from tvm.target import Target
 
 from .blocks import ACTIVATIONS, MLP, DecoderConfig, DecoderForCausalLM, _allreduce_across_shards
 from .moe_gemm import expert_gemv, grouped_gemm
-from .moe_kernels import ExpertFormat, sort_by_expert, topk_softmax, weighted_sum
+from .moe_kernels import ExpertFormat, _gpu, expert_gemv_warp, sort_by_expert, topk_softmax, weighted_sum
 
 
 @dataclasses.dataclass
@@ -159,8 +159,12 @@ class ExpertsMLP(nn.Module):
         return ACTIVATIONS["silu"](gate) * up
 
     def one_token(self, x: Tensor, ids: Tensor, weights: Tensor, fmt: ExpertFormat, target: Target) -> Tensor:
-        mid = self._swiglu(expert_gemv(x, ids, self.gate_up_proj.tensors(), fmt, 2 * self.inter, target))
-        y = expert_gemv(mid, ids, self.down_proj.tensors(), fmt, self.hidden, target)
+        if _gpu(target):  # (the SwiGLU folded into the gate/up GEMV)
+            mid = expert_gemv_warp(x, ids, self.gate_up_proj.tensors(), fmt, self.inter, swiglu=True)
+            y = expert_gemv_warp(mid, ids, self.down_proj.tensors(), fmt, self.hidden)
+        else:
+            mid = self._swiglu(expert_gemv(x, ids, self.gate_up_proj.tensors(), fmt, 2 * self.inter, target))
+            y = expert_gemv(mid, ids, self.down_proj.tensors(), fmt, self.hidden, target)
         return weighted_sum(y, weights, None, target)
 
     def grouped(self, x: Tensor, ids: Tensor, weights: Tensor, fmt: ExpertFormat, num_experts: int,

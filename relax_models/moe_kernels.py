@@ -70,6 +70,14 @@ def _gpu(target) -> bool:
     return "gpu" in target.keys
 
 
+def _threads(serial: bool):
+    """Thread loops of the GPU kernels: bound to threads, or (serial) run one after another, which keeps a kernel's
+    meaning where barriers separate its phases: the tests run the GPU kernels' index math so on the CPU."""
+    if serial:
+        return lambda extent, _tag: T.serial(extent)
+    return lambda extent, tag: T.thread_binding(extent, thread=tag)
+
+
 def _tile(n: int) -> int:
     """Output columns per CPU task: 8 where they divide evenly."""
     return next(t for t in (8, 4, 2, 1) if n % t == 0)
@@ -83,6 +91,8 @@ def topk_softmax(logits: Tensor, experts: int, k: int, renormalize: bool, target
     are the softmax over all E experts."""
     tokens, width = logits.shape
     gpu = _gpu(target)
+    if gpu and experts <= MAX_RANKED_EXPERTS:
+        return _topk_softmax_ranked(logits, experts, k, renormalize)
 
     @T.macro
     def route(lg, w, ids, t):
@@ -143,6 +153,74 @@ def topk_softmax(logits: Tensor, experts: int, k: int, renormalize: bool, target
                     T.reads()
                     T.writes()
                     route(lg, w, ids, t)
+
+    return op.tensor_ir_op(func, "moe_topk_softmax", [logits],
+                           [Tensor.placeholder([tokens, k], "float32"), Tensor.placeholder([tokens, k], "int32")])
+
+
+MAX_RANKED_EXPERTS = 1024  # one GPU thread per expert
+
+
+def _topk_softmax_ranked(logits: Tensor, experts: int, k: int, renormalize: bool,
+                         serial: bool = False) -> tuple[Tensor, Tensor]:
+    """topk_softmax on GPUs: one block per token, one thread per expert. Each thread counts the experts that come
+    before its own in (logit desc, id asc) order; that rank, if below k, is its slot. Then k threads normalize."""
+    tokens, width = logits.shape
+    threads = (experts + 31) // 32 * 32
+    bind, shared = _threads(serial), "global" if serial else "shared"
+
+    @T.prim_func(private=True, s_tir=True)
+    def func(lg_h: T.handle, w_h: T.handle, ids_h: T.handle):
+        T.func_attr(_OPAQUE)
+        n = T.int64()
+        lg = T.match_buffer(lg_h, (n, width), "float32")
+        w = T.match_buffer(w_h, (n, k), "float32")
+        ids = T.match_buffer(ids_h, (n, k), "int32")
+        for t in bind(n, "blockIdx.x"):
+            with T.sblock("route"):
+                T.reads()
+                T.writes()
+                s_lg = T.sblock_alloc_buffer((threads,), "float32", scope=shared)
+                s_top = T.sblock_alloc_buffer((k,), "float32", scope=shared)
+                s_id = T.sblock_alloc_buffer((k,), "int32", scope=shared)
+                for tx in bind(threads, "threadIdx.x"):
+                    with T.sblock("load"):
+                        T.reads()
+                        T.writes()
+                        if tx < experts:
+                            s_lg[tx] = lg[t, tx]
+                for tx in bind(threads, "threadIdx.x"):
+                    with T.sblock("rank"):
+                        T.reads()
+                        T.writes()
+                        r = T.sblock_alloc_buffer((1,), "int32", scope="local")
+                        mine = T.sblock_alloc_buffer((1,), "float32", scope="local")
+                        other = T.sblock_alloc_buffer((1,), "float32", scope="local")
+                        if tx < experts:
+                            r[0] = 0
+                            mine[0] = s_lg[tx]
+                            for e in T.serial(experts):
+                                other[0] = s_lg[e]
+                                if other[0] > mine[0] or (other[0] == mine[0] and e < tx):
+                                    r[0] = r[0] + 1
+                            if r[0] < k:
+                                s_top[r[0]] = mine[0]
+                                s_id[r[0]] = T.Cast("int32", tx)
+                for tx in bind(threads, "threadIdx.x"):
+                    with T.sblock("normalize"):
+                        T.reads()
+                        T.writes()
+                        den = T.sblock_alloc_buffer((1,), "float32", scope="local")
+                        if tx < k:
+                            den[0] = T.float32(0)
+                            if renormalize:
+                                for j in T.serial(k):
+                                    den[0] = den[0] + T.exp(s_top[j] - s_top[0])
+                            else:
+                                for e in T.serial(experts):
+                                    den[0] = den[0] + T.exp(s_lg[e] - s_top[0])
+                            ids[t, tx] = s_id[tx]
+                            w[t, tx] = T.exp(s_top[tx] - s_top[0]) / den[0]
 
     return op.tensor_ir_op(func, "moe_topk_softmax", [logits],
                            [Tensor.placeholder([tokens, k], "float32"), Tensor.placeholder([tokens, k], "int32")])
@@ -291,3 +369,99 @@ def weighted_sum(y: Tensor, weights: Tensor, slot_row: Tensor | None, target) ->
         slot_row = op.zeros([rows], "int32")
     return op.tensor_ir_op(func, "moe_weighted_sum", [y, weights, slot_row],
                            Tensor.placeholder([tokens, hidden], dtype))
+
+
+# -- decode GEMV on GPUs ------------------------------------------------------------------------------------------
+
+WARP = 32      # lanes splitting one dot product
+WARP_ROWS = 8  # output elements (warps) per block
+
+
+def expert_gemv_warp(x: Tensor, ids: Tensor, weights: list[Tensor], fmt: ExpertFormat, n: int,
+                     swiglu: bool = False, serial: bool = False) -> Tensor:
+    """The GPU form of moe_gemm.expert_gemv (x [1 or k, K], ids [k] → out [k, n], out[j] = x · W[ids[j]]ᵀ): one
+    warp per output element, each lane reading up to 4 consecutive words of the expert's row at a time (coalesced,
+    16-byte loads), partial sums added through shared memory; a q4 word's products are summed before its group
+    scale is applied. swiglu: W holds gate rows [0, n) and up rows [n, 2n), and out = silu(x·gate) · (x·up)."""
+    rows_x, kdim = (int(d) for d in x.shape)
+    (k,) = (int(d) for d in ids.shape)
+    num_experts, w_rows = int(weights[0].shape[0]), int(weights[0].shape[1])
+    dtype = fmt.dtype
+    w_shape, w_dtype, s_shape = _weight_shapes(fmt, num_experts, w_rows, kdim)
+    per = fmt.per_word if fmt.bits else 1
+    words = kdim // per
+    vec = next(v for v in (4, 2, 1) if words % (WARP * v) == 0 or v == 1)
+    iters = (words + WARP * vec - 1) // (WARP * vec)
+    quantized = fmt.bits > 0
+    halves = 2 if swiglu else 1
+    bind, shared = _threads(serial), "global" if serial else "shared"
+
+    def x_row(j):
+        return 0 if rows_x == 1 else j
+
+    @T.macro
+    def word_dot(xb, wl, sb, acc, xr, e, row, w, v):
+        if quantized:
+            part = T.sblock_alloc_buffer((1,), "float32", scope="local")
+            part[0] = T.float32(0)
+            for i in T.unroll(per):
+                code = T.bitwise_and(T.shift_right(wl[v], T.uint32(i * fmt.bits)), T.uint32((1 << fmt.bits) - 1))
+                part[0] = part[0] + T.Cast("float32", xb[xr, w * per + i]) * (
+                    T.Cast("float32", code) - T.float32(fmt.max_int))
+            acc[0] = acc[0] + part[0] * T.Cast("float32", sb[e, row, w * per // fmt.group_size])
+        else:
+            acc[0] = acc[0] + T.Cast("float32", xb[xr, w]) * T.Cast("float32", wl[v])
+
+    @T.prim_func(private=True, s_tir=True)
+    def func(x_h: T.handle, ids_h: T.handle, w_h: T.handle, s_h: T.handle, out_h: T.handle):
+        T.func_attr(_OPAQUE)
+        xb = T.match_buffer(x_h, (rows_x, kdim), dtype)
+        idb = T.match_buffer(ids_h, (k,), "int32")
+        wb = T.match_buffer(w_h, w_shape, w_dtype)
+        sb = T.match_buffer(s_h, s_shape, dtype)
+        out = T.match_buffer(out_h, (k, n), dtype)
+        for bx in bind((k * n + WARP_ROWS - 1) // WARP_ROWS, "blockIdx.x"):
+            with T.sblock("gemv"):
+                T.reads()
+                T.writes()
+                red = T.sblock_alloc_buffer((halves, WARP_ROWS, WARP), "float32", scope=shared)
+                for ty in bind(WARP_ROWS, "threadIdx.y"):
+                    for tx in bind(WARP, "threadIdx.x"):
+                        with T.sblock("lanes"):
+                            T.reads()
+                            T.writes()
+                            acc = T.sblock_alloc_buffer((1,), "float32", scope="local")
+                            wl = T.sblock_alloc_buffer((vec,), w_dtype, scope="local")
+                            for h in T.unroll(halves):
+                                acc[0] = T.float32(0)
+                                if bx * WARP_ROWS + ty < k * n:
+                                    j: T.let[T.int32] = (bx * WARP_ROWS + ty) // n
+                                    row: T.let[T.int32] = (bx * WARP_ROWS + ty) % n + h * n
+                                    for it in T.unroll(iters) if iters <= 16 else T.serial(iters):
+                                        if (it * WARP + tx) * vec < words:
+                                            for v in T.vectorized(vec):
+                                                wl[v] = wb[idb[j], row, (it * WARP + tx) * vec + v]
+                                            for v in T.unroll(vec):
+                                                word_dot(xb, wl, sb, acc, x_row(j), idb[j], row,
+                                                         (it * WARP + tx) * vec + v, v)
+                                red[h, ty, tx] = acc[0]
+                for ty in bind(WARP_ROWS, "threadIdx.y"):
+                    for tx in bind(WARP, "threadIdx.x"):
+                        with T.sblock("sum"):
+                            T.reads()
+                            T.writes()
+                            tot = T.sblock_alloc_buffer((halves,), "float32", scope="local")
+                            if tx == 0 and bx * WARP_ROWS + ty < k * n:
+                                for h in T.serial(halves):
+                                    tot[h] = T.float32(0)
+                                    for lane in T.serial(WARP):
+                                        tot[h] = tot[h] + red[h, ty, lane]
+                                if swiglu:
+                                    out[(bx * WARP_ROWS + ty) // n, (bx * WARP_ROWS + ty) % n] = T.Cast(
+                                        dtype, tot[0] / (T.float32(1) + T.exp(-tot[0])) * tot[halves - 1])
+                                else:
+                                    out[(bx * WARP_ROWS + ty) // n, (bx * WARP_ROWS + ty) % n] = T.Cast(
+                                        dtype, tot[0])
+
+    scale = weights[1] if fmt.bits else op.zeros([1], dtype)
+    return op.tensor_ir_op(func, "moe_expert_gemv", [x, ids, weights[0], scale], Tensor.placeholder([k, n], dtype))

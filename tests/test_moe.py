@@ -2,10 +2,12 @@
 for the CPU against transformers on small random configs: q0f32 logits rel. err ≤ 1e-4 and greedy tokens
 identical, on a prompt whose tokens route to different experts; ragged batches (the grouped path); q4 against
 transformers carrying the dequantized expert weights; GGUF files written as llama.cpp writes them (qwen2moe,
-qwen3moe, and Mixtral as `llama` with stacked experts) against the HF model; tensor-parallel shards of the experts."""
+qwen3moe, and Mixtral as `llama` with stacked experts) against the HF model; tensor-parallel shards of the experts;
+and the GPU decode kernels (warp GEMV, ranked top-k) with their thread loops run serially on the CPU against numpy."""
 
 from __future__ import annotations
 
+import inspect
 import json
 import re
 
@@ -204,3 +206,69 @@ def test_expert_width_that_does_not_split_is_refused():
     with pytest.raises(TensorParallelError, match=r"expert MLP width \(24\) is not a multiple"):
         check_tensor_parallel(cfg, 2, 32)
 
+
+
+# -- the GPU decode kernels, their thread loops run one after another on the CPU ---------------------------------
+
+def _run_on_cpu(forward, specs: dict, *args) -> list[np.ndarray]:
+    import tvm
+    from tvm import relax
+    from tvm.relax.frontend import nn
+
+    class Kernel(nn.Module):
+        def forward(self, *xs):
+            return forward(*xs)
+
+    params = [inspect.Parameter(n, inspect.Parameter.POSITIONAL_OR_KEYWORD) for n in ["self", *specs]]
+    Kernel.forward.__signature__ = inspect.Signature(params)
+    mod, _ = Kernel().export_tvm({"forward": {name: nn.spec.Tensor(*spec) for name, spec in specs.items()}})
+    vm = relax.VirtualMachine(tvm.compile(mod, tvm.target.Target({"kind": "llvm"})), tvm.cpu())
+    out = vm["forward"](*[tvm.runtime.tensor(a) for a in args])
+    return [out.numpy()] if hasattr(out, "numpy") else [o.numpy() for o in out]
+
+
+def _q4_experts(rng, e: int, n: int, kdim: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Random MLC q4 codes and scales for [e, n, kdim] and the weights they stand for."""
+    words = rng.integers(0, 1 << 32, (e, n, kdim // 8), dtype=np.uint32)
+    scale = rng.uniform(0.01, 0.03, (e, n, kdim // 32)).astype(np.float32)
+    codes = (words[..., None] >> (4 * np.arange(8, dtype=np.uint32))) & 15
+    w = (codes.reshape(e, n, kdim).astype(np.float32) - 7) * np.repeat(scale, 32, axis=2)
+    return words, scale, w
+
+
+@pytest.mark.parametrize("swiglu,rows_x,kdim,n", [(True, 1, 1024, 48), (False, 4, 768, 40), (False, 4, 96, 24)])
+def test_gpu_expert_gemv_index_math(swiglu, rows_x, kdim, n):
+    from mlcc.relax_models.moe_kernels import ExpertFormat, expert_gemv_warp
+
+    rng = np.random.default_rng(0)
+    e, k = 16, 4
+    words, scale, w = _q4_experts(rng, e, 2 * n if swiglu else n, kdim)
+    x = rng.standard_normal((rows_x, kdim)).astype(np.float32)
+    ids = np.array([11, 2, 15, 7], np.int32)
+    fmt = ExpertFormat("float32", 4, 32)
+    (got,) = _run_on_cpu(lambda xs, i, ws, ss: expert_gemv_warp(xs, i, [ws, ss], fmt, n, swiglu=swiglu, serial=True),
+                         {"xs": (x.shape, "float32"), "i": ((k,), "int32"), "ws": (words.shape, "uint32"),
+                          "ss": (scale.shape, "float32")}, x, ids, words, scale)
+    full = np.stack([x[0 if rows_x == 1 else j] @ w[ids[j]].T for j in range(k)])
+    want = full[:, :n] / (1 + np.exp(-full[:, :n])) * full[:, n:] if swiglu else full
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-3 * np.abs(want).max())
+
+
+@pytest.mark.parametrize("renormalize", [True, False])
+def test_gpu_ranked_topk_index_math(renormalize):
+    from mlcc.relax_models.moe_kernels import _topk_softmax_ranked
+
+    rng = np.random.default_rng(1)
+    experts, k = 40, 6
+    logits = rng.standard_normal((5, experts + 1)).astype(np.float32)  # (a last column that is not an expert's)
+    logits[1, [3, 9, 30]] = 5.0   # ties: the lower id first
+    logits[2, experts] = 100.0
+    w, ids = _run_on_cpu(lambda lg: _topk_softmax_ranked(lg, experts, k, renormalize, serial=True),
+                         {"lg": (logits.shape, "float32")}, logits)
+    for t in range(5):
+        row = logits[t, :experts]
+        order = sorted(range(experts), key=lambda e: (-row[e], e))[:k]
+        p = np.exp(row - row.max())
+        want = p[order] / (p[order].sum() if renormalize else p.sum())
+        assert ids[t].tolist() == order
+        np.testing.assert_allclose(w[t], want, rtol=1e-5)
