@@ -17,6 +17,7 @@ import { Vocabulary } from "./tokens.js";
 import { fetchBytes, fetchJSON, joinUrl } from "./download.js";
 import { WebGrammars } from "./grammar.js";
 import { SequenceKV } from "./kv_reuse.js";
+import { cacheBindGroups } from "./bind_groups.js";
 
 export { EngineError };
 
@@ -102,6 +103,7 @@ export class MLCEngine {
     device.addEventListener("uncapturederror", (ev) => {
       if (!this._gpuError) this._gpuError = ev.error ? ev.error.message : String(ev);
     });
+    this.bindGroups = cacheBindGroups(device);
     const cache = await this._fetchJSON(joinUrl(base, "tensor-cache.json"));
     this._totalBytes = cache.records.reduce((s, r) => s + r.nbytes, 0);
     this._doneBytes = 0;
