@@ -29,16 +29,12 @@ const { create, globals } = require("webgpu");
 Object.assign(globalThis, globals);
 
 // --- instrumentation: counters are cheap pass-throughs; timestamps only while `prof.on` -------------------------
-const counts = { submit: 0, writeBuffer: 0, mapAsync: 0, bindGroup: 0, bindGroupCreated: 0, pass: 0, realPass: 0 };
-// host-side variants timed against the runtime as it is (job.variants): bind groups reused across steps, and the
-// dispatches of one command encoder in one compute pass (Dawn puts the barriers between dispatches either way)
-const opt = { cacheBindGroups: false, onePass: false };
-const VARIANTS = { bind_group_cache: { cacheBindGroups: true }, one_pass: { onePass: true },
-  bind_group_cache_one_pass: { cacheBindGroups: true, onePass: true } };
-const objIds = new WeakMap();
-let nextObjId = 1;
-const idOf = (o) => { let i = objIds.get(o); if (!i) { i = nextObjId++; objIds.set(o, i); } return i; };
-const bindGroups = new WeakMap();   // layout -> Map(entries key -> GPUBindGroup)
+const counts = { submit: 0, writeBuffer: 0, mapAsync: 0, bindGroup: 0, pass: 0, realPass: 0 };
+// host-side variants timed against the engine as it is (job.variants): without the engine's bind-group cache
+// (web/js/bind_groups.js), and the dispatches of one command encoder in one compute pass (Dawn puts the barriers
+// between dispatches either way)
+const opt = { uncached: false, onePass: false };
+const VARIANTS = { no_bind_group_cache: { uncached: true }, one_pass: { onePass: true } };
 const openPass = new WeakMap();     // command encoder -> {real pass, the pass handed out}
 function closePass(enc) {
   const p = openPass.get(enc);
@@ -55,30 +51,8 @@ const P = (cls) => globalThis[cls] && globalThis[cls].prototype;
 wrap(P("GPUQueue"), "submit", function (o, a) { counts.submit++; return o.apply(this, a); });
 wrap(P("GPUQueue"), "writeBuffer", function (o, a) { counts.writeBuffer++; return o.apply(this, a); });
 wrap(P("GPUBuffer"), "mapAsync", function (o, a) { counts.mapAsync++; return o.apply(this, a); });
-wrap(P("GPUDevice"), "createBindGroup", function (o, a) {
-  counts.bindGroup++;
-  if (!opt.cacheBindGroups) return o.apply(this, a);
-  const d = a[0];
-  let key = "";
-  for (const e of d.entries) {
-    const r = e.resource;
-    key += r && r.buffer ? `${e.binding}:${idOf(r.buffer)}:${r.offset || 0}:${r.size ?? -1};` : `${e.binding}:o${idOf(r)};`;
-  }
-  let m = bindGroups.get(d.layout);
-  if (!m) { m = new Map(); bindGroups.set(d.layout, m); }
-  let g = m.get(key);
-  if (!g) { g = o.apply(this, a); m.set(key, g); counts.bindGroupCreated++; }
-  return g;
-});
-for (const m of ["createComputePipeline", "createComputePipelineAsync"]) {
-  wrap(P("GPUDevice"), m, function (o, a) {
-    const name = a[0] && a[0].compute && a[0].compute.entryPoint;
-    const r = o.apply(this, a);
-    if (r && typeof r.then === "function") return r.then((p) => { prof.pipeName.set(p, name); return p; });
-    prof.pipeName.set(r, name);
-    return r;
-  });
-}
+// (on the prototype: the engine's cache, an own property of the device, calls it only for a bind group it lacks)
+wrap(P("GPUDevice"), "createBindGroup", function (o, a) { counts.bindGroup++; return o.apply(this, a); });
 for (const m of ["copyBufferToBuffer", "copyBufferToTexture", "copyTextureToBuffer", "copyTextureToTexture",
   "clearBuffer", "resolveQuerySet", "beginRenderPass", "finish"]) {
   wrap(P("GPUCommandEncoder"), m, function (o, a) { closePass(this); return o.apply(this, a); });
@@ -257,8 +231,12 @@ async function main() {
 
   // 2b. the host-side variants, decode only, each against the same greedy ids
   out.variants = {};
+  const cached = Object.prototype.hasOwnProperty.call(device, "createBindGroup") ? device.createBindGroup : null;
+  out.engine_caches_bind_groups = cached !== null;
   for (const v of job.variants || []) {
+    if (!VARIANTS[v]) { out.variants[v] = { error: "unknown variant" }; continue; }
     Object.assign(opt, VARIANTS[v]);
+    if (opt.uncached && cached) delete device.createBindGroup;
     try {
       await dec(8);
       const r = await dec(job.decode);
@@ -268,7 +246,8 @@ async function main() {
     } catch (e) {
       out.variants[v] = { error: String(e && e.message || e) };
     } finally {
-      opt.cacheBindGroups = false;
+      if (opt.uncached && cached) device.createBindGroup = cached;
+      opt.uncached = false;
       opt.onePass = false;
     }
   }

@@ -40,7 +40,7 @@ CHECK_PROMPT = [7, 1, 99, 3000, 42, 5, 123, 8] + [(37 * i) % 40000 + 10 for i in
 CHECK_FORCED = [11, 2024, 5, 777, 31000, 9, 400, 16000]
 N_SAMPLED = 2048
 # host-side variants of the WebGPU runtime's dispatch path, timed in the same process (bench/vulkan_bench.mjs)
-VARIANTS = ("bind_group_cache", "one_pass", "bind_group_cache_one_pass")
+VARIANTS = ("no_bind_group_cache", "one_pass")
 SHARD_BYTES = 64 << 20
 # a minimal valid tokenizer.json: the web engine loads one, and shape-only builds are driven by token ids
 TOKENIZER_STUB = {"version": "1.0", "truncation": None, "padding": None, "added_tokens": [], "normalizer": None,
@@ -200,9 +200,14 @@ def write_jobs(out: Path, models) -> None:
 
 
 def cmd_jobs(a) -> None:
-    """The Node.js side's job files again (a build folder made before a change to job())."""
-    want = json.loads((Path(a.out) / "expected.json").read_text())
-    write_jobs(Path(a.out), sorted({e["model"] for e in want["models"].values()}))
+    """The Node.js side's job files and the site again, from the libraries already built (a build folder made
+    before a change to job() or to the web engine)."""
+    from mlcc.web.site import build_site
+
+    out = Path(a.out)
+    want = json.loads((out / "expected.json").read_text())
+    write_jobs(out, sorted({e["model"] for e in want["models"].values()}))
+    build_site([out / "web" / b for b in want["models"]], out / "site", title="mlcc vulkan bench")
 
 
 def cmd_cuda(a) -> None:
@@ -321,7 +326,8 @@ def cmd_report(a) -> None:
                      "tokens": w["prefill_tokens"], **common})
     write_json(a.out, "vulkan_webgpu.json", rows)
     print(f"\n{'build':22s} {'phase':7s} {'webgpu tok/s':>12s} {'cuda tok/s':>10s} {'ratio':>6s} "
-          f"{'check vs CPU':>14s} {'greedy':>8s} {'disp/tok':>8s} {'sub/tok':>7s} {'shader ms':>9s} {'step ms':>7s}  "
+          f"{'check vs CPU':>14s} {'greedy':>8s} {'disp/tok':>8s} {'bg/tok':>6s} {'sub/tok':>7s} "
+          f"{'shader ms':>9s} {'step ms':>7s}  "
           "device")
     for r in rows:
         b = f"{r['model']}-{r['quant']}"
@@ -335,6 +341,7 @@ def cmd_report(a) -> None:
               f"{_f(r['ratio'], 2):>6s} {chk['argmax_equal'] + (' ok' if chk['ok'] else ' BAD'):>14s} "
               f"{r['greedy_vs_cpu']['same_prefix']:>8s} "
               f"{_f(pt.get('dispatch'), 0) if r['phase'] == 'decode' else '':>8s} "
+              f"{_f(pt.get('bindGroup'), 0) if r['phase'] == 'decode' else '':>6s} "
               f"{_f(pt.get('submit'), 1) if r['phase'] == 'decode' else '':>7s} "
               f"{_f(prof.get('shader_ms_per_token'), 3) if r['phase'] == 'decode' else '':>9s} "
               f"{_f(pt.get('step_ms'), 3) if r['phase'] == 'decode' else '':>7s}  {r['device']}")
@@ -347,7 +354,7 @@ def cmd_report(a) -> None:
             print(f"{r['model']}-{r['quant']}: variant {v}: decode {tok_s:.1f} tok/s (x{tok_s / r['tok_per_s']:.2f}; "
                   f"cuda ratio {_f(_ratio(tok_s, r['cuda_tok_per_s']), 2)}), ids equal {x['ids_equal']}, "
                   f"step {pt['step_ms']:.3f} ms, wait {pt['sync_wait_ms']:.3f} ms, bind groups created/token "
-                  f"{pt.get('bindGroupCreated', 0):.1f}, passes/token {pt.get('realPass', 0):.1f}")
+                  f"{pt.get('bindGroup', 0):.1f}, passes/token {pt.get('realPass') or pt.get('pass', 0):.1f}")
     for r in rows:
         if r.get("phase") == "decode" and (r.get("profile") or {}).get("kernels"):
             print(f"\n{r['model']}-{r['quant']}: top kernels by shader time per decode token "
