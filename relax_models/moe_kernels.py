@@ -226,11 +226,12 @@ def _topk_softmax_ranked(logits: Tensor, experts: int, k: int, renormalize: bool
                            [Tensor.placeholder([tokens, k], "float32"), Tensor.placeholder([tokens, k], "int32")])
 
 
-def sort_by_expert(ids: Tensor, num_experts: int, target) -> tuple[Tensor, Tensor, Tensor]:
+def sort_by_expert(ids: Tensor, num_experts: int, target, serial: bool = False) -> tuple[Tensor, Tensor, Tensor]:
     """Flat expert ids [n] (one per slot) → (row_slot [n]: the slot at each row of the grouped order,
-    slot_row [n]: its inverse, indptr [E+1]). Within an expert, rows keep slot order."""
+    slot_row [n]: its inverse, indptr [E+1]). Within an expert, rows keep slot order. serial: the GPU form with
+    its thread loops run one after another (tests)."""
     (slots,) = ids.shape
-    gpu = _gpu(target)
+    gpu, bind = _gpu(target) or serial, _threads(serial)
     E = num_experts
 
     # 1. per expert: how many slots chose it, and each slot's rank among them
@@ -252,8 +253,8 @@ def sort_by_expert(ids: Tensor, num_experts: int, target) -> tuple[Tensor, Tenso
         rank = T.match_buffer(rank_h, (n,), "int32")
         counts = T.match_buffer(counts_h, (E,), "int32")
         if gpu:
-            for bx in T.thread_binding((E + THREADS - 1) // THREADS, thread="blockIdx.x"):
-                for tx in T.thread_binding(THREADS, thread="threadIdx.x"):
+            for bx in bind((E + THREADS - 1) // THREADS, "blockIdx.x"):
+                for tx in bind(THREADS, "threadIdx.x"):
                     with T.sblock("count"):
                         T.reads()
                         T.writes()
@@ -298,8 +299,8 @@ def sort_by_expert(ids: Tensor, num_experts: int, target) -> tuple[Tensor, Tenso
         slot_row = T.match_buffer(slot_row_h, (n,), "int32")
         indptr = T.match_buffer(indptr_h, (E + 1,), "int32")
         if gpu:
-            for bx in T.thread_binding((n + THREADS - 1) // THREADS, thread="blockIdx.x"):
-                for tx in T.thread_binding(THREADS, thread="threadIdx.x"):
+            for bx in bind((n + THREADS - 1) // THREADS, "blockIdx.x"):
+                for tx in bind(THREADS, "threadIdx.x"):
                     with T.sblock("place"):
                         T.reads()
                         T.writes()
@@ -319,13 +320,13 @@ def sort_by_expert(ids: Tensor, num_experts: int, target) -> tuple[Tensor, Tenso
     return row_slot, slot_row, indptr
 
 
-def weighted_sum(y: Tensor, weights: Tensor, slot_row: Tensor | None, target) -> Tensor:
+def weighted_sum(y: Tensor, weights: Tensor, slot_row: Tensor | None, target, serial: bool = False) -> Tensor:
     """out[t, h] = Σ_j weights[t, j] · y[row(t·k + j), h]: y holds one row per slot, in slot order where
-    `slot_row` is None (decode), else in the grouped order `slot_row` maps slots to."""
+    `slot_row` is None (decode), else in the grouped order `slot_row` maps slots to. serial: as sort_by_expert's."""
     tokens, k = weights.shape
     rows, hidden = y.shape
     dtype = y.dtype
-    gpu = _gpu(target)
+    gpu, bind = _gpu(target) or serial, _threads(serial)
     sorted_rows = slot_row is not None
 
     @T.macro
@@ -349,8 +350,8 @@ def weighted_sum(y: Tensor, weights: Tensor, slot_row: Tensor | None, target) ->
         sr = T.match_buffer(sr_h, (r,), "int32")
         out = T.match_buffer(out_h, (n, hidden), dtype)
         if gpu:
-            for bx in T.thread_binding((n * hidden + THREADS - 1) // THREADS, thread="blockIdx.x"):
-                for tx in T.thread_binding(THREADS, thread="threadIdx.x"):
+            for bx in bind((n * hidden + THREADS - 1) // THREADS, "blockIdx.x"):
+                for tx in bind(THREADS, "threadIdx.x"):
                     with T.sblock("combine"):
                         T.reads()
                         T.writes()

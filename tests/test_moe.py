@@ -272,3 +272,26 @@ def test_gpu_ranked_topk_index_math(renormalize):
         want = p[order] / (p[order].sum() if renormalize else p.sum())
         assert ids[t].tolist() == order
         np.testing.assert_allclose(w[t], want, rtol=1e-5)
+
+
+def test_gpu_sort_by_expert_and_weighted_sum_index_math():
+    import tvm
+
+    from mlcc.relax_models.moe_kernels import sort_by_expert, weighted_sum
+
+    rng = np.random.default_rng(2)
+    experts, tokens, k, hidden = 12, 7, 3, 20
+    ids = rng.integers(0, experts, tokens * k).astype(np.int32)
+    llvm = tvm.target.Target({"kind": "llvm"})
+    row_slot, slot_row, indptr = _run_on_cpu(lambda i: sort_by_expert(i, experts, llvm, serial=True),
+                                             {"i": (ids.shape, "int32")}, ids)
+    assert row_slot.tolist() == np.argsort(ids, kind="stable").tolist()
+    assert slot_row[row_slot].tolist() == list(range(tokens * k))
+    assert indptr.tolist() == [0] + np.cumsum(np.bincount(ids, minlength=experts)).tolist()
+    y = rng.standard_normal((tokens * k, hidden)).astype(np.float32)
+    w = rng.random((tokens, k)).astype(np.float32)
+    (got,) = _run_on_cpu(lambda yy, ww, sr: weighted_sum(yy, ww, sr, llvm, serial=True),
+                         {"yy": (y.shape, "float32"), "ww": (w.shape, "float32"), "sr": (slot_row.shape, "int32")},
+                         y, w, slot_row)
+    want = np.einsum("tj,tjh->th", w, y[slot_row].reshape(tokens, k, hidden))
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
