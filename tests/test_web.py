@@ -257,6 +257,35 @@ def test_site_picks_f16_where_supported_and_f32_in_chromium(vulkan_site, lavapip
     assert "tiny-q4f32" in in_chromium["status"]
 
 
+BENCH = JS.parents[1] / "bench" / "vulkan_bench.mjs"
+
+
+def test_decode_step_reuses_bind_groups_on_lavapipe(tiny_site, lavapipe, node_path, tmp_path):  # noqa: F811
+    """The host's side of a decode step, counted on the CI adapter by the benchmark that times it on real GPUs
+    (bench/vulkan_bench.mjs): after the first steps a step creates (almost) no bind groups, where tvmjs asks for one
+    per dispatch, which on the H200 was half the step's time; one submit batch per forward and one read-back per
+    token. The same ids with the cache off."""
+    site, _ = tiny_site
+    ids = [1 + (7 * i) % 90 for i in range(12)]
+    job = {"prompt": ids, "decode": 12, "prefill": ids[:8], "prefill_repeats": 1, "check_prompt": ids[:6],
+           "check_forced": [3, 5], "sample_idx": list(range(16)), "profile_tokens": 0,
+           "variants": ["no_bind_group_cache"]}
+    (tmp_path / "job.json").write_text(json.dumps(job))
+    proc = run_node([str(BENCH), str(site), "tiny-q4f32", str(tmp_path / "job.json"), "--backend", "vulkan"],
+                    node_path, env=lavapipe)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["engine_caches_bind_groups"]
+    per = out["per_token"]
+    assert per["dispatch"] >= 10, per
+    # new buffers (a step's token ids, the KV cache's page tables as the sequence grows) make a few; the rest is reused
+    assert per["bindGroup"] < per["dispatch"] / 4, per
+    assert per["submit"] <= 3 and per["mapAsync"] <= 1, per
+    off = out["variants"]["no_bind_group_cache"]
+    assert off["ids_equal"], off
+    assert off["per_token"]["bindGroup"] == per["dispatch"], off
+
+
 def test_python_engine_points_wasm_builds_to_the_web_runtime(tiny_site):
     from mlcc.errors import ArtifactError
     from mlcc.runtime.engine import Engine
