@@ -5,10 +5,13 @@
 # checked against the CPU build). Run from the checkout root.
 #
 #   here:    bash bench/vulkan.sh prepare      # needs emscripten, npm, apt-get download; writes .vk/ (git-ignored)
+#            (VK_BUILD=DIR VK_REUSE=1: the libraries and answers already in DIR, only the site and jobs again)
 #   device:  run(command="bash bench/gpu.sh run bash bench/vulkan.sh run", carry=[".gpu-rt", ".vk"])
 #            (bench/gpu.sh prepare writes .gpu-rt: runtime-only TVM for the CUDA builds and the weights writer)
 #   here:    bash bench/vulkan.sh local        # the run stage on this machine's Vulkan (lavapipe / SwiftShader),
-#                                              # web side only and short: checks everything but the driver
+#                                              # web side only, SmolLM2 only and short: checks all but the driver
+# Device run limits: CUDA_TIMEOUT_S (the CUDA builds, first), WEB_TIMEOUT_S (one web build), WEB_DEADLINE_S (no web
+# build starts after this many seconds); VK_BUILDS picks builds; VK_DECODE, VK_PREFILL, VK_VARIANTS shorten the job.
 #
 # .vk/ holds payload.tar.xz: node (xz'd, static: no libnode to find there), npm webgpu's linux-x64 dawn.node, the
 # Vulkan loader and libglvnd .debs (NVIDIA's ICD, libGLX_nvidia.so.0, needs libGLdispatch/libGLX: without them the
@@ -203,6 +206,8 @@ case "${1:-}" in
   prepare) prepare ;;
   run) mkdir -p "${OUT:-/tmp/out}"; run 2>&1 | tee "${OUT:-/tmp/out}/log.txt" ;;
   local)   # this machine's Vulkan: a short web-only pass over the same payload (SwiftShader/lavapipe are slow)
+    # SmolLM2 only unless VK_BUILDS says otherwise: lavapipe takes over 20 minutes for one 0.5B build's checks
+    export VK_BUILDS=${VK_BUILDS:-"smollm2-135m-q4f32_1 smollm2-135m-q4f16_1"}
     export VK_DIR=/tmp/vk-local VK_NO_CUDA=1 VK_NO_LOADERS=1 OUT=${OUT:-/tmp/vk-local-out} \
       WEB_TIMEOUT_S=${WEB_TIMEOUT_S:-900} WEB_DEADLINE_S=${WEB_DEADLINE_S:-100000} VK_DECODE=${VK_DECODE:-6} \
       VK_PREFILL=${VK_PREFILL:-64} VK_PREFILL_REPEATS=${VK_PREFILL_REPEATS:-1} VK_PROFILE_TOKENS=${VK_PROFILE_TOKENS:-2}

@@ -53,6 +53,15 @@ wrap(P("GPUQueue"), "writeBuffer", function (o, a) { counts.writeBuffer++; retur
 wrap(P("GPUBuffer"), "mapAsync", function (o, a) { counts.mapAsync++; return o.apply(this, a); });
 // (on the prototype: the engine's cache, an own property of the device, calls it only for a bind group it lacks)
 wrap(P("GPUDevice"), "createBindGroup", function (o, a) { counts.bindGroup++; return o.apply(this, a); });
+for (const m of ["createComputePipeline", "createComputePipelineAsync"]) {
+  wrap(P("GPUDevice"), m, function (o, a) {
+    const name = a[0] && a[0].compute && a[0].compute.entryPoint;
+    const r = o.apply(this, a);
+    if (r && typeof r.then === "function") return r.then((p) => { prof.pipeName.set(p, name); return p; });
+    prof.pipeName.set(r, name);
+    return r;
+  });
+}
 for (const m of ["copyBufferToBuffer", "copyBufferToTexture", "copyTextureToBuffer", "copyTextureToTexture",
   "clearBuffer", "resolveQuerySet", "beginRenderPass", "finish"]) {
   wrap(P("GPUCommandEncoder"), m, function (o, a) { closePass(this); return o.apply(this, a); });

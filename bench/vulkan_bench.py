@@ -292,7 +292,11 @@ def cmd_report(a) -> None:
         if "error" in web[b] or "adapter" not in web[b]:
             web[b].setdefault("error", "no result")
             if err.exists():
-                web[b]["stderr_tail"] = err.read_text()[-1500:]
+                text = err.read_text()
+                web[b]["stderr_tail"] = text[-1500:]
+                said = [ln for ln in text.splitlines() if ln.startswith("vulkan_bench: error:")]
+                if said:   # what the run itself said, rather than the missing result line
+                    web[b]["error"] = said[-1].removeprefix("vulkan_bench: error: ")
     rows = []
     for b, e in want["models"].items():
         w, c = web.get(b, {"error": "not run"}), cuda.get(b, {"error": "not run"})
