@@ -3,6 +3,7 @@ bench/vulkan.sh drives it (its header says what runs where); the steps:
 
     python bench/vulkan_bench.py build --out DIR      # here: shape-only webgpu + cuda libraries, the CPU build's
                                                       # answers, the random weights, a site (mlcc web)
+    python bench/vulkan_bench.py jobs --out DIR       # here: the job files and the site again from DIR's libraries
     python3 bench/vulkan_bench.py weights MODEL_DIR   # device: the same random weights written again (the carry
                                                       # has no room for them), checked against prepare's sha256
     python3 bench/vulkan_bench.py cuda --libs DIR --out OUT   # device: the CUDA builds, same measurements
