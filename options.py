@@ -33,8 +33,9 @@ class CompileOptions:
     decode_attention_tokens: int = 0
     # CUDA: TVM's prefill attention rebuilt with a grid that fills the GPU
     wide_prefill_attention: bool = True
-    # CUDA sm_80+: many-token projections (prefill) on mlcc's tensor-core GEMM (False: dlight's Matmul rule)
-    prefill_gemm: bool = False
+    # CUDA sm_80+: projections over several tokens (prefill, batched decode, speculative verify) of 2048 and wider
+    # on mlcc's tensor-core GEMM (False: dlight's Matmul rule)
+    prefill_gemm: bool = True
     # CUDA sm_80+: prefill self-attention on mlcc's tensor-core kernel (False: TVM's ragged prefill kernel)
     flash_prefill_attention: bool = True
 

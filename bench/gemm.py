@@ -22,6 +22,7 @@ from pathlib import Path
 # (name, N = W's rows, K) of Llama-3-8B's projections
 SHAPES = [("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 28672, 4096), ("down", 4096, 14336)]
 TOKENS = [512, 2048, 8192]
+FEW_TOKENS = [1, 5, 16, 64]   # batched decode and speculative verify: the split-K kernel (few_token_params)
 # (bm, bn, wm, wn, stages, bk): GemmParams' fields; shared memory is dynamic (227 KB a block on sm_90)
 CANDIDATES = [(128, 128, 2, 4, 3, 32), (128, 128, 2, 4, 5, 32), (128, 128, 2, 4, 3, 64), (128, 128, 2, 4, 4, 64),
               (128, 256, 2, 4, 4, 32), (128, 256, 2, 4, 3, 64), (128, 256, 2, 4, 4, 64), (256, 128, 4, 2, 3, 64),
@@ -32,7 +33,8 @@ CHECKS = [("float16", "none"), ("float16", "bias"), ("float16", "add"), ("float1
 
 
 def cmd_build(a) -> None:
-    from mlcc.schedules.cuda_gemm import GemmParams, default_params, kernel_name, kernel_source
+    from mlcc.schedules.cuda_gemm import (GemmParams, default_params, few_token_params, kernel_name, kernel_source,
+                                          reduce_source)
 
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -45,6 +47,17 @@ def cmd_build(a) -> None:
                                 "threads": p.threads, "smem": p.smem_bytes(w == "q4f16_1"),
                                 "default": p == default_params(w)})
                 src = (src or "") + kernel_source(w, epi, p, with_header=src is None)
+    few = {few_token_params(n, k, w) for w in ("float16", "q4f16_1") for _, n, k in SHAPES}
+    for w in ("float16", "q4f16_1"):
+        for p in sorted({f for f in few}, key=lambda p: p.split):
+            for epi in ("none", "bias", "add"):
+                kernels.append({"name": kernel_name(w, epi, p), "weights": w, "epilogue": epi, "params": p.to_dict(),
+                                "threads": p.threads, "smem": p.smem_bytes(w == "q4f16_1"), "default": False,
+                                "few": True, "reduce": f"mlcc_reduce_k{p.split}_{epi}"})
+                src += kernel_source(w, epi, p, with_header=False)
+    for p in sorted(few, key=lambda p: p.split):
+        for epi in ("none", "bias", "add"):
+            src += reduce_source(epi, p)
     (out / "gemm.cu").write_text(src)
     t = time.time()
     subprocess.run(["nvcc", "-arch=sm_90a", "-cubin", "-O3", "-o", str(out / "gemm.cubin"), str(out / "gemm.cu")],
@@ -83,12 +96,28 @@ def cmd_run(a) -> None:
         s = (torch.rand(n, k // 32, device=dev) * 0.01 + 0.001).half()
         return wq, s, _dequant(torch, wq, s)
 
+    for k in kernels:
+        if k.get("few"):
+            fns[k["reduce"]] = mod.get_function(k["reduce"])
+    parts = {}
+
     def launch(kern, x, w, s, e, c, m, n, k):
         p = kern["params"]
-        grid = (n // p["bn"], -(-m // p["bm"]))
         args = [cupy.asarray(t) if t is not None else cupy.asarray(x) for t in (x, w, s, e)]
+        if not kern.get("few"):
+            grid = (n // p["bn"], -(-m // p["bm"]))
+            fns[kern["name"]](grid, (kern["threads"],), (*args, cupy.asarray(c), cupy.int32(m), cupy.int32(n),
+                                                           cupy.int32(k)), shared_mem=kern["smem"])
+            return
+        size = p["split"] * m * n
+        if parts.get(size) is None:
+            parts[size] = cupy.empty(size, dtype=cupy.float32)
+        part = parts[size]
+        grid = (n // p["bn"], -(-m // p["bm"]), p["split"])
         fns[kern["name"]](grid, (kern["threads"],), (*args, cupy.asarray(c), cupy.int32(m), cupy.int32(n),
-                                                       cupy.int32(k)), shared_mem=kern["smem"])
+                                                       cupy.int32(k), part), shared_mem=kern["smem"])
+        fns[kern["reduce"]]((-(-(m * n // 2) // 256),), (256,), (part, args[3], cupy.asarray(c), cupy.int32(m),
+                                                                 cupy.int32(n)))
 
     def bench(fn, flops, iters=20):
         for _ in range(3):
@@ -104,7 +133,7 @@ def cmd_run(a) -> None:
     # correctness first: every epilogue of the default kernels, an M that is no multiple of the tile
     checks, ok = [], True
     for kern in kernels:
-        m, n, k = 200, 512, 1024
+        m, n, k = (37, 512, 14336) if kern.get("few") else (200, 512, 1024)
         w, s, wf = weights(n, k, kern["weights"])
         x = torch.randn(m, k, device=dev).half()
         y = x.float() @ wf.float().T
@@ -141,7 +170,8 @@ def cmd_run(a) -> None:
                     cublas = bench(lambda: torch.matmul(x, wf.T), flops)
                     res = {}
                     for kern in kernels:
-                        if kern["weights"] != kind or kern["epilogue"] != "none" or n % kern["params"]["bn"]:
+                        if kern["weights"] != kind or kern["epilogue"] != "none" or n % kern["params"]["bn"] \
+                                or kern.get("few"):
                             continue
                         res[kern["name"]] = (bench(lambda: launch(kern, x, w, s, None, c, m, n, k), flops), kern)
                     best, bk = max(res.values(), key=lambda r: r[0])
@@ -153,10 +183,30 @@ def cmd_run(a) -> None:
                     print(f"{kind:8s} {name:8s} M={m:5d} N={n:6d} K={k:6d}  best {best:6.1f} "
                           f"({' '.join(str(v) for v in bk['params'].values())}) default {dflt:6.1f}  "
                           f"cuBLAS {cublas:6.1f}  ratio {best / cublas:.3f}", flush=True)
+    few_rows = []
+    if ok:  # few tokens: the split-K kernel the build picks for the shape, against cuBLAS and the weights' bytes
+        from mlcc.schedules.cuda_gemm import few_token_params, kernel_name
+
+        for kind in ("float16", "q4f16_1"):
+            for name, n, k in SHAPES:
+                w, s, wf = weights(n, k, kind)
+                p = few_token_params(n, k, kind)
+                kern = next(kk for kk in kernels if kk["name"] == kernel_name(kind, "none", p))
+                wbytes = n * k * 2 if kind == "float16" else n * k // 2 + n * k // 32 * 2
+                for m in FEW_TOKENS:
+                    x = torch.randn(m, k, device=dev).half()
+                    c = torch.empty(m, n, device=dev, dtype=torch.float16)
+                    us = 1e6 * 2 * m * n * k / 1e12 / bench(lambda: launch(kern, x, w, s, None, c, m, n, k),
+                                                           2 * m * n * k, iters=50)
+                    cub = 1e6 * 2 * m * n * k / 1e12 / bench(lambda: torch.matmul(x, wf.T), 2 * m * n * k, iters=50)
+                    few_rows.append({"bench": "gemm_few_tokens", "dtype": kind, "proj": name, "M": m, "N": n, "K": k,
+                                     "split": p.split, "us": round(us, 2), "cublas_fp16_us": round(cub, 2),
+                                     "weight_GBps": round(wbytes / us / 1e3, 1)})
+                    print(json.dumps(few_rows[-1]), flush=True)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "gemm.json").write_text(json.dumps({"device": torch.cuda.get_device_name(), "checks": checks,
-                                               "rows": rows}, indent=1))
+                                               "rows": rows, "few_tokens": few_rows}, indent=1))
 
 
 def main() -> None:

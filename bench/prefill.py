@@ -20,8 +20,10 @@ next to the base's distance from it (fp16 logits of random 8B-shape weights diff
 two summation orders); a variant further from float32 than 1.25x the base's distance (+2e-3) is not timed.
 Prefill: one forward of the whole prompt (512, 2,048, 8,192 tokens), best of 3 after a warm-up. Batched decode:
 16 and 64 sequences of 128 prompt tokens, one token per sequence per step, argmax ids read back every step as in
-serving. Rows: {"bench": "prefill"|"batched_decode", "model", "quant", "variant", "prompt_tokens" | "batch",
-"tok_per_s"}; transformers rows have "engine": "transformers".
+serving. Verify: the forward over 5 new tokens with their logits (a speculative verify) after a 512-token
+context, median ms, beside one decode step's. Rows: {"bench": "prefill"|"batched_decode"|"verify", "model",
+"quant", "variant", "prompt_tokens" | "batch" | "tokens", "tok_per_s" | "ms"}; transformers rows have "engine":
+"transformers".
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from harness import cli, presets, write_json
 
 PROMPTS = (512, 2048, 8192)
 BATCHES = (16, 64)
+VERIFY = (5,)   # tokens of a speculative verify (bench/speculative.py: its cost bounds any draft's speedup)
 CONTEXT, STEPS = 128, 32
 
 
@@ -119,12 +122,36 @@ def _load(folder: Path):
     return m
 
 
+def _time_verify(m, tokens: int, context: int = 512, repeats: int = 20) -> tuple[float, float]:
+    """(ms of a forward over `tokens` new tokens with their logits, as a speculative verify runs; ms of one decode
+    step), each the median after a 512-token context, the new tokens popped again."""
+    m.add_sequence(0)
+    m.prefill([0], [_prompt(context)]).numpy()
+    times = {"verify": [], "decode": []}
+    for _ in range(repeats + 2):
+        t = time.perf_counter()
+        m.verify([0], [_prompt(tokens, 3)]).numpy()
+        times["verify"].append(time.perf_counter() - t)
+        m.popn(0, tokens)
+        t = time.perf_counter()
+        m.decode([0], [7]).numpy()
+        times["decode"].append(time.perf_counter() - t)
+        m.popn(0, 1)
+    m.remove_sequence(0)
+    return tuple(float(np.median(times[k][2:])) * 1e3 for k in ("verify", "decode"))
+
+
 def _time(m, row: dict, rows: list, out: str) -> None:
     for n in PROMPTS:
         rows.append({"bench": "prefill", **row, "prompt_tokens": n, "tok_per_s": round(_time_prefill(m, n), 1)})
         print(json.dumps(rows[-1]), flush=True)
     for b in BATCHES:
         rows.append({"bench": "batched_decode", **row, "batch": b, "tok_per_s": round(_time_batched_decode(m, b), 1)})
+        print(json.dumps(rows[-1]), flush=True)
+    for n in VERIFY:
+        v, d = _time_verify(m, n)
+        rows.append({"bench": "verify", **row, "tokens": n, "ms": round(v, 3), "decode_ms": round(d, 3),
+                     "ratio_vs_decode": round(v / d, 2)})
         print(json.dumps(rows[-1]), flush=True)
     write_json(out, "prefill_mlcc.json", rows)
 
@@ -137,7 +164,7 @@ def cmd_mlcc(a) -> None:
     variants = {label: Path(d) for label, d in (v.split("=", 1) for v in a.variants.split(","))}
     for d in sorted(p for p in base_dir.iterdir() if (p / "model.so").exists()):
         model, quant = d.name.rsplit("-", 1)
-        if quant not in REFERENCE:  # (a float32 reference build)
+        if quant not in REFERENCE or (a.quants and quant not in a.quants.split(",")):  # (float32: the reference)
             continue
         exact = None
         ref_dir = base_dir / f"{model}-{REFERENCE[quant]}"
@@ -218,6 +245,7 @@ def cmd_hf(a) -> None:
 def _mlcc_args(p) -> None:
     p.add_argument("--base", required=True, help="libraries with the default options (+ their float32 twins)")
     p.add_argument("--variants", required=True, help="label=folder,... : the same libraries built otherwise")
+    p.add_argument("--quants", default=None, help="only these quantizations (comma-separated)")
     p.add_argument("--out", required=True)
 
 

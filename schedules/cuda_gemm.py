@@ -27,6 +27,7 @@ class GemmParams:
     wn: int = 4       # warps along N
     stages: int = 3   # cp.async pipeline depth (k-tiles in flight)
     bk: int = 32      # K per stage: 32 or 64 (one or two q4 scale groups)
+    split: int = 1    # split-K: blocks along K, partials summed by a second kernel (few tokens)
 
     @property
     def threads(self) -> int:
@@ -75,18 +76,52 @@ def default_params(weights: str, m_hint: int | None = None, sm: int = 90) -> Gem
 def supported(n: int, k: int, params: GemmParams, epilogue: str = "none") -> bool:
     """Whether the kernel handles an N x K weight with these parameters (it checks no bounds on N or K)."""
     tile_n = params.bn // 2 if epilogue == "swiglu" else params.bn
+    if params.split > 1 and (epilogue == "swiglu" or k % (params.split * max(64, params.bk))):
+        return False
     return k % 64 == 0 and n % params.bn == 0 and (epilogue != "swiglu" or (n // 2) % tile_n == 0)
+
+
+SMALL_M = 64           # up to this many tokens the few-token kernel runs (batched decode, speculative verify)
+# Where the default 256-row tiles would launch fewer blocks than this, 128 x 128 ones run: at 512 tokens they won
+# for the 8B's o and down projections (64 blocks: 1.4-1.5x) and lost for qkv and gate_up (96 and 448 blocks).
+MID_BLOCKS = 80
+
+
+def mid_params(weights: str, sm: int = 90) -> GemmParams:
+    return GemmParams(128, 128, 2, 4, 4, 64) if sm >= 90 else default_params(weights, sm=sm)
+BLOCKS_WANTED = 528    # 4 blocks for each of an H100/H200's 132 SMs
+
+
+def few_token_params(n: int, k: int, weights: str, sm: int = 90) -> GemmParams:
+    """32-row tiles, K split until the grid has BLOCKS_WANTED blocks (each split keeps >= 4 k-tiles of 64)."""
+    p = GemmParams(32, 128, 2, 4, 4, 64)
+    if not p.valid(weights == "q4f16_1", sm):
+        p = GemmParams(32, 128, 2, 4, 3, 32)
+    split = 1
+    while (n // p.bn) * split < BLOCKS_WANTED and k % (split * 2 * 256) == 0 and split < 16:
+        split *= 2
+    return dataclasses.replace(p, split=split)
 
 
 def template_call(weights: str, epilogue: str, params: GemmParams) -> str:
     p = params
     q4 = "true" if weights == "q4f16_1" else "false"
+    if p.split > 1:  # (the partials take the epilogue in the reduction)
+        return f"{HELPER}<{p.bm}, {p.bn}, {p.bk}, {p.wm}, {p.wn}, {p.stages}, {q4}, 0, {p.split}>"
     return f"{HELPER}<{p.bm}, {p.bn}, {p.bk}, {p.wm}, {p.wn}, {p.stages}, {q4}, {EPILOGUES[epilogue]}>"
+
+
+def reduce_call(epilogue: str, params: GemmParams) -> str:
+    return f"{HELPER}_reduce<{params.split}, {EPILOGUES[epilogue]}>"
+
+
+REDUCE_THREADS = 256
 
 
 def kernel_name(weights: str, epilogue: str, params: GemmParams) -> str:
     p = params
-    return f"mlcc_gemm_{weights}_{epilogue}_{p.bm}x{p.bn}x{p.bk}_w{p.wm}x{p.wn}_s{p.stages}"
+    split = f"_k{p.split}" if p.split > 1 else ""
+    return f"mlcc_gemm_{weights}_{epilogue}_{p.bm}x{p.bn}x{p.bk}_w{p.wm}x{p.wn}_s{p.stages}{split}"
 
 
 def kernel_source(weights: str, epilogue: str, params: GemmParams, with_header: bool = True) -> str:
@@ -96,10 +131,20 @@ def kernel_source(weights: str, epilogue: str, params: GemmParams, with_header: 
     from .cuda_source import HELPER_DIR
 
     head = (HELPER_DIR / "tc_gemm.cuh").read_text() if with_header else ""
+    split = params.split > 1  # (then also P, the partials, and a reduction kernel: reduce_source)
     return (f"{head}\nextern \"C\" __global__ void __launch_bounds__({params.threads}) "
             f"{kernel_name(weights, epilogue, params)}(const half* A, const void* W, const half* S, const half* E, "
-            f"half* C, int M, int N, int K) {{\n  extern __shared__ __align__(128) unsigned char smem[];\n"
-            f"  {template_call(weights, epilogue, params)}(A, W, S, E, C, M, N, K, smem);\n}}\n")
+            f"half* C, int M, int N, int K{', float* P' if split else ''}) {{\n"
+            f"  extern __shared__ __align__(128) unsigned char smem[];\n"
+            f"  {template_call(weights, epilogue, params)}(A, W, S, E, C, M, N, K, smem{', P' if split else ''});"
+            "\n}\n")
+
+
+def reduce_source(epilogue: str, params: GemmParams) -> str:
+    """The split-K reduction as a standalone kernel: name(P, E, C, M, N), ceil(M * N / 2 / REDUCE_THREADS) blocks."""
+    return (f"extern \"C\" __global__ void __launch_bounds__({REDUCE_THREADS}) mlcc_reduce_k{params.split}_"
+            f"{epilogue}(const float* P, const half* E, half* C, int M, int N) {{\n"
+            f"  {reduce_call(epilogue, params)}(P, E, C, M, N);\n}}\n")
 
 
 def grid(m: int, n: int, params: GemmParams) -> tuple[int, int]:

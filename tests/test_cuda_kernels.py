@@ -290,12 +290,15 @@ def _pass_names(options: CompileOptions, preset: str = "cuda") -> list[str]:
 
 def test_kernel_passes_follow_the_options():
     default = _pass_names(CompileOptions())
-    assert default[-4:] == ["mlcc_cuda_fused_decode_gemv", "mlcc_cuda_decode_gemv",
-                            "mlcc_cuda_split_decode_attention", "mlcc_cuda_wide_prefill_attention"]
+    assert default[-6:] == ["mlcc_cuda_fused_decode_gemv", "mlcc_cuda_decode_gemv",
+                            "mlcc_cuda_split_decode_attention", "mlcc_cuda_wide_prefill_attention",
+                            "mlcc_cuda_flash_prefill", "mlcc_cuda_prefill_gemm"]
     off = {"decode_gemv": ["mlcc_cuda_fused_decode_gemv", "mlcc_cuda_decode_gemv"],
            "fuse_decode_gemv": ["mlcc_cuda_fused_decode_gemv"],
            "split_decode_attention": ["mlcc_cuda_split_decode_attention"],
-           "wide_prefill_attention": ["mlcc_cuda_wide_prefill_attention"]}
+           "wide_prefill_attention": ["mlcc_cuda_wide_prefill_attention"],
+           "flash_prefill_attention": ["mlcc_cuda_flash_prefill"],
+           "prefill_gemm": ["mlcc_cuda_prefill_gemm"]}
     for name, gone in off.items():
         assert _pass_names(CompileOptions(**{name: False})) == [p for p in default if p not in gone], name
     assert not [p for p in _pass_names(CompileOptions(), "llvm") if p.startswith("mlcc_cuda")]

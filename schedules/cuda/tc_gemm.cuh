@@ -10,6 +10,9 @@
 // and are not stored; N % BN == 0 and K % 64 == 0 are the caller's to check.
 // EPI: 0 plain, 1 + bias[n], 2 + residual[m, n], 3 SwiGLU: W's rows are [gate (N/2) ; up (N/2)], the block's B tile
 // interleaves them by 8 rows so a thread holds gate and up of the same output column, and C is [M, N/2].
+// SPLIT > 1 (few tokens: a grid of N / BN blocks would be a few waves of long serial K loops): blockIdx.z takes
+// K / SPLIT of K and the block stores its fp32 partial tile to P[z][M][N]; mlcc_tc_gemm_reduce sums the SPLIT
+// partials and applies the epilogue (0, 1 or 2).
 #include <cuda_fp16.h>
 
 __device__ __forceinline__ unsigned mlcc_smem_u32(const void* p) {
@@ -68,11 +71,11 @@ __host__ __device__ constexpr int mlcc_tc_gemm_smem_bytes() {
   return STAGES * BM * BK * 2 + (Q4 ? 1 : STAGES) * BN * BK * 2 + (Q4 ? STAGES * BN * (BK / 2 + 4) : 0);
 }
 
-template <int BM, int BN, int BK, int WM, int WN, int STAGES, bool Q4, int EPI>
+template <int BM, int BN, int BK, int WM, int WN, int STAGES, bool Q4, int EPI, int SPLIT = 1>
 __device__ __forceinline__ void mlcc_tc_gemm(const half* __restrict__ A, const void* __restrict__ Wv,
                                              const half* __restrict__ S, const half* __restrict__ E,
                                              half* __restrict__ C, int M, int N, int K,
-                                             unsigned char* __restrict__ smem) {
+                                             unsigned char* __restrict__ smem, float* __restrict__ P = nullptr) {
   constexpr int THREADS = WM * WN * 32, CH = BK / 8;  // CH: 16-byte chunks (8 fp16, or one q4 word) per row
   constexpr int WTM = BM / WM, WTN = BN / WN, MI = WTM / 16, NI = WTN / 8;
   static_assert(BK == 32 || BK == 64, "BK");
@@ -89,7 +92,9 @@ __device__ __forceinline__ void mlcc_tc_gemm(const half* __restrict__ A, const v
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int wm = warp / WN, wn = warp % WN;
   const int m0 = blockIdx.y * BM, n0 = blockIdx.x * BN;
-  const int KT = K / BK, G = K / 32;
+  static_assert(SPLIT == 1 || EPI != 3, "split-K partials take no SwiGLU");
+  const int KT = K / SPLIT / BK, G = K / 32;
+  const int kt0 = SPLIT > 1 ? blockIdx.z * KT : 0;  // this block's first k-tile
   const int Nw = EPI == 3 ? N / 2 : N;  // output columns
   // the weight row behind B-tile row j
   auto wrow = [&](int j) -> int {
@@ -98,8 +103,8 @@ __device__ __forceinline__ void mlcc_tc_gemm(const half* __restrict__ A, const v
     return ((g & 1) ? Nw : 0) + (n0 >> 1) + ((g >> 1) << 3) + (j & 7);
   };
 
-  auto load_stage = [&](int slot, int kt) {
-    const int k0 = kt * BK;
+  auto load_stage = [&](int slot, int kt_local) {
+    const int kt = kt0 + kt_local, k0 = kt * BK;
 #pragma unroll
     for (int i = 0; i < BM * CH / THREADS; ++i) {
       const int c = tid + i * THREADS, r = c / CH, ch = c % CH;
@@ -156,7 +161,7 @@ __device__ __forceinline__ void mlcc_tc_gemm(const half* __restrict__ A, const v
       for (int i = 0; i < BN * CH / THREADS; ++i) {  // a packed word (8 codes) becomes one 16-byte fp16 chunk
         const int c = tid + i * THREADS, r = c / CH, wd = c % CH;
         const half2 sp = Sq[slot][r];
-        const bool hi = BK == 64 ? wd >= 4 : (kt & 1);
+        const bool hi = BK == 64 ? wd >= 4 : ((kt0 + kt) & 1);
         const half s1 = hi ? __high2half(sp) : __low2half(sp);
         uint4 v;
         mlcc_q4_dequant8(Wq[slot][r * CH + wd], __halves2half2(s1, s1), &v);
@@ -210,6 +215,10 @@ __device__ __forceinline__ void mlcc_tc_gemm(const half* __restrict__ A, const v
         } else {
           n = n0 + nl;
         }
+        if constexpr (SPLIT > 1) {
+          *reinterpret_cast<float2*>(P + ((size_t)blockIdx.z * M + m) * N + n) = make_float2(x0, x1);
+          continue;
+        }
         half2 o = __floats2half2_rn(x0, x1);
         if constexpr (EPI == 1) o = __hadd2(o, *reinterpret_cast<const half2*>(E + n));
         if constexpr (EPI == 2) o = __hadd2(o, *reinterpret_cast<const half2*>(E + (size_t)m * Nw + n));
@@ -217,4 +226,24 @@ __device__ __forceinline__ void mlcc_tc_gemm(const half* __restrict__ A, const v
       }
     }
   }
+}
+
+// The split-K partials P[SPLIT][M][N] summed into C[M, N] with the epilogue (0, 1 + bias[n], 2 + residual[m, n]),
+// rounded as the unsplit kernel rounds; one thread per two outputs.
+template <int SPLIT, int EPI>
+__device__ __forceinline__ void mlcc_tc_gemm_reduce(const float* __restrict__ P, const half* __restrict__ E,
+                                                    half* __restrict__ C, int M, int N) {
+  const size_t i = ((size_t)blockIdx.x * blockDim.x + threadIdx.x) * 2, total = (size_t)M * N;
+  if (i >= total) return;
+  float2 acc = *reinterpret_cast<const float2*>(P + i);
+#pragma unroll
+  for (int z = 1; z < SPLIT; ++z) {
+    const float2 v = *reinterpret_cast<const float2*>(P + z * total + i);
+    acc.x += v.x;
+    acc.y += v.y;
+  }
+  half2 o = __floats2half2_rn(acc.x, acc.y);
+  if constexpr (EPI == 1) o = __hadd2(o, *reinterpret_cast<const half2*>(E + i % N));
+  if constexpr (EPI == 2) o = __hadd2(o, *reinterpret_cast<const half2*>(E + i));
+  *reinterpret_cast<half2*>(C + i) = o;
 }
