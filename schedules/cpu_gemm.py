@@ -100,6 +100,48 @@ def make_gemm(shape: GemmShape, tiles: GemmTiles | None = None) -> tirx.PrimFunc
                     wt[kk, c] = w[no * nc + c, kk]
 
     @T.macro
+    def many_rows(w, s, r, xf, yf, rf, no, acc, wv, sv, wt):
+        dequantize(w, s, wt, wv, sv, no)
+        for mo in T.serial(m // mr):
+            for i in T.unroll(T.int64(mr)):
+                for c in T.vectorized(T.int64(nc)):
+                    acc[i, c] = T.float32(0)
+            for kk in T.serial(T.int64(k)):
+                for i in T.unroll(T.int64(mr)):
+                    # native-width vectors: one 32-lane vector made LLVM codegen several times slower
+                    for cg in T.unroll(T.int64(nc // VEC)):
+                        for c in T.vectorized(T.int64(VEC)):
+                            acc[i, cg * VEC + c] = acc[i, cg * VEC + c] + \
+                                xf[mo * mr + i, kk] * wt[kk, cg * VEC + c]
+            for i in T.unroll(T.int64(mr)):
+                for c in T.vectorized(T.int64(nc)):
+                    if add:
+                        yf[mo * mr + i, no * nc + c] = acc[i, c] + epilogue(r, rf, mo * mr + i, no * nc + c)
+                    else:
+                        yf[mo * mr + i, no * nc + c] = acc[i, c]
+        if m % mr > 0:
+            # the rows left over as one more mr-row block: the last mr rows, or with fewer rows than mr (a
+            # speculative verify, a small batch) all of them, the last one repeated; only the left-over rows are
+            # stored. One row at a time was a single FMA chain per vector, latency-bound: 6 rows cost 1.45x this.
+            base: T.let[T.int64] = T.max(m - T.int64(mr), T.int64(0))
+            for i in T.unroll(T.int64(mr)):
+                for c in T.vectorized(T.int64(nc)):
+                    acc[i, c] = T.float32(0)
+            for kk in T.serial(T.int64(k)):
+                for i in T.unroll(T.int64(mr)):
+                    for cg in T.unroll(T.int64(nc // VEC)):
+                        for c in T.vectorized(T.int64(VEC)):
+                            acc[i, cg * VEC + c] = acc[i, cg * VEC + c] + \
+                                xf[T.min(base + i, m - T.int64(1)), kk] * wt[kk, cg * VEC + c]
+            for i in T.unroll(T.int64(mr)):
+                if base + i < m and base + i >= m // mr * mr:
+                    for c in T.vectorized(T.int64(nc)):
+                        if add:
+                            yf[base + i, no * nc + c] = acc[i, c] + epilogue(r, rf, base + i, no * nc + c)
+                        else:
+                            yf[base + i, no * nc + c] = acc[i, c]
+
+    @T.macro
     def body(x, w, s, r, y):
         xf = T.decl_buffer((m, T.int64(k)), "float32", data=x.data)
         yf = T.decl_buffer((m, T.int64(n)), "float32", data=y.data)
@@ -110,39 +152,9 @@ def make_gemm(shape: GemmShape, tiles: GemmTiles | None = None) -> tirx.PrimFunc
                 T.writes()
                 wt = T.sblock_alloc_buffer((T.int64(k), T.int64(nc)), "float32")
                 acc = T.sblock_alloc_buffer((T.int64(mr), T.int64(nc)), "float32", scope="local")
-                acc1 = T.sblock_alloc_buffer((T.int64(nc),), "float32", scope="local")
                 wv = T.sblock_alloc_buffer((T.int64(nc),), w_dtype, scope="local")
                 sv = T.sblock_alloc_buffer((T.int64(nc),), "float32", scope="local")
-                dequantize(w, s, wt, wv, sv, no)
-                for mo in T.serial(m // mr):
-                    for i in T.unroll(T.int64(mr)):
-                        for c in T.vectorized(T.int64(nc)):
-                            acc[i, c] = T.float32(0)
-                    for kk in T.serial(T.int64(k)):
-                        for i in T.unroll(T.int64(mr)):
-                            # native-width vectors: one 32-lane vector made LLVM codegen several times slower
-                            for cg in T.unroll(T.int64(nc // VEC)):
-                                for c in T.vectorized(T.int64(VEC)):
-                                    acc[i, cg * VEC + c] = acc[i, cg * VEC + c] + \
-                                        xf[mo * mr + i, kk] * wt[kk, cg * VEC + c]
-                    for i in T.unroll(T.int64(mr)):
-                        for c in T.vectorized(T.int64(nc)):
-                            if add:
-                                yf[mo * mr + i, no * nc + c] = acc[i, c] + epilogue(r, rf, mo * mr + i, no * nc + c)
-                            else:
-                                yf[mo * mr + i, no * nc + c] = acc[i, c]
-                for mt in T.serial(m % mr):
-                    row: T.let[T.int64] = m // mr * mr + mt
-                    for c in T.vectorized(T.int64(nc)):
-                        acc1[c] = T.float32(0)
-                    for kk in T.serial(T.int64(k)):
-                        for c in T.vectorized(T.int64(nc)):
-                            acc1[c] = acc1[c] + xf[row, kk] * wt[kk, c]
-                    for c in T.vectorized(T.int64(nc)):
-                        if add:
-                            yf[row, no * nc + c] = acc1[c] + epilogue(r, rf, row, no * nc + c)
-                        else:
-                            yf[row, no * nc + c] = acc1[c]
+                many_rows(w, s, r, xf, yf, rf, no, acc, wv, sv, wt)
 
     if q4 and add:
         @T.prim_func(private=True, s_tir=True)
