@@ -195,73 +195,14 @@ def make_gemm(shape: GemmShape, tiles: GemmTiles | None = None) -> tirx.PrimFunc
     return gemm
 
 
-def _static(d) -> int | None:
-    return int(d) if isinstance(d, (int, tirx.IntImm)) else None
-
-
 def match_gemm(func: tirx.PrimFunc) -> GemmShape | None:
     """The shape of a many-token projection — q4f32_1 dequantize→matmul or float32 NT_matmul, [→ + residual or
     bias], over activations (1, m, K) or (m, 1, K) with m symbolic — or None for anything else (batch-1 GEMVs
     included)."""
-    from .gemv_match import _blocks, _reads_row_major
+    from .gemv_match import match_many_token_projection
 
-    blocks = _blocks(func)
-    if blocks is None:
-        return None
-    if {"dequantize", "matmul"} <= set(blocks):
-        core, weights = {"dequantize", "matmul"}, "q4f32_1"
-        deq, mm = blocks["dequantize"], blocks["matmul"]
-        if len(deq.reads) != 2 or len(mm.reads) != 2:
-            return None
-        w, s = (r.source for r in deq.reads)
-        x = next((r.source for r in mm.reads if not r.source.same_as(deq.writes[0].source)), None)
-        if x is None or w.dtype != "uint32" or s.dtype != "float32":
-            return None
-    elif "NT_matmul" in blocks:
-        core, weights, s = {"NT_matmul"}, "float32", None
-        mm = blocks["NT_matmul"]
-        if len(mm.reads) != 2:
-            return None
-        x, w = (r.source for r in mm.reads)
-        if w.dtype != "float32" or not _reads_row_major(mm, w):
-            return None
-    else:
-        return None
-    extra = set(blocks) - core
-    if not extra <= {"T_add"}:
-        return None
-    ws = [_static(d) for d in w.shape]
-    if len(ws) != 2 or None in ws or len(x.shape) != 3 or x.dtype != "float32":
-        return None
-    n, k = (ws[0], ws[1] * 8) if weights == "q4f32_1" else tuple(ws)
-    lead = [_static(d) for d in x.shape[:2]]
-    if _static(x.shape[2]) != k or sorted(lead, key=lambda v: v is None) != [1, None] or k % GROUP:
-        return None
-    if s is not None and [_static(d) for d in s.shape] != [n, k // GROUP]:
-        return None
-    y = mm.writes[0].source
-    res, bias = None, False
-    if extra:
-        blk = blocks["T_add"]
-        reads = [r.source for r in blk.reads]
-        others = [b for b in reads if not b.same_as(y)]
-        if len(reads) != 2 or len(others) != 1 or not isinstance(blk.body.value, tirx.Add):
-            return None
-        res, y = others[0], blk.writes[0].source
-        bias = len(res.shape) == 1 and _static(res.shape[0]) == n
-        if res.dtype != "float32" or not (bias or _same_shape(res.shape, y.shape)):
-            return None
-    if y.dtype != "float32" or not _same_shape(y.shape, list(x.shape[:2]) + [n]):
-        return None
-    expected = [x, w] + ([s] if s is not None else []) + ([res] if res is not None else []) + [y]
-    if len(func.params) != len(expected) or not all(p.same_as(e) for p, e in zip(func.params, expected)):
-        return None
-    return GemmShape(n, k, tuple(x.shape), weights, "none" if res is None else "bias" if bias else "add")
-
-
-def _same_shape(a, b) -> bool:
-    return len(a) == len(b) and all(p.same_as(q) or (_static(p) is not None and _static(p) == _static(q))
-                                    for p, q in zip(a, b))
+    found = match_many_token_projection(func, "float32")
+    return GemmShape(*found) if found is not None and found[1] % GROUP == 0 else None
 
 
 def gemm_for(func: tirx.PrimFunc, tiles: GemmTiles | None = None) -> tirx.PrimFunc | None:

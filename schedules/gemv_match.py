@@ -142,6 +142,77 @@ _GATED_BLOCKS = {
 _GATED_OP = {"swiglu": "tirx.sigmoid", "geglu": "tirx.tanh"}
 
 
+
+Q4_FOR = {"float16": "q4f16_1", "float32": "q4f32_1"}   # the q4 format whose activations and scales are `dtype`
+
+
+def static_dim(d) -> int | None:
+    return int(d) if isinstance(d, (int, tvm.tirx.IntImm)) else None
+
+
+def same_shape(a, b) -> bool:
+    return len(a) == len(b) and all(p.same_as(q) or (static_dim(p) is not None and static_dim(p) == static_dim(q))
+                                    for p, q in zip(a, b))
+
+
+def match_many_token_projection(func, dtype: str) -> tuple[int, int, tuple, str, str] | None:
+    """(n, k, x shape, weights, epilogue) of a projection over several tokens with `dtype` activations: Q4_FOR[dtype]
+    dequantize→matmul or `dtype` NT_matmul weights [→ + residual or bias], activations (1, m, K) or (m, 1, K) with
+    m symbolic; None for anything else (batch-1 GEMVs included). Epilogue: "none" | "add" | "bias"."""
+    blocks = _blocks(func)
+    if blocks is None:
+        return None
+    if {"dequantize", "matmul"} <= set(blocks):
+        core, weights = {"dequantize", "matmul"}, Q4_FOR[dtype]
+        deq, mm = blocks["dequantize"], blocks["matmul"]
+        if len(deq.reads) != 2 or len(mm.reads) != 2:
+            return None
+        w, s = (r.source for r in deq.reads)
+        x = next((r.source for r in mm.reads if not r.source.same_as(deq.writes[0].source)), None)
+        if x is None or w.dtype != "uint32" or s.dtype != dtype:
+            return None
+    elif "NT_matmul" in blocks:
+        core, weights, s = {"NT_matmul"}, dtype, None
+        mm = blocks["NT_matmul"]
+        if len(mm.reads) != 2:
+            return None
+        x, w = (r.source for r in mm.reads)
+        if w.dtype != dtype or not _reads_row_major(mm, w):
+            return None
+    else:
+        return None
+    extra = set(blocks) - core
+    if not extra <= {"T_add"}:
+        return None
+    ws = [static_dim(d) for d in w.shape]
+    if len(ws) != 2 or None in ws or len(x.shape) != 3 or x.dtype != dtype:
+        return None
+    n, k = (ws[0], ws[1] * 8) if s is not None else tuple(ws)
+    lead = [static_dim(d) for d in x.shape[:2]]
+    if static_dim(x.shape[2]) != k or sorted(lead, key=lambda v: v is None) != [1, None]:
+        return None
+    if s is not None and [static_dim(d) for d in s.shape] != [n, k // 32]:
+        return None
+    y = mm.writes[0].source
+    res, bias = None, False
+    if extra:
+        blk = blocks["T_add"]
+        reads = [r.source for r in blk.reads]
+        others = [b for b in reads if not b.same_as(y)]
+        if len(reads) != 2 or len(others) != 1 or not isinstance(blk.body.value, tvm.tirx.Add):
+            return None
+        res, y = others[0], blk.writes[0].source
+        bias = len(res.shape) == 1 and static_dim(res.shape[0]) == n
+        if res.dtype != dtype or not (bias or same_shape(res.shape, y.shape)):
+            return None
+    if y.dtype != dtype or not same_shape(y.shape, list(x.shape[:2]) + [n]):
+        return None
+    expected = [x, w] + ([s] if s is not None else []) + ([res] if res is not None else []) + [y]
+    if len(func.params) != len(expected) or not all(p.same_as(e) for p, e in zip(func.params, expected)):
+        return None
+    return n, k, tuple(x.shape), weights, "none" if res is None else "bias" if bias else "add"
+
+
 def match_gated(func) -> tuple[int, str] | None:
     """(I, "swiglu" | "geglu") for the split → act(first half) * second half kernel of a (1, 1, 2I) float16 input
     (act: silu, or the tanh-approximated GELU), else None."""
