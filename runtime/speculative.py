@@ -11,6 +11,11 @@ disable_by_batch_size. Proposals are capped by the tokens left (the KV never out
 no_evict reserves), by the free KV pages beyond what the step's plain decodes need, and by the prefill chunk. A
 request whose proposals keep being rejected (fewer than MIN_ACCEPTED kept per verify over the last WINDOW) stops
 speculating for a cool-down of plain steps that doubles each time it happens again.
+
+Where speculation cannot pay it stays off: at start the speculator times one decode step and one verify of k + 1
+tokens on a scratch sequence (plus, for a draft model, k of its decode steps); a speculative step yields at most
+k + 1 tokens, so when it costs more than k + 1 decode steps (a GPU whose batch-1 decode is far faster than its
+few-token forward, a draft almost as slow as the target) every request decodes plainly and a warning says why.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import collections
 import dataclasses
 import logging
 import math
+import time
 from typing import Any, Callable, Sequence
 
 import numpy as np
@@ -34,6 +40,8 @@ log = logging.getLogger(__name__)
 WINDOW = 4               # verify steps the acceptance is judged over
 MIN_ACCEPTED = 0.5       # proposals kept per verify below which a request pauses speculating
 COOLDOWN = (16, 512)     # plain steps of the first pause, and the longest
+SCRATCH_SEQ = 1 << 30    # the cost probe's sequence id (requests' ids count up from 0)
+PROBE_CONTEXT = 64       # tokens of context the probe's steps attend to
 
 
 @dataclasses.dataclass
@@ -55,6 +63,16 @@ class Speculator:
         # and numpy's argmax beats a VM call)
         self.device_argmax = model.device_kind != "cpu" and getattr(model, "argmax", None) is not None
         self._state: dict[Request, _State] = {}
+        # a speculative step's cost in plain decode steps (None: not measured)
+        self.step_cost = speculative_step_cost(model, self.k, draft.model if draft is not None else None)
+        self.enabled = self.step_cost is None or self.step_cost < self.k + 1
+        if not self.enabled:
+            log.warning("speculative decoding stays off: a step (%s of %d tokens) costs %.1f decode steps on this "
+                        "device, more than the %d tokens it can yield; every request decodes plainly",
+                        "a draft and a verify" if draft is not None else "a verify", self.k + 1, self.step_cost,
+                        self.k + 1)
+        elif self.step_cost is not None:
+            log.info("speculative step: %.1f decode steps for up to %d tokens", self.step_cost, self.k + 1)
 
     # -- metrics ------------------------------------------------------------------------------------------------
     def acceptance_rate(self) -> float:
@@ -71,7 +89,8 @@ class Speculator:
     def wants(self, r: Request, batch: int) -> bool:
         """Whether r may speculate this step (not whether it has proposals)."""
         limit = self.config.disable_by_batch_size
-        if r.processed or r.cancelled or r.max_new - len(r.output_ids) < 2 or (limit is not None and batch > limit):
+        if not self.enabled or r.processed or r.cancelled or r.max_new - len(r.output_ids) < 2 or \
+                (limit is not None and batch > limit):
             return False
         s = self._state.get(r)
         return s is None or s.cooldown == 0
@@ -178,6 +197,44 @@ class Speculator:
                     self.draft.release(r)
             elif sum(s.kept) / WINDOW >= 2 * MIN_ACCEPTED:
                 s.pause = COOLDOWN[0]
+
+
+def step_seconds(model: Any, tokens: int, repeats: int = 5) -> tuple[float, float]:
+    """(one decode step, one verify forward over `tokens` tokens) in seconds, the fastest of `repeats` (other work on
+    the machine only adds to a time), on a scratch sequence of PROBE_CONTEXT tokens that is removed again."""
+    ids = [1 + i % (int(model.vocab) - 1) for i in range(PROBE_CONTEXT + tokens)]
+    model.add_sequence(SCRATCH_SEQ)
+    try:
+        model.prefill([SCRATCH_SEQ], [ids[:PROBE_CONTEXT]]).numpy()
+        decode, verify = [], []
+        for _ in range(repeats + 1):  # the first of each warms up
+            t = time.perf_counter()
+            model.decode([SCRATCH_SEQ], [ids[PROBE_CONTEXT]]).numpy()
+            decode.append(time.perf_counter() - t)
+            model.popn(SCRATCH_SEQ, 1)
+            t = time.perf_counter()
+            model.verify([SCRATCH_SEQ], [ids[PROBE_CONTEXT:]]).numpy()
+            verify.append(time.perf_counter() - t)
+            model.popn(SCRATCH_SEQ, tokens)
+        return min(decode[1:]), min(verify[1:])
+    finally:
+        model.remove_sequence(SCRATCH_SEQ)
+
+
+def speculative_step_cost(model: Any, k: int, draft_model: Any = None) -> float | None:
+    """What a speculative step of k proposals costs in the target's decode steps: the verify of k + 1 tokens, and
+    k decode steps of the draft model if there is one. None where the model cannot be probed (no free pages)."""
+    if model.free_pages() * model.page_size < PROBE_CONTEXT + k + 16:
+        return None
+    try:
+        decode, verify = step_seconds(model, k + 1)
+        cost = verify / decode
+        if draft_model is not None:
+            cost += k * step_seconds(draft_model, 1)[0] / decode
+    except Exception as e:  # noqa: BLE001 - a probe that fails must not stop the engine; speculation then decides
+        log.warning("speculative decoding: could not time a step (%s); speculating without a cost check", e)
+        return None
+    return cost
 
 
 def _pages(kv_len: int, n: int, ps: int) -> int:
