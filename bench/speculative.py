@@ -164,7 +164,8 @@ def cmd_cpu(a) -> None:
     if not a.skip_ngram:
         print("ngram, bundled SmolLM2-135M", flush=True)
         with Engine(**kw) as plain, Engine(speculative_config=NGRAM, **kw) as spec:
-            res["ngram"] = {"config": NGRAM, "model": plain.model_name,
+            probe = _speculate_anyway(spec.core.speculator)
+            res["ngram"] = {"config": NGRAM, "model": plain.model_name, **probe,
                             "prompts": _compare(plain, spec, NGRAM_PROMPTS, a.max_tokens, a.repeats)}
     if not a.skip_draft:
         target = _coder(a.target_model, "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf")
@@ -172,7 +173,8 @@ def cmd_cpu(a) -> None:
         config = {"method": "draft", "model": draft, "num_speculative_tokens": DRAFT_TOKENS}
         print("draft: Qwen2.5-Coder-0.5B for 1.5B", flush=True)
         with Engine(target, **kw) as plain, Engine(target, speculative_config=config, **kw) as spec:
-            res["draft"] = {"config": config, "model": plain.model_name,
+            probe = _speculate_anyway(spec.core.speculator)
+            res["draft"] = {"config": config, "model": plain.model_name, **probe,
                             "prompts": _compare(plain, spec, CODING_PROMPTS, a.max_tokens, a.repeats)}
     res["load_after"] = _load()
     print(write_json(a.out, "speculative_cpu.json", res))
@@ -307,6 +309,14 @@ def _engine_run(target, prompt: list[int], max_new: int, make_speculator=None) -
         core.shutdown()
 
 
+def _speculate_anyway(speculator) -> dict:
+    """The engine's start-up cost probe and its decision, then speculation on regardless: this benchmark measures
+    what speculating does, also where the engine would keep it off."""
+    probe = {"probe_step_cost": speculator.step_cost, "engine_speculates": speculator.enabled}
+    speculator.enabled = True
+    return probe
+
+
 def _speculator(config: dict, draft_model=None):
     from mlcc.runtime.draft import DraftProposer
     from mlcc.runtime.spec_config import parse_speculative_config
@@ -316,7 +326,9 @@ def _speculator(config: dict, draft_model=None):
 
     def make(model, page_size: int, stats):
         draft = DraftProposer(draft_model, model.vocab, 1, 4096, 512) if draft_model is not None else None
-        return Speculator(c, model, page_size, stats, draft)
+        speculator = Speculator(c, model, page_size, stats, draft)
+        _speculate_anyway(speculator)
+        return speculator
     return make
 
 
