@@ -15,9 +15,10 @@ prefill_gemm) against the same library without them (TVM's prefill attention, dl
         --variants flash=.dev/fa8,flash+gemm=.dev/fapg8 --out $OUT && python3 bench/prefill.py hf --out $OUT'
 
 Weights are random, seeded: every build of a model gets the same values, so logits are compared first (prefill of
-a 512-token prompt and a ragged two-sequence prefill): each variant against the float32 build of the same weights,
-next to the base's distance from it (fp16 logits of random 8B-shape weights differ by a few percent between any
-two summation orders); a variant further from float32 than 1.25x the base's distance (+2e-3) is not timed.
+a 512-token prompt, a ragged two-sequence prefill, a decode step of 8 sequences, a 5-token verify): each variant
+against the float32 build of the same weights, next to the base's distance from it (fp16 logits of random
+8B-shape weights differ by a few percent between any two summation orders); a variant further from float32 than
+1.25x the base's distance (+2e-3) is not timed.
 Prefill: one forward of the whole prompt (512, 2,048, 8,192 tokens), best of 3 after a warm-up. Batched decode:
 16 and 64 sequences of 128 prompt tokens, one token per sequence per step, argmax ids read back every step as in
 serving. Verify: the forward over 5 new tokens with their logits (a speculative verify) after a 512-token
@@ -61,10 +62,28 @@ def _logits(model, lists: list[list[int]]) -> np.ndarray:
 CHECK_PROMPTS = {"single": [_prompt(512)], "ragged": [_prompt(300, 1), _prompt(77, 2)]}
 
 
+def _all_logits(model) -> dict[str, np.ndarray]:
+    """The checked logits: the CHECK_PROMPTS prefills (many-token paths), one decode step of 8 sequences of 40
+    tokens and a 5-token verify after 200 (the few-token paths: batched decode, speculative verify)."""
+    out = {name: _logits(model, lists) for name, lists in CHECK_PROMPTS.items()}
+    seqs = list(range(8))
+    for s in seqs:
+        model.add_sequence(s)
+    model.prefill(seqs, [_prompt(40, s) for s in seqs]).numpy()
+    out["batched_decode"] = model.decode(seqs, [5 + s for s in seqs]).numpy().astype(np.float32)
+    for s in seqs:
+        model.remove_sequence(s)
+    model.add_sequence(0)
+    model.prefill([0], [_prompt(200, 9)]).numpy()
+    out["verify"] = model.verify([0], [_prompt(5, 4)]).numpy().astype(np.float32)
+    model.remove_sequence(0)
+    return out
+
+
 def _check(got: dict, want: dict, exact: dict | None) -> dict:
     """A variant's logits (`got`) against the base's (`want`) and, where there is one, the float32 build's."""
     out = {}
-    for name in CHECK_PROMPTS:
+    for name in got:
         g, w = got[name], want[name]
         row = {"max_rel_err_vs_base": float(np.abs(g - w).max() / np.abs(w).max()),
                "argmax_equal_base": bool((g.argmax(-1) == w.argmax(-1)).all())}
@@ -170,11 +189,11 @@ def cmd_mlcc(a) -> None:
         ref_dir = base_dir / f"{model}-{REFERENCE[quant]}"
         if (ref_dir / "model.so").exists():
             ref = _load(ref_dir)
-            exact = {name: _logits(ref, lists) for name, lists in CHECK_PROMPTS.items()}
+            exact = _all_logits(ref)
             del ref
             gc.collect()
         base = _load(d)
-        want = {name: _logits(base, lists) for name, lists in CHECK_PROMPTS.items()}
+        want = _all_logits(base)
         _time(base, {"model": model, "quant": quant, "variant": "base"}, rows, a.out)
         del base
         gc.collect()
@@ -182,7 +201,7 @@ def cmd_mlcc(a) -> None:
             if not (vdir / d.name / "model.so").exists():
                 continue
             m = _load(vdir / d.name)
-            check = _check({name: _logits(m, lists) for name, lists in CHECK_PROMPTS.items()}, want, exact)
+            check = _check(_all_logits(m), want, exact)
             print(model, quant, label, "vs base / float32:", json.dumps(check), flush=True)
             rows.append({"bench": "check", "model": model, "quant": quant, "variant": label, **check})
             if check["ok"]:
