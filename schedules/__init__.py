@@ -14,10 +14,10 @@ def handwritten_kernel_passes(target: tvm.target.Target, options: CompileOptions
     projections before the plain GEMV kernel replaces them)."""
     if target.kind.name != "cuda":
         return []
-    from . import cuda_pdl
     from .cuda_decode_attention import split_decode_attention_pass
     from .cuda_gemv import decode_gemv_pass
     from .cuda_pdl import enabled as pdl_enabled
+    from .cuda_pdl import sm_version
     from .cuda_prefill_attention import wide_prefill_attention_pass
 
     passes = []
@@ -27,14 +27,15 @@ def handwritten_kernel_passes(target: tvm.target.Target, options: CompileOptions
         passes.append(split_decode_attention_pass(options.decode_attention_splits, options.decode_attention_tokens))
     if options.wide_prefill_attention:
         passes.append(wide_prefill_attention_pass())
-    if options.flash_prefill_attention and cuda_pdl.sm_version(target) >= 80:  # (after the wide rebuild)
+    sm = sm_version(target)
+    if options.flash_prefill_attention and sm >= 80:  # (after the wide rebuild)
         from .cuda_flash_prefill import flash_prefill_attention_pass
 
         passes.append(flash_prefill_attention_pass())
-    if options.prefill_gemm and cuda_pdl.sm_version(target) >= 80:  # mma.sync.m16n8k16, cp.async: sm_80+
+    if options.prefill_gemm and sm >= 80:  # mma.sync.m16n8k16, cp.async: sm_80+
         from .cuda_gemm_tir import prefill_gemm_pass
 
-        passes.append(prefill_gemm_pass(cuda_pdl.sm_version(target)))
+        passes.append(prefill_gemm_pass(sm))
     return passes
 
 

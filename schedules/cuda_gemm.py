@@ -34,7 +34,8 @@ class GemmParams:
         return 32 * self.wm * self.wn
 
     def smem_bytes(self, q4: bool) -> int:
-        """Dynamic shared memory of one block (tc_gemm.cuh's mlcc_tc_gemm_smem_bytes)."""
+        """Dynamic shared memory of one block: the A ring, the B ring (q4: one dequantized tile, plus the ring of
+        packed words and scale pairs), as tc_gemm.cuh carves it."""
         a = self.stages * self.bm * self.bk * 2
         b = (1 if q4 else self.stages) * self.bn * self.bk * 2
         return a + b + (self.stages * self.bn * (self.bk // 2 + 4) if q4 else 0)

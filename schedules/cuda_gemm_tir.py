@@ -203,13 +203,10 @@ def prefill_gemm_pass(sm: int) -> tvm.transform.Pass:
             p = params_for(shape, sm) if shape is not None else None
             if p is None:
                 continue
-            few = few_token_params(shape.n, shape.k, shape.weights, sm)
-            few = few if few.split > 1 and few.valid(shape.weights == "q4f16_1", sm) and \
-                supported(shape.n, shape.k, few, shape.epilogue) else None
-            mid = mid_params(shape.weights, sm)
-            mid = mid if mid != p and mid.valid(shape.weights == "q4f16_1", sm) and \
-                supported(shape.n, shape.k, mid, shape.epilogue) else None
-            new = make_prefill_gemm(shape, p, few, mid)
+            few = params_for(shape, sm, few_token_params(shape.n, shape.k, shape.weights, sm))
+            mid = params_for(shape, sm, mid_params(shape.weights, sm))
+            new = make_prefill_gemm(shape, p, few if few is not None and few.split > 1 else None,
+                                    mid if mid != p else None)
             attrs = {k: v for k, v in func.attrs.items()} if func.attrs is not None else {}
             mod[gv] = new.with_attrs(attrs).with_attr("tirx.is_scheduled", True)
             replaced += 1

@@ -25,9 +25,6 @@ __device__ __forceinline__ unsigned mlcc_pack_half2(float a, float b) {
 }
 
 template <int D>
-__host__ __device__ constexpr int mlcc_flash_prefill_smem_bytes() { return (64 + 4 * 64) * D * 2; }
-
-template <int D>
 __device__ __forceinline__ void mlcc_flash_prefill(const half* __restrict__ Q, const int* __restrict__ q_indptr,
                                                    const half* __restrict__ K, const half* __restrict__ V,
                                                    const int* __restrict__ kv_indptr, half* __restrict__ O,

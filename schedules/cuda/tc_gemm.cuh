@@ -6,7 +6,7 @@
 // One block computes a BM x BN tile of C with WM x WN warps, BK (32 or 64: one or two q4 scale groups) of K per
 // pipeline stage; shared-memory rows of BK fp16 are 16-byte chunks XOR-swizzled so ldmatrix's eight rows fall in
 // distinct banks. Shared memory is the caller's (dynamic: Hopper gives a block up to 227 KB, so deeper rings and
-// wider tiles fit than in 48 KB of static memory), `mlcc_tc_gemm_smem_bytes` of it. Rows of A past M read zeros
+// wider tiles fit than in 48 KB of static memory), cuda_gemm.GemmParams.smem_bytes of it. Rows of A past M read zeros
 // and are not stored; N % BN == 0 and K % 64 == 0 are the caller's to check.
 // EPI: 0 plain, 1 + bias[n], 2 + residual[m, n], 3 SwiGLU: W's rows are [gate (N/2) ; up (N/2)], the block's B tile
 // interleaves them by 8 rows so a thread holds gate and up of the same output column, and C is [M, N/2].
@@ -64,12 +64,6 @@ __device__ __forceinline__ void mlcc_q4_dequant8(unsigned w, half2 scale, uint4*
 }
 
 __device__ __forceinline__ float mlcc_silu(float x) { return x / (1.0f + __expf(-x)); }
-
-// The shared-memory bytes one block of these parameters uses (cuda_gemm.GemmParams.smem_bytes says the same).
-template <int BM, int BN, int BK, int STAGES, bool Q4>
-__host__ __device__ constexpr int mlcc_tc_gemm_smem_bytes() {
-  return STAGES * BM * BK * 2 + (Q4 ? 1 : STAGES) * BN * BK * 2 + (Q4 ? STAGES * BN * (BK / 2 + 4) : 0);
-}
 
 template <int BM, int BN, int BK, int WM, int WN, int STAGES, bool Q4, int EPI, int SPLIT = 1>
 __device__ __forceinline__ void mlcc_tc_gemm(const half* __restrict__ A, const void* __restrict__ Wv,
