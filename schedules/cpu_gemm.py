@@ -99,47 +99,38 @@ def make_gemm(shape: GemmShape, tiles: GemmTiles | None = None) -> tirx.PrimFunc
                 for c in T.vectorized(T.int64(nc)):
                     wt[kk, c] = w[no * nc + c, kk]
 
+    # One mr-row block of outputs: rows base .. base + mr - 1, read clamped to the last row (a block past the end
+    # repeats it) and stored from row `first` on; the row's x values are broadcast against nc/16 weight vectors.
+    @T.macro
+    def row_block(r, xf, yf, rf, no, acc, wt, base, first):
+        for i in T.unroll(T.int64(mr)):
+            for c in T.vectorized(T.int64(nc)):
+                acc[i, c] = T.float32(0)
+        for kk in T.serial(T.int64(k)):
+            for i in T.unroll(T.int64(mr)):
+                # native-width vectors: one 32-lane vector made LLVM codegen several times slower
+                for cg in T.unroll(T.int64(nc // VEC)):
+                    for c in T.vectorized(T.int64(VEC)):
+                        acc[i, cg * VEC + c] = acc[i, cg * VEC + c] + \
+                            xf[T.min(base + i, m - T.int64(1)), kk] * wt[kk, cg * VEC + c]
+        for i in T.unroll(T.int64(mr)):
+            if base + i < m and base + i >= first:
+                for c in T.vectorized(T.int64(nc)):
+                    if add:
+                        yf[base + i, no * nc + c] = acc[i, c] + epilogue(r, rf, base + i, no * nc + c)
+                    else:
+                        yf[base + i, no * nc + c] = acc[i, c]
+
     @T.macro
     def many_rows(w, s, r, xf, yf, rf, no, acc, wv, sv, wt):
         dequantize(w, s, wt, wv, sv, no)
         for mo in T.serial(m // mr):
-            for i in T.unroll(T.int64(mr)):
-                for c in T.vectorized(T.int64(nc)):
-                    acc[i, c] = T.float32(0)
-            for kk in T.serial(T.int64(k)):
-                for i in T.unroll(T.int64(mr)):
-                    # native-width vectors: one 32-lane vector made LLVM codegen several times slower
-                    for cg in T.unroll(T.int64(nc // VEC)):
-                        for c in T.vectorized(T.int64(VEC)):
-                            acc[i, cg * VEC + c] = acc[i, cg * VEC + c] + \
-                                xf[mo * mr + i, kk] * wt[kk, cg * VEC + c]
-            for i in T.unroll(T.int64(mr)):
-                for c in T.vectorized(T.int64(nc)):
-                    if add:
-                        yf[mo * mr + i, no * nc + c] = acc[i, c] + epilogue(r, rf, mo * mr + i, no * nc + c)
-                    else:
-                        yf[mo * mr + i, no * nc + c] = acc[i, c]
+            row_block(r, xf, yf, rf, no, acc, wt, mo * mr, mo * mr)
         if m % mr > 0:
-            # the rows left over as one more mr-row block: the last mr rows, or with fewer rows than mr (a
-            # speculative verify, a small batch) all of them, the last one repeated; only the left-over rows are
-            # stored. One row at a time was a single FMA chain per vector, latency-bound: 6 rows cost 1.45x this.
-            base: T.let[T.int64] = T.max(m - T.int64(mr), T.int64(0))
-            for i in T.unroll(T.int64(mr)):
-                for c in T.vectorized(T.int64(nc)):
-                    acc[i, c] = T.float32(0)
-            for kk in T.serial(T.int64(k)):
-                for i in T.unroll(T.int64(mr)):
-                    for cg in T.unroll(T.int64(nc // VEC)):
-                        for c in T.vectorized(T.int64(VEC)):
-                            acc[i, cg * VEC + c] = acc[i, cg * VEC + c] + \
-                                xf[T.min(base + i, m - T.int64(1)), kk] * wt[kk, cg * VEC + c]
-            for i in T.unroll(T.int64(mr)):
-                if base + i < m and base + i >= m // mr * mr:
-                    for c in T.vectorized(T.int64(nc)):
-                        if add:
-                            yf[base + i, no * nc + c] = acc[i, c] + epilogue(r, rf, base + i, no * nc + c)
-                        else:
-                            yf[base + i, no * nc + c] = acc[i, c]
+            # the rows left over as one more block: the last mr rows, or with fewer rows than mr (a speculative
+            # verify, a small batch) all of them, the last one repeated; only the left-over rows are stored. One
+            # row at a time was a single FMA chain per vector, latency-bound: 6 rows cost 1.45x this.
+            row_block(r, xf, yf, rf, no, acc, wt, T.max(m - T.int64(mr), T.int64(0)), m // mr * mr)
 
     @T.macro
     def body(x, w, s, r, y):
