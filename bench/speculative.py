@@ -4,6 +4,7 @@ with real weights, on the H200 with random weights of the real shapes.
     python bench/speculative.py cpu --out /tmp/spec                       # both parts below
     python bench/speculative.py cpu --out /tmp/spec --skip-draft          # the n-gram part only
     python bench/speculative.py cpu --out /tmp/spec --skip-ngram          # the draft pair only
+    python bench/speculative.py verify-cost --out /tmp/spec DIR ...       # a verify's cost in decode steps
     python bench/speculative.py build --out .dev/specgpu                  # here: the CUDA libraries (shape only)
     bash bench/gpu.sh run python3 bench/speculative.py gpu --libs .dev/specgpu --out $OUT   # device
                                                                           # (carry .gpu-rt .whl .dev/specgpu)
@@ -18,6 +19,9 @@ Per prompt: decode tok/s of plain and speculative engines, alternating, --repeat
 first streamed token to the last (prefill excluded); whether the two answers are the same text; the acceptance rate
 and tokens per verify step. Writes speculative_cpu.json to --out with the 1-minute load average before and after.
 
+verify-cost (verify_cost.json): the verify costs of the gpu part's (a) for compiled artifacts folders on this machine
+(their own weights), to compare builds of one model.
+
 gpu (speculative_gpu.json): (a) the Llama-3-8B shape in q4f16_1: ms of a verify forward of 2-8 tokens as
 runtime.speculative calls it (verify, the compiled argmax of every position, ids read, then popped) against a
 synchronous decode step and against the pipelined decode that plain decoding runs for a lone request; (b) the
@@ -30,6 +34,7 @@ tokens per verify the real weights reach (the cpu part).
 
 from __future__ import annotations
 
+import json
 import os
 import statistics
 import time
@@ -203,6 +208,23 @@ def cmd_build(a) -> None:
         info["compile_s"][name] = round(s, 1)
         print(f"{name} {a.quant}: compiled for cuda in {s:.1f}s", flush=True)
         write_json(out, "build.json", info)
+
+
+def cmd_verify_cost(a) -> None:
+    from mlcc.runtime.model import LoadedModel
+
+    res = {"build": build_info(), "load_before": _load()}
+    for d in a.folders:
+        res[d] = verify_costs(LoadedModel(d), n=a.n)
+        print(d, json.dumps(res[d]), flush=True)
+    res["load_after"] = _load()
+    print(write_json(a.out, "verify_cost.json", res))
+
+
+def _verify_cost_args(p) -> None:
+    p.add_argument("--out", required=True)
+    p.add_argument("--n", type=int, default=20, help="timed calls of each (medians)")
+    p.add_argument("folders", nargs="+", help="artifacts folders (mlcc compile outputs)")
 
 
 def _build_args(p) -> None:
@@ -389,5 +411,6 @@ def _gpu_args(p) -> None:
 
 
 if __name__ == "__main__":
-    cli(__doc__, {"cpu": (cmd_cpu, _args), "build": (cmd_build, _build_args),
+    cli(__doc__, {"cpu": (cmd_cpu, _args), "verify-cost": (cmd_verify_cost, _verify_cost_args),
+                  "build": (cmd_build, _build_args),
                     "gpu": (cmd_gpu, _gpu_args)})
