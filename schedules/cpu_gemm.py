@@ -129,7 +129,7 @@ def make_gemm(shape: GemmShape, tiles: GemmTiles | None = None) -> tirx.PrimFunc
         if m % mr > 0:
             # the rows left over as one more block: the last mr rows, or with fewer rows than mr (a speculative
             # verify, a small batch) all of them, the last one repeated; only the left-over rows are stored. One
-            # row at a time was a single FMA chain per vector, latency-bound: 6 rows cost 1.45x this.
+            # row at a time was a single FMA chain per vector, latency-bound: a 6-token verify cost 1.35x this.
             row_block(r, xf, yf, rf, no, acc, wt, T.max(m - T.int64(mr), T.int64(0)), m // mr * mr)
 
     @T.macro
