@@ -194,7 +194,8 @@ def cmd_mlcc(a) -> None:
             gc.collect()
         base = _load(d)
         want = _all_logits(base)
-        _time(base, {"model": model, "quant": quant, "variant": "base"}, rows, a.out)
+        if not a.check_only:
+            _time(base, {"model": model, "quant": quant, "variant": "base"}, rows, a.out)
         del base
         gc.collect()
         for label, vdir in variants.items():
@@ -204,9 +205,9 @@ def cmd_mlcc(a) -> None:
             check = _check(_all_logits(m), want, exact)
             print(model, quant, label, "vs base / float32:", json.dumps(check), flush=True)
             rows.append({"bench": "check", "model": model, "quant": quant, "variant": label, **check})
-            if check["ok"]:
+            if check["ok"] and not a.check_only:
                 _time(m, {"model": model, "quant": quant, "variant": label}, rows, a.out)
-            else:
+            elif not check["ok"]:
                 print(model, quant, label, "logits differ: not timed", flush=True)
             del m
             gc.collect()
@@ -265,6 +266,7 @@ def _mlcc_args(p) -> None:
     p.add_argument("--base", required=True, help="libraries with the default options (+ their float32 twins)")
     p.add_argument("--variants", required=True, help="label=folder,... : the same libraries built otherwise")
     p.add_argument("--quants", default=None, help="only these quantizations (comma-separated)")
+    p.add_argument("--check-only", action="store_true", help="compare the logits, time nothing")
     p.add_argument("--out", required=True)
 
 

@@ -8,6 +8,10 @@ over 2 us by the kernels around them.
     # device (carry .gpu-rt and the libraries; `source .gpu-rt/setup.sh` first, see bench/gpu.sh)
     python3 bench/profile_decode.py --libs .dev/prof-nopdl --model llama3-8b-q4f16_1 --out $OUT
     python3 bench/profile_decode.py --libs .dev/bench --model llama3-8b-q4f16_1 --prefill 2048 --steps 3 --out $OUT
+    python3 bench/profile_decode.py --libs .dev/bench --model llama3-8b-q4f16_1 --verify 5 --out $OUT
+
+--verify K profiles a speculative verify forward of K tokens after a 1,024-token context, as runtime.speculative
+calls it (the logits of every position, their argmax read, the K tokens popped again).
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ def main() -> None:
     p.add_argument("--model", default="llama3-8b-q4f16_1")
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--prefill", type=int, default=0, help="profile prefills of this many tokens instead of decode")
+    p.add_argument("--verify", type=int, default=0, help="profile verify forwards of this many tokens instead")
     p.add_argument("--out", required=True)
     a = p.parse_args()
 
@@ -44,7 +49,7 @@ def main() -> None:
     m = LoadedModel(Path(a.libs) / a.model, weights="random")
     m.create_kv_cache(1, 4096, 2048)
     m.add_sequence(0)
-    m.prefill([0], [[7] * 128])
+    m.prefill([0], [[7] * (1024 if a.verify else 128)])
     argmax = m.argmax
     tok = 7
     for _ in range(5):
@@ -53,7 +58,10 @@ def main() -> None:
     with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
         t = time.perf_counter()
         for _ in range(a.steps):
-            if a.prefill:
+            if a.verify:
+                argmax(m.verify([0], [[tok] * a.verify])).numpy()
+                m.popn(0, a.verify)
+            elif a.prefill:
                 m.add_sequence(1)
                 m.prefill([1], [prompt]).numpy()
                 m.remove_sequence(1)
@@ -76,7 +84,7 @@ def main() -> None:
             kernels[name][1] += e.device_time_total / 1e3  # ms
             gpu_total += e.device_time_total / 1e3
     rows = sorted(((k, c / a.steps, t / a.steps) for k, (c, t) in kernels.items()), key=lambda r: -r[2])
-    unit = f"prefill of {a.prefill}" if a.prefill else "token"
+    unit = f"prefill of {a.prefill}" if a.prefill else f"verify of {a.verify}" if a.verify else "token"
     print(f"{a.model}: wall {wall:.3f} ms/{unit}, GPU busy {gpu_total / a.steps:.3f} ms/{unit} "
           f"({gpu_total / a.steps / wall:.0%}), kernels/token {sum(r[1] for r in rows):.0f}")
     print(f"{'kernel (digits folded)':60} {'calls/tok':>9} {'ms/tok':>8}")
@@ -87,7 +95,7 @@ def main() -> None:
     for k, c, t in gap_rows[:10]:
         print(f"{k[:60]:60} {c:9.1f} {t:8.3f}")
     Path(a.out).mkdir(parents=True, exist_ok=True)
-    (Path(a.out) / f"profile_{a.model}{f'_prefill{a.prefill}' if a.prefill else ''}.json").write_text(json.dumps(
+    (Path(a.out) / f"profile_{a.model}{f'_prefill{a.prefill}' if a.prefill else ''}{f'_verify{a.verify}' if a.verify else ''}.json").write_text(json.dumps(
         {"model": a.model, "options": built_options(m.config).to_dict(), "unit": unit, "wall_ms_per_token": wall,
          "gpu_busy_ms_per_token": gpu_total / a.steps,
          "kernels": [{"name": k, "calls_per_token": c, "ms_per_token": t} for k, c, t in rows],
