@@ -376,6 +376,7 @@ def weighted_sum(y: Tensor, weights: Tensor, slot_row: Tensor | None, target, se
 
 WARP = 32      # lanes splitting one dot product
 WARP_ROWS = 8  # output elements (warps) per block
+EXPERT_GEMV_ATTR = "mlcc.moe_expert_gemv"  # func attr marking expert_gemv_warp's PrimFunc, with its format
 
 
 def expert_gemv_warp(x: Tensor, ids: Tensor, weights: list[Tensor], fmt: ExpertFormat, n: int,
@@ -464,5 +465,8 @@ def expert_gemv_warp(x: Tensor, ids: Tensor, weights: list[Tensor], fmt: ExpertF
                                     out[(bx * WARP_ROWS + ty) // n, (bx * WARP_ROWS + ty) % n] = T.Cast(
                                         dtype, tot[0])
 
+    # (what CUDA's hand-written kernel pass, schedules/cuda_moe_gemv, reads to find and replace this kernel)
+    func = func.with_attr(EXPERT_GEMV_ATTR, {"swiglu": swiglu, "bits": fmt.bits, "group_size": fmt.group_size,
+                                             "dtype": dtype})
     scale = weights[1] if fmt.bits else op.zeros([1], dtype)
     return op.tensor_ir_op(func, "moe_expert_gemv", [x, ids, weights[0], scale], Tensor.placeholder([k, n], dtype))

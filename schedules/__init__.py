@@ -22,7 +22,10 @@ def handwritten_kernel_passes(target: tvm.target.Target, options: CompileOptions
 
     passes = []
     if options.decode_gemv:
+        from .cuda_moe_gemv import moe_expert_gemv_pass
+
         passes.append(decode_gemv_pass(pdl=pdl_enabled(target, options)))
+        passes.append(moe_expert_gemv_pass())
     if options.split_decode_attention:
         passes.append(split_decode_attention_pass(options.decode_attention_splits, options.decode_attention_tokens))
     if options.wide_prefill_attention:
