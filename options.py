@@ -38,6 +38,10 @@ class CompileOptions:
     prefill_gemm: bool = True
     # CUDA sm_80+: prefill self-attention on mlcc's tensor-core kernel (False: TVM's ragged prefill kernel)
     flash_prefill_attention: bool = True
+    # CUDA: q4f16_1 projections over up to 8 tokens (speculative verify, a few streams) as one pass over the weights
+    few_token_gemv: bool = True
+    # CUDA: paged prefill attention of up to 32 query rows (a speculative verify's) on the split-KV kernel
+    few_query_attention: bool = True
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):

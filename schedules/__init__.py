@@ -30,11 +30,19 @@ def handwritten_kernel_passes(target: tvm.target.Target, options: CompileOptions
         passes.append(split_decode_attention_pass(options.decode_attention_splits, options.decode_attention_tokens))
     if options.wide_prefill_attention:
         passes.append(wide_prefill_attention_pass())
+    if options.few_query_attention:  # (after the wide rebuild: it keeps TVM's kernel for many rows as it is then)
+        from .cuda_few_query_attention import few_query_prefill_pass
+
+        passes.append(few_query_prefill_pass())
     sm = sm_version(target)
     if options.flash_prefill_attention and sm >= 80:  # (after the wide rebuild)
         from .cuda_flash_prefill import flash_prefill_attention_pass
 
         passes.append(flash_prefill_attention_pass())
+    if options.few_token_gemv:  # (before the GEMM pass, which then takes the many-token projections it keeps)
+        from .cuda_few_token_gemv import few_token_gemv_pass
+
+        passes.append(few_token_gemv_pass())
     if options.prefill_gemm and sm >= 80:  # mma.sync.m16n8k16, cp.async: sm_80+
         from .cuda_gemm_tir import prefill_gemm_pass
 

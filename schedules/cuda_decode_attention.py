@@ -64,12 +64,11 @@ def splits_for(h_kv: int, splits: int = 0) -> int:
     return splits
 
 
-def make_split_decode(h_kv: int, h_qo: int, d: int, dtype: str, page_size: int, splits: int = 0, tokens: int = 0,
-                      sliding: bool = False, softcap: float = 0.0):
-    """The kernel for one attention shape; `splits` (splits_for) and `tokens` (the limit of tokens_in_flight): 0 for
-    the automatic choice. sliding: the sliding-window layers' variant, whose `length_info` is (last page length,
-    window offset, sink size) per sequence and whose pages start at the window. softcap: Gemma 2's score cap."""
-    from tvm.relax.frontend.nn.llm._kernel_common import _declare_length_info, _get_kv_chunk_len, _get_seq_offset
+def split_kv_macros(h_kv: int, h_qo: int, d: int, dtype: str, page_size: int, splits: int, tokens: int,
+                     sliding: bool, softcap: float):
+    """The two phases as TIR macros, shared by the decode kernel and the few-query paged prefill kernel: `chunk`
+    (one block per (query row, KV head · split)) and `merge` (one block per (query row, query head))."""
+    from tvm.relax.frontend.nn.llm._kernel_common import _get_kv_chunk_len, _get_seq_offset
     from tvm.script import tirx as T
 
     from .attention_softcap import capped
@@ -81,7 +80,6 @@ def make_split_decode(h_kv: int, h_qo: int, d: int, dtype: str, page_size: int, 
     lane_loop = T.vectorized if vec <= 4 else T.unroll
     lanes = d // vec
     tp = tokens_in_flight(h_kv, h_qo, d, tokens)
-    splits = splits_for(h_kv, splits)
     log2e = math.log2(math.e)
 
     @T.macro
@@ -94,6 +92,130 @@ def make_split_decode(h_kv: int, h_qo: int, d: int, dtype: str, page_size: int, 
         for v in lane_loop(vec):
             o[v] = o[v] * T.exp2(m[0] - new_m[0]) + o_other(v) * w[0]
         m[0] = new_m[0]
+
+    @T.macro
+    def chunk(Q, pages, page_table_indptr, page_table_values, length_info, part_o, part_md, sm_scale, row,
+              q_indptr, batch, causal, by, tz, ty, tx):
+        # query `row` (of Q and the partials) against its sequence's KV: sequence `row` (decode, q_indptr None) or
+        # the one whose rows in q_indptr hold it, where `causal` hides the KV of the rows after it
+        with T.sblock("chunk"):
+            T.reads()
+            T.writes()
+            seq_of = T.sblock_alloc_buffer((1,), "int32", scope="local")
+            if q_indptr is None:
+                seq_of[0] = row
+            else:
+                seq_of[0] = 0
+                for i in T.serial(batch):
+                    if q_indptr[i + 1] <= row:
+                        seq_of[0] = seq_of[0] + 1
+            seq: T.let[T.int32] = seq_of[0]
+            q = T.sblock_alloc_buffer((vec,), "float32", scope="local")
+            o = T.sblock_alloc_buffer((vec,), "float32", scope="local")
+            # the running max and sum of this thread's tokens; the current token's score
+            # and the factor rescaling the state before it
+            m = T.sblock_alloc_buffer((1,), "float32", scope="local")
+            l = T.sblock_alloc_buffer((1,), "float32", scope="local")
+            score = T.sblock_alloc_buffer((1,), "float32", scope="local")
+            rescale = T.sblock_alloc_buffer((1,), "float32", scope="local")
+            n_tok = T.sblock_alloc_buffer((1,), "int32", scope="local")
+            o_sh = T.sblock_alloc_buffer((tp, group, d), "float32", scope="shared")
+            md_sh = T.sblock_alloc_buffer((tp, group, 2), "float32", scope="shared")
+            page_begin: T.let[T.int32] = page_table_indptr[seq]
+            page_end: T.let[T.int32] = page_table_indptr[seq + 1]
+            n_tok[0] = T.if_then_else(page_begin != page_end, _get_kv_chunk_len(
+                page_end - page_begin, page_size, seq, length_info, sliding), 0)
+            if q_indptr is not None:
+                if causal > 0:
+                    n_tok[0] = T.max(n_tok[0] - (q_indptr[seq + 1] - 1 - row), 0)
+            chunk: T.let[T.int32] = (n_tok[0] + splits - 1) // splits
+            kv_head: T.let[T.int32] = by // splits
+            start: T.let[T.int32] = by % splits * chunk
+            for v in lane_loop(vec):
+                q[v] = (T.Cast("float32", Q[row, kv_head * group + ty, tx * vec + v])
+                        * sm_scale * log2e)
+                o[v] = T.float32(0)
+            m[0] = T.float32(-5e4)
+            l[0] = T.float32(0)
+            for it in T.serial((chunk + tp - 1) // tp):
+                # every thread runs every step (the shuffles need whole warps, and a warp can
+                # hold two token slots): tokens past the chunk read a valid one and score -5e4
+                pos: T.let[T.int32] = _get_seq_offset(T.max(T.min(start + it * tp + tz, n_tok[0] - 1), 0),
+                                                      seq, length_info, sliding)
+                page: T.let[T.int32] = page_table_values[page_begin + pos // page_size]
+                off: T.let[T.int32] = pos % page_size
+                score[0] = T.float32(0)
+                for v in T.unroll(vec):
+                    score[0] = score[0] + q[v] * T.Cast(
+                        "float32", pages[page, 0, kv_head, off, tx * vec + v])
+                for sh in T.unroll(5):
+                    if (1 << sh) < lanes:
+                        score[0] = score[0] + T.call_pure_extern(
+                            "float32", "__shfl_xor_sync", T.uint32(0xFFFFFFFF), score[0],
+                            1 << sh, lanes)
+                if softcap > 0.0:
+                    score[0] = capped(score[0], softcap)
+                if it * tp + tz >= chunk or start + it * tp + tz >= n_tok[0]:
+                    score[0] = T.float32(-5e4)
+                rescale[0] = T.exp2(m[0] - T.max(m[0], score[0]))
+                m[0] = T.max(m[0], score[0])
+                score[0] = T.exp2(score[0] - m[0])  # now the token's weight
+                l[0] = l[0] * rescale[0] + score[0]
+                for v in lane_loop(vec):
+                    o[v] = o[v] * rescale[0] + score[0] * T.Cast(
+                        "float32", pages[page, 1, kv_head, off, tx * vec + v])
+            # the tokens in flight meet in shared memory; tz == 0 merges them
+            for v in lane_loop(vec):
+                o_sh[tz, ty, tx * vec + v] = o[v]
+            md_sh[tz, ty, 0] = m[0]
+            md_sh[tz, ty, 1] = l[0]
+            T.evaluate(T.tvm_storage_sync("shared"))
+            if tz == 0:
+                for j in T.serial(tp - 1):
+                    # (score and rescale are free after the token loop: the merge's scratch)
+                    merge_state(m, l, o, score, rescale, md_sh[j + 1, ty, 0], md_sh[j + 1, ty, 1],
+                                lambda v: o_sh[j + 1, ty, tx * vec + v])
+                for v in lane_loop(vec):
+                    part_o[row, kv_head * group + ty, by % splits, tx * vec + v] = o[v]
+                part_md[row, kv_head * group + ty, by % splits, 0] = m[0]
+                part_md[row, kv_head * group + ty, by % splits, 1] = l[0]
+
+    @T.macro
+    def merge(part_o, part_md, output, lse, bx, by, tx):
+        with T.sblock("merge"):
+            T.reads()
+            T.writes()
+            o = T.sblock_alloc_buffer((vec,), "float32", scope="local")
+            m = T.sblock_alloc_buffer((1,), "float32", scope="local")
+            l = T.sblock_alloc_buffer((1,), "float32", scope="local")
+            new_m = T.sblock_alloc_buffer((1,), "float32", scope="local")
+            w = T.sblock_alloc_buffer((1,), "float32", scope="local")
+            m[0] = T.float32(-5e4)
+            l[0] = T.float32(1)  # TVM's convention: an empty sequence gives 0, not NaN
+            for v in lane_loop(vec):
+                o[v] = T.float32(0)
+            for s in T.serial(splits):
+                merge_state(m, l, o, new_m, w, part_md[bx, by, s, 0], part_md[bx, by, s, 1],
+                            lambda v: part_o[bx, by, s, tx * vec + v])
+            for v in lane_loop(vec):
+                output[bx, by, tx * vec + v] = T.Cast(dtype, o[v] / l[0])
+            if tx == 0:
+                lse[bx, by] = m[0] + T.log2(l[0])
+
+    return chunk, merge, (tp, group, lanes)
+
+
+def make_split_decode(h_kv: int, h_qo: int, d: int, dtype: str, page_size: int, splits: int = 0, tokens: int = 0,
+                      sliding: bool = False, softcap: float = 0.0):
+    """The kernel for one attention shape; `splits` (splits_for) and `tokens` (the limit of tokens_in_flight): 0 for
+    the automatic choice. sliding: the sliding-window layers' variant, whose `length_info` is (last page length,
+    window offset, sink size) per sequence and whose pages start at the window. softcap: Gemma 2's score cap."""
+    from tvm.relax.frontend.nn.llm._kernel_common import _declare_length_info
+    from tvm.script import tirx as T
+
+    splits = splits_for(h_kv, splits)
+    chunk, merge, (tp, group, lanes) = split_kv_macros(h_kv, h_qo, d, dtype, page_size, splits, tokens, sliding,
+                                                         softcap)
 
     @T.prim_func(s_tir=True)
     def batch_decode_paged_kv_split(
@@ -137,98 +259,12 @@ def make_split_decode(h_kv: int, h_qo: int, d: int, dtype: str, page_size: int, 
                 for tz in T.thread_binding(tp, thread="threadIdx.z"):
                     for ty in T.thread_binding(group, thread="threadIdx.y"):
                         for tx in T.thread_binding(lanes, thread="threadIdx.x"):
-                            with T.sblock("chunk"):
-                                T.reads()
-                                T.writes()
-                                q = T.sblock_alloc_buffer((vec,), "float32", scope="local")
-                                o = T.sblock_alloc_buffer((vec,), "float32", scope="local")
-                                # the running max and sum of this thread's tokens; the current token's score
-                                # and the factor rescaling the state before it
-                                m = T.sblock_alloc_buffer((1,), "float32", scope="local")
-                                l = T.sblock_alloc_buffer((1,), "float32", scope="local")
-                                score = T.sblock_alloc_buffer((1,), "float32", scope="local")
-                                rescale = T.sblock_alloc_buffer((1,), "float32", scope="local")
-                                n_tok = T.sblock_alloc_buffer((1,), "int32", scope="local")
-                                o_sh = T.sblock_alloc_buffer((tp, group, d), "float32", scope="shared")
-                                md_sh = T.sblock_alloc_buffer((tp, group, 2), "float32", scope="shared")
-                                page_begin: T.let[T.int32] = page_table_indptr[bx]
-                                page_end: T.let[T.int32] = page_table_indptr[bx + 1]
-                                n_tok[0] = T.if_then_else(page_begin != page_end, _get_kv_chunk_len(
-                                    page_end - page_begin, page_size, bx, length_info, sliding), 0)
-                                chunk: T.let[T.int32] = (n_tok[0] + splits - 1) // splits
-                                kv_head: T.let[T.int32] = by // splits
-                                start: T.let[T.int32] = by % splits * chunk
-                                for v in lane_loop(vec):
-                                    q[v] = (T.Cast("float32", Q[bx, kv_head * group + ty, tx * vec + v])
-                                            * sm_scale * log2e)
-                                    o[v] = T.float32(0)
-                                m[0] = T.float32(-5e4)
-                                l[0] = T.float32(0)
-                                for it in T.serial((chunk + tp - 1) // tp):
-                                    # every thread runs every step (the shuffles need whole warps, and a warp can
-                                    # hold two token slots): tokens past the chunk read a valid one and score -5e4
-                                    pos: T.let[T.int32] = _get_seq_offset(T.min(start + it * tp + tz, n_tok[0] - 1),
-                                                                          bx, length_info, sliding)
-                                    page: T.let[T.int32] = page_table_values[page_begin + pos // page_size]
-                                    off: T.let[T.int32] = pos % page_size
-                                    score[0] = T.float32(0)
-                                    for v in T.unroll(vec):
-                                        score[0] = score[0] + q[v] * T.Cast(
-                                            "float32", pages[page, 0, kv_head, off, tx * vec + v])
-                                    for sh in T.unroll(5):
-                                        if (1 << sh) < lanes:
-                                            score[0] = score[0] + T.call_pure_extern(
-                                                "float32", "__shfl_xor_sync", T.uint32(0xFFFFFFFF), score[0],
-                                                1 << sh, lanes)
-                                    if softcap > 0.0:
-                                        score[0] = capped(score[0], softcap)
-                                    if it * tp + tz >= chunk or start + it * tp + tz >= n_tok[0]:
-                                        score[0] = T.float32(-5e4)
-                                    rescale[0] = T.exp2(m[0] - T.max(m[0], score[0]))
-                                    m[0] = T.max(m[0], score[0])
-                                    score[0] = T.exp2(score[0] - m[0])  # now the token's weight
-                                    l[0] = l[0] * rescale[0] + score[0]
-                                    for v in lane_loop(vec):
-                                        o[v] = o[v] * rescale[0] + score[0] * T.Cast(
-                                            "float32", pages[page, 1, kv_head, off, tx * vec + v])
-                                # the tokens in flight meet in shared memory; tz == 0 merges them
-                                for v in lane_loop(vec):
-                                    o_sh[tz, ty, tx * vec + v] = o[v]
-                                md_sh[tz, ty, 0] = m[0]
-                                md_sh[tz, ty, 1] = l[0]
-                                T.evaluate(T.tvm_storage_sync("shared"))
-                                if tz == 0:
-                                    for j in T.serial(tp - 1):
-                                        # (score and rescale are free after the token loop: the merge's scratch)
-                                        merge_state(m, l, o, score, rescale, md_sh[j + 1, ty, 0], md_sh[j + 1, ty, 1],
-                                                    lambda v: o_sh[j + 1, ty, tx * vec + v])
-                                    for v in lane_loop(vec):
-                                        part_o[bx, kv_head * group + ty, by % splits, tx * vec + v] = o[v]
-                                    part_md[bx, kv_head * group + ty, by % splits, 0] = m[0]
-                                    part_md[bx, kv_head * group + ty, by % splits, 1] = l[0]
-
+                            chunk(Q, pages, page_table_indptr, page_table_values, length_info, part_o, part_md,
+                                  sm_scale, bx, None, B, 0, by, tz, ty, tx)
         for bx in T.thread_binding(B, thread="blockIdx.x"):
             for by in T.thread_binding(h_qo, thread="blockIdx.y"):
                 for tx in T.thread_binding(lanes, thread="threadIdx.x"):
-                    with T.sblock("merge"):
-                        T.reads()
-                        T.writes()
-                        o = T.sblock_alloc_buffer((vec,), "float32", scope="local")
-                        m = T.sblock_alloc_buffer((1,), "float32", scope="local")
-                        l = T.sblock_alloc_buffer((1,), "float32", scope="local")
-                        new_m = T.sblock_alloc_buffer((1,), "float32", scope="local")
-                        w = T.sblock_alloc_buffer((1,), "float32", scope="local")
-                        m[0] = T.float32(-5e4)
-                        l[0] = T.float32(1)  # TVM's convention: an empty sequence gives 0, not NaN
-                        for v in lane_loop(vec):
-                            o[v] = T.float32(0)
-                        for s in T.serial(splits):
-                            merge_state(m, l, o, new_m, w, part_md[bx, by, s, 0], part_md[bx, by, s, 1],
-                                        lambda v: part_o[bx, by, s, tx * vec + v])
-                        for v in lane_loop(vec):
-                            output[bx, by, tx * vec + v] = T.Cast(dtype, o[v] / l[0])
-                        if tx == 0:
-                            lse[bx, by] = m[0] + T.log2(l[0])
+                    merge(part_o, part_md, output, lse, bx, by, tx)
 
     return batch_decode_paged_kv_split
 

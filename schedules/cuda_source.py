@@ -13,8 +13,8 @@ from pathlib import Path
 _DEFINED = re.compile(r"__device__\s+__forceinline__\s+[\w\s*]+?\b(\w+)\s*\(")
 
 # In dependency order: a group may call the groups listed before it (moe_gemv calls q4_gemv's).
-HELPER_FILES = ("q4_gemv.cuh", "f16_gemv.cuh", "rms_norm.cuh", "pdl.cuh", "tc_gemm.cuh", "flash_prefill.cuh",
-                "moe_gemv.cuh")
+HELPER_FILES = ("q4_gemv.cuh", "q4_gemv_tokens.cuh", "f16_gemv.cuh", "rms_norm.cuh", "pdl.cuh", "tc_gemm.cuh",
+                "flash_prefill.cuh", "moe_gemv.cuh")
 HELPER_DIR = Path(__file__).with_name("cuda")
 # Each group is added whole where the code, or another group added, calls any function it defines.
 HELPER_GROUPS = tuple((HELPER_DIR / name).read_text() for name in HELPER_FILES)

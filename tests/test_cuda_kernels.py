@@ -290,10 +290,13 @@ def _pass_names(options: CompileOptions, preset: str = "cuda") -> list[str]:
 
 def test_kernel_passes_follow_the_options():
     default = _pass_names(CompileOptions())
-    assert default[-6:] == ["mlcc_cuda_fused_decode_gemv", "mlcc_cuda_decode_gemv",
+    assert default[-9:] == ["mlcc_cuda_fused_decode_gemv", "mlcc_cuda_decode_gemv", "mlcc_cuda_moe_expert_gemv",
                             "mlcc_cuda_split_decode_attention", "mlcc_cuda_wide_prefill_attention",
-                            "mlcc_cuda_flash_prefill", "mlcc_cuda_prefill_gemm"]
-    off = {"decode_gemv": ["mlcc_cuda_fused_decode_gemv", "mlcc_cuda_decode_gemv"],
+                            "mlcc_cuda_few_query_prefill", "mlcc_cuda_flash_prefill", "mlcc_cuda_few_token_gemv",
+                            "mlcc_cuda_prefill_gemm"]
+    off = {"decode_gemv": ["mlcc_cuda_fused_decode_gemv", "mlcc_cuda_decode_gemv", "mlcc_cuda_moe_expert_gemv"],
+           "few_query_attention": ["mlcc_cuda_few_query_prefill"],
+           "few_token_gemv": ["mlcc_cuda_few_token_gemv"],
            "fuse_decode_gemv": ["mlcc_cuda_fused_decode_gemv"],
            "split_decode_attention": ["mlcc_cuda_split_decode_attention"],
            "wide_prefill_attention": ["mlcc_cuda_wide_prefill_attention"],
@@ -338,10 +341,14 @@ def _kernels_after(fused_llama, options: CompileOptions) -> dict:
 
 
 @pytest.mark.parametrize("options,absent,present", [
-    (CompileOptions(), [], [f'"{Q4_HELPER}"', "fused_gemv_rms_swiglu", '"mlcc_h2_rms_scale"', "part_md"]),
+    (CompileOptions(), [], [f'"{Q4_HELPER}"', "fused_gemv_rms_swiglu", '"mlcc_h2_rms_scale"', "part_md",
+                            "batch_prefill_paged_kv_few", "_few_tokens"]),
     (CompileOptions(decode_gemv=False), [f'"{Q4_HELPER}"', "fused_gemv_", '"mlcc_h2_'], ["part_md"]),
     (CompileOptions(fuse_decode_gemv=False), ["fused_gemv_", '"mlcc_h2_rms_scale"'], [f'"{Q4_HELPER}"']),
-    (CompileOptions(split_decode_attention=False), ["part_md"], [f'"{Q4_HELPER}"']),
+    # (the few-query prefill is the split-KV kernel too)
+    (CompileOptions(split_decode_attention=False, few_query_attention=False), ["part_md"], [f'"{Q4_HELPER}"']),
+    (CompileOptions(few_query_attention=False), ["batch_prefill_paged_kv_few"], ["part_md"]),
+    (CompileOptions(few_token_gemv=False), ["_few_tokens"], ["batch_prefill_paged_kv_few"]),
 ])
 def test_options_turn_kernels_off(fused_llama, options, absent, present):
     src = "\n".join(f"{name}:\n{f.script()}" for name, f in _kernels_after(fused_llama, options).items())
