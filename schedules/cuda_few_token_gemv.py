@@ -21,7 +21,7 @@ log = logging.getLogger(__name__)
 
 FEW_TOKENS = 8          # tokens the GEMV takes (its accumulators are TOK x ROWS per lane)
 HELPER = "mlcc_q4_gemv_tokens"
-EPILOGUES = {"none": 0, "bias": 1, "add": 2}
+EPILOGUES = {"none": 0, "bias": 1, "add": 2, "cast": 3}  # cast: float32 out (an LM head over several positions)
 WARPS = 4               # per block
 WARPS_WANTED = 4096     # as the decode GEMV: enough loads in flight for an H100/H200
 
@@ -51,9 +51,9 @@ def _signature(x_shape, n: int, k: int, epilogue: str):
     y_shape = tuple(x_shape[:-1]) + (T.int64(n),)
     shapes = [(tuple(x_shape), "float16"), ((T.int64(n), T.int64(k // 8)), "uint32"),
               ((T.int64(n), T.int64(k // 32)), "float16")]
-    if epilogue != "none":
+    if epilogue in ("bias", "add"):
         shapes.append(((T.int64(n),) if epilogue == "bias" else y_shape, "float16"))
-    return shapes + [(y_shape, "float16")]
+    return shapes + [(y_shape, "float32" if epilogue == "cast" else "float16")]
 
 
 def make_few_token_gemv(x_shape, n: int, k: int, epilogue: str) -> tvm.tirx.PrimFunc:
@@ -75,8 +75,8 @@ def make_few_token_gemv(x_shape, n: int, k: int, epilogue: str) -> tvm.tirx.Prim
                                              T.Cast("int32", m), T.int32(n)))
 
     (xs, _), (ws, _), (ss, _), *rest = _signature(x_shape, n, k, epilogue)
-    ys = rest[-1][0]
-    if epilogue != "none":
+    ys, yt = rest[-1]
+    if len(rest) == 2:
         rs = rest[0][0]
 
         @T.prim_func(private=True, s_tir=True)
@@ -86,7 +86,7 @@ def make_few_token_gemv(x_shape, n: int, k: int, epilogue: str) -> tvm.tirx.Prim
             w = T.match_buffer(var_w, ws, "uint32")
             s = T.match_buffer(var_s, ss, "float16")
             r = T.match_buffer(var_r, rs, "float16")
-            y = T.match_buffer(var_y, ys, "float16")
+            y = T.match_buffer(var_y, ys, yt)
             body(x, w, s, r, y)
     else:
         @T.prim_func(private=True, s_tir=True)
@@ -95,7 +95,7 @@ def make_few_token_gemv(x_shape, n: int, k: int, epilogue: str) -> tvm.tirx.Prim
             x = T.match_buffer(var_x, xs, "float16")
             w = T.match_buffer(var_w, ws, "uint32")
             s = T.match_buffer(var_s, ss, "float16")
-            y = T.match_buffer(var_y, ys, "float16")
+            y = T.match_buffer(var_y, ys, yt)
             body(x, w, s, x, y)
     return func
 
@@ -106,9 +106,9 @@ def make_dispatch(x_shape, n: int, k: int, epilogue: str, few: str, many: str) -
 
     m = next(d for d in x_shape if not isinstance(d, (int, tvm.tirx.IntImm)))
     (xs, _), (ws, _), (ss, _), *rest = _signature(x_shape, n, k, epilogue)
-    ys = rest[-1][0]
+    ys, yt = rest[-1]
     attrs = {"tirx.noalias": True, "tirx.is_scheduled": True}
-    if epilogue != "none":
+    if len(rest) == 2:
         rs = rest[0][0]
 
         @T.prim_func(private=True, s_tir=True)
@@ -118,7 +118,7 @@ def make_dispatch(x_shape, n: int, k: int, epilogue: str, few: str, many: str) -
             w = T.match_buffer(var_w, ws, "uint32")
             s = T.match_buffer(var_s, ss, "float16")
             r = T.match_buffer(var_r, rs, "float16")
-            y = T.match_buffer(var_y, ys, "float16")
+            y = T.match_buffer(var_y, ys, yt)
             if m <= FEW_TOKENS:
                 T.evaluate(T.call_cpacked(few, x, w, s, r, y))
             else:
@@ -130,7 +130,7 @@ def make_dispatch(x_shape, n: int, k: int, epilogue: str, few: str, many: str) -
             x = T.match_buffer(var_x, xs, "float16")
             w = T.match_buffer(var_w, ws, "uint32")
             s = T.match_buffer(var_s, ss, "float16")
-            y = T.match_buffer(var_y, ys, "float16")
+            y = T.match_buffer(var_y, ys, yt)
             if m <= FEW_TOKENS:
                 T.evaluate(T.call_cpacked(few, x, w, s, y))
             else:
@@ -147,7 +147,7 @@ def few_token_gemv_pass() -> tvm.transform.Pass:
         for gv, func in list(mod.functions.items()):
             if not is_unscheduled_prim_func(func):
                 continue
-            found = match_many_token_projection(func, "float16")
+            found = match_many_token_projection(func, "float16", cast=True)
             if found is None:
                 continue
             n, k, x_shape, weights, epilogue = found

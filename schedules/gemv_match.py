@@ -155,10 +155,11 @@ def same_shape(a, b) -> bool:
                                     for p, q in zip(a, b))
 
 
-def match_many_token_projection(func, dtype: str) -> tuple[int, int, tuple, str, str] | None:
+def match_many_token_projection(func, dtype: str, cast: bool = False) -> tuple[int, int, tuple, str, str] | None:
     """(n, k, x shape, weights, epilogue) of a projection over several tokens with `dtype` activations: Q4_FOR[dtype]
     dequantize→matmul or `dtype` NT_matmul weights [→ + residual or bias], activations (1, m, K) or (m, 1, K) with
-    m symbolic; None for anything else (batch-1 GEMVs included). Epilogue: "none" | "add" | "bias"."""
+    m symbolic; None for anything else (batch-1 GEMVs included). Epilogue: "none" | "add" | "bias", and with `cast`
+    also "cast" (the output cast to float32: an LM head over several positions)."""
     blocks = _blocks(func)
     if blocks is None:
         return None
@@ -182,7 +183,7 @@ def match_many_token_projection(func, dtype: str) -> tuple[int, int, tuple, str,
     else:
         return None
     extra = set(blocks) - core
-    if not extra <= {"T_add"}:
+    if not extra <= {"T_add"} and not (cast and extra == {"compute"}):
         return None
     ws = [static_dim(d) for d in w.shape]
     if len(ws) != 2 or None in ws or len(x.shape) != 3 or x.dtype != dtype:
@@ -195,6 +196,17 @@ def match_many_token_projection(func, dtype: str) -> tuple[int, int, tuple, str,
         return None
     y = mm.writes[0].source
     res, bias = None, False
+    if extra == {"compute"}:
+        blk = blocks["compute"]
+        if len(blk.reads) != 1 or not isinstance(blk.body.value, tvm.tirx.Cast) or y.dtype != dtype:
+            return None
+        out = blk.writes[0].source
+        if out.dtype != "float32" or not same_shape(out.shape, list(x.shape[:2]) + [n]):
+            return None
+        expected = [x, w] + ([s] if s is not None else []) + [out]
+        if len(func.params) != len(expected) or not all(p.same_as(e) for p, e in zip(func.params, expected)):
+            return None
+        return n, k, tuple(x.shape), weights, "cast"
     if extra:
         blk = blocks["T_add"]
         reads = [r.source for r in blk.reads]

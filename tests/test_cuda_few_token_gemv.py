@@ -36,8 +36,8 @@ def test_wide_model_projections_dispatch_to_the_gemv_and_the_tensor_core_gemm(tm
     lib = compile_library(built, tmp_path / "model.so").mod
     src = _cuda_source(lib)
     calls = set(re.findall(r"mlcc_q4_gemv_tokens<(\d+), 8, (\d), (\d)>\(", src))
-    # qkv / gate_up (K 2048) and down (K 4096); none and + residual
-    assert {c[0] for c in calls} == {"2048", "4096"} and {c[2] for c in calls} == {"0", "2"}
+    # qkv / gate_up / the LM head (K 2048) and down (K 4096); none, + residual and the LM head's float32 cast
+    assert {c[0] for c in calls} == {"2048", "4096"} and {c[2] for c in calls} == {"0", "2", "3"}
     assert "mlcc_tc_gemm<" in src  # more tokens: the tensor-core GEMM, as before
     symbols = _host_symbols(lib)
     few = {s for s in symbols if s.endswith("_few_tokens")}
@@ -108,7 +108,7 @@ def test_launch_fits_the_gpu():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("n,k", [(4096, 4096), (1000, 14336), (2048, 1536), (28672, 4096), (8, 64)])
-@pytest.mark.parametrize("epilogue", ["none", "bias", "add"])
+@pytest.mark.parametrize("epilogue", ["none", "bias", "add", "cast"])
 def test_few_token_gemv_matches_numpy_on_the_gpu(n, k, epilogue):
     from tvm.script import tirx as T
 
@@ -139,7 +139,8 @@ def test_few_token_gemv_matches_numpy_on_the_gpu(n, k, epilogue):
         elif epilogue == "add":
             e = rng.standard_normal((1, m, n)).astype(np.float16)
             want, extra = want + e[0].astype(np.float32), [e]
-        args = [tvm.runtime.tensor(a, dev) for a in [x, w, s, *extra, np.zeros((1, m, n), np.float16)]]
+        out = np.zeros((1, m, n), np.float32 if epilogue == "cast" else np.float16)
+        args = [tvm.runtime.tensor(a, dev) for a in [x, w, s, *extra, out]]
         lib["main"](*args)
         got = args[-1].numpy()[0].astype(np.float32)
         scale = np.abs(want).max()

@@ -1,5 +1,5 @@
-// q4f16_1 GEMV over a few tokens (schedules/cuda_few_token_gemv.py): Y[t, n] = X[t, :] . W[n, :] (+ bias[n] |
-// + residual[t, n]) for t < m <= TOK. Each 16-byte unit of W (one 32-code group of a row) is read and dequantized
+// q4f16_1 GEMV over a few tokens (schedules/cuda_few_token_gemv.py): Y[t, n] = X[t, :] . W[n, :] (EPI 1: + bias[n],
+// 2: + residual[t, n], 3: Y float32, the fp16 result widened, as the LM head's cast) for t < m <= TOK. Each 16-byte unit of W (one 32-code group of a row) is read and dequantized
 // once, then multiplied with every token's activations: the weights stream once for all m tokens, as in a decode
 // step. A warp owns ROWS rows; lane i takes units i, i + 32, ... of them; the sums meet through shuffles.
 // Dequantization as mlcc_q4x8_hfma2_s1 (q4_gemv.cuh): codes j and j + 4 of a word land in one fp16 pair, exactly.
@@ -17,7 +17,7 @@ __device__ __forceinline__ void mlcc_q4_dequant_word(unsigned w, half2* d) {
 template <int K, int TOK, int ROWS, int EPI>
 __device__ __forceinline__ void mlcc_q4_gemv_tokens(const half* __restrict__ X, const unsigned* __restrict__ W,
                                                     const half* __restrict__ S, const half* __restrict__ E,
-                                                    half* __restrict__ Y, int m, int N) {
+                                                    void* __restrict__ Y, int m, int N) {
   constexpr int UNITS = K / 32, ITERS = (UNITS + 31) / 32;
   const int lane = threadIdx.x & 31;
   const int row0 = (blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5)) * ROWS;
@@ -94,7 +94,11 @@ __device__ __forceinline__ void mlcc_q4_gemv_tokens(const half* __restrict__ X, 
       half y = __float2half(acc[r][t]);
       if constexpr (EPI == 1) y = __hadd(y, E[n]);
       if constexpr (EPI == 2) y = __hadd(y, E[(size_t)t * N + n]);
-      Y[(size_t)t * N + n] = y;
+      if constexpr (EPI == 3) {
+        static_cast<float*>(Y)[(size_t)t * N + n] = __half2float(y);
+      } else {
+        static_cast<half*>(Y)[(size_t)t * N + n] = y;
+      }
     }
   }
 }
