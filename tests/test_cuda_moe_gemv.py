@@ -24,17 +24,18 @@ from test_moe import _q4_experts, _run_on_cpu
 QWEN3 = [MoeGemv(2048, 768, 8, 1, True, 128), MoeGemv(768, 2048, 8, 8, False, 128)]
 MIXTRAL = [MoeGemv(4096, 14336, 2, 1, True, 8), MoeGemv(14336, 4096, 2, 2, False, 8)]
 # layouts besides the default: 32 lanes on 24 units, 16 lanes with half idle on the second round, a partial last
-# chunk (14 units a lane in chunks of 4), two rows a thread, one row set in the last warp of a block
+# chunk (14 units a lane in chunks of 4), one row a thread, one row set in the last warp of a block
 EDGES = [(QWEN3[1], MoeLayout(32, 1, 1)), (QWEN3[1], MoeLayout(16, 2, 2)), (MIXTRAL[1], MoeLayout(32, 1, 4)),
-         (MIXTRAL[1], MoeLayout(32, 2, 7)), (MoeGemv(96, 24, 3, 3, False, 16), MoeLayout(4, 2, 1)),
+         (MIXTRAL[1], MoeLayout(32, 1, 7)), (MoeGemv(96, 24, 3, 3, False, 16), MoeLayout(4, 2, 1)),
          (MoeGemv(96, 24, 3, 1, True, 16), None)]
 
 
 def test_launch_layouts():
-    """Lanes that leave none idle (K=768: 8 lanes of 3 units), one row a thread while that is what keeps the grid
-    wide, loads per lane chunked to at most 8 (Mixtral's down: 14 units a lane, two chunks of 7)."""
+    """Lanes that leave none idle (K=768: 8 lanes of 3 units), more rows a thread while a chunk stays within 16
+    loads and the grid at 2048 warps, the lane's units in even chunks (Mixtral's down: 14 units a lane of 4 rows,
+    chunks of 4: the last one partial)."""
     got = [(lay.lanes, lay.rows, lay.chunk, lay.warps(s)) for s in QWEN3 + MIXTRAL for lay in [launch_layout(s)]]
-    assert got == [(32, 1, 2, 6144), (8, 1, 3, 4096), (32, 1, 4, 28672), (32, 1, 7, 8192)]
+    assert got == [(32, 2, 2, 3072), (8, 2, 3, 2048), (32, 2, 4, 14336), (32, 4, 4, 2048)]
     assert launch_layout(MoeGemv(96, 24, 3, 1, True, 16)) == MoeLayout(4, 1, 1)  # 3 units: 4 lanes, one idle
 
 
