@@ -160,14 +160,14 @@ def _time_verify(m, tokens: int, context: int = 512, repeats: int = 20) -> tuple
     return tuple(float(np.median(times[k][2:])) * 1e3 for k in ("verify", "decode"))
 
 
-def _time(m, row: dict, rows: list, out: str) -> None:
-    for n in PROMPTS:
+def _time(m, row: dict, rows: list, out: str, benches: tuple = ("prefill", "batched_decode", "verify")) -> None:
+    for n in PROMPTS if "prefill" in benches else ():
         rows.append({"bench": "prefill", **row, "prompt_tokens": n, "tok_per_s": round(_time_prefill(m, n), 1)})
         print(json.dumps(rows[-1]), flush=True)
-    for b in BATCHES:
+    for b in BATCHES if "batched_decode" in benches else ():
         rows.append({"bench": "batched_decode", **row, "batch": b, "tok_per_s": round(_time_batched_decode(m, b), 1)})
         print(json.dumps(rows[-1]), flush=True)
-    for n in VERIFY:
+    for n in VERIFY if "verify" in benches else ():
         v, d = _time_verify(m, n)
         rows.append({"bench": "verify", **row, "tokens": n, "ms": round(v, 3), "decode_ms": round(d, 3),
                      "ratio_vs_decode": round(v / d, 2)})
@@ -195,7 +195,7 @@ def cmd_mlcc(a) -> None:
         base = _load(d)
         want = _all_logits(base)
         if not a.check_only:
-            _time(base, {"model": model, "quant": quant, "variant": "base"}, rows, a.out)
+            _time(base, {"model": model, "quant": quant, "variant": "base"}, rows, a.out, a.benches)
         del base
         gc.collect()
         for label, vdir in variants.items():
@@ -206,7 +206,7 @@ def cmd_mlcc(a) -> None:
             print(model, quant, label, "vs base / float32:", json.dumps(check), flush=True)
             rows.append({"bench": "check", "model": model, "quant": quant, "variant": label, **check})
             if check["ok"] and not a.check_only:
-                _time(m, {"model": model, "quant": quant, "variant": label}, rows, a.out)
+                _time(m, {"model": model, "quant": quant, "variant": label}, rows, a.out, a.benches)
             elif not check["ok"]:
                 print(model, quant, label, "logits differ: not timed", flush=True)
             del m
@@ -267,6 +267,8 @@ def _mlcc_args(p) -> None:
     p.add_argument("--variants", required=True, help="label=folder,... : the same libraries built otherwise")
     p.add_argument("--quants", default=None, help="only these quantizations (comma-separated)")
     p.add_argument("--check-only", action="store_true", help="compare the logits, time nothing")
+    p.add_argument("--benches", type=lambda v: tuple(v.split(",")), default=("prefill", "batched_decode", "verify"),
+                   help="what to time (comma-separated: prefill, batched_decode, verify)")
     p.add_argument("--out", required=True)
 
 

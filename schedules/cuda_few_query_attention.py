@@ -16,7 +16,7 @@ import logging
 
 import tvm
 
-from .attention_softcap import softcap_of
+from .attention_softcap import ATTR, softcap_of
 from .cuda_decode_attention import split_kv_macros, splits_for, supported
 
 log = logging.getLogger(__name__)
@@ -179,10 +179,12 @@ def few_query_prefill_pass() -> tvm.transform.Pass:
             if not supported(h_kv, h_qo, d):
                 continue
             few_name, tiled_name = f"{SYMBOL}_few", f"{SYMBOL}_tiled"
-            few = make_few_query_paged_prefill(h_kv, h_qo, d, dtype, page_size, softcap=softcap_of(func))
-            mod[tvm.ir.GlobalVar(few_name)] = few
+            cap = softcap_of(func)
+            few = make_few_query_paged_prefill(h_kv, h_qo, d, dtype, page_size, softcap=cap)
+            dispatch = few_query_dispatch(h_kv, h_qo, d, dtype, page_size, few_name, tiled_name)
+            mod[tvm.ir.GlobalVar(few_name)] = few.with_attr(ATTR, cap) if cap else few
             mod[tvm.ir.GlobalVar(tiled_name)] = func.with_attr("global_symbol", tiled_name)
-            mod[gv] = few_query_dispatch(h_kv, h_qo, d, dtype, page_size, few_name, tiled_name)
+            mod[gv] = dispatch.with_attr(ATTR, cap) if cap else dispatch
             log.debug("paged prefill: split-KV kernel up to %d query rows", FEW_QUERY_ROWS)
         return mod
 
