@@ -6,7 +6,7 @@ Llama-3-8B layer are one tile per KV head, 8 blocks each walking the whole conte
 tokens of context on an H200, most of the verify. Here each query row is one decode-shaped query of the split-KV
 kernel (cuda_decode_attention: chunks of the context on their own blocks, then a merge), with the causal limit of
 the row where the call asks for one. Rows re-read their sequence's KV, from L2 mostly, so the kernel only runs up
-to FEW_QUERY_ROWS rows: a host function with TVM's signature (few_query_dispatch) calls it or TVM's kernel by the
+to FEW_QUERY_ROWS rows: a host function with TVM's signature (host_dispatch) calls it or TVM's kernel by the
 call's row count.
 """
 
@@ -18,6 +18,7 @@ import tvm
 
 from .attention_softcap import ATTR, softcap_of
 from .cuda_decode_attention import split_kv_macros, splits_for, supported
+from .host_dispatch import host_dispatch
 
 log = logging.getLogger(__name__)
 
@@ -91,59 +92,6 @@ def make_few_query_paged_prefill(h_kv: int, h_qo: int, d: int, dtype: str, page_
 FEW_QUERY_ROWS = 32
 
 
-def few_query_dispatch(h_kv: int, h_qo: int, d: int, dtype: str, page_size: int, few: str, tiled: str,
-                       rows: int = FEW_QUERY_ROWS) -> "tvm.tirx.PrimFunc":
-    """A host function with the signature of TVM's `batch_prefill_paged_kv` that calls the library's function
-    `few` for at most `rows` query rows and `tiled` otherwise (one PrimFunc cannot hold both kernels: TVM's is
-    built and scheduled whole)."""
-    from tvm.relax.frontend.nn.llm._kernel_common import _declare_length_info
-    from tvm.script import tirx as T
-
-    @T.prim_func(s_tir=True)
-    def batch_prefill_paged_kv(
-        var_q: T.handle, var_q_indptr: T.handle, var_pages: T.handle, var_page_indptr: T.handle,
-        var_page_values: T.handle, var_length_info: T.handle, var_k_rope_pos_offset: T.handle,
-        var_q_rope_position: T.handle, var_output: T.handle, var_lse: T.handle,
-        causal: T.int32, rotary_mode: T.int32, rope_scale: T.float32, rope_theta: T.float32, sm_scale: T.float32,
-    ):
-        T.func_attr({"tirx.is_scheduled": True, "global_symbol": "batch_prefill_paged_kv"})
-        batch_size = T.int32()
-        total_len = T.int32()
-        nnz_pages = T.int32()
-        max_num_pages = T.int32()
-        pages_elem_offset = T.int64()
-        q_indptr_elem_offset = T.int32()
-        page_indptr_elem_offset = T.int32()
-        page_values_elem_offset = T.int32()
-        k_rope_pos_offset_elem_offset = T.int32()
-        q_rope_position_elem_offset = T.int32()
-        length_info_elem_offset = T.int32()
-
-        q = T.match_buffer(var_q, (total_len, h_qo, d), dtype)
-        q_indptr = T.match_buffer(var_q_indptr, (batch_size + 1,), "int32", elem_offset=q_indptr_elem_offset)
-        pages = T.match_buffer(var_pages, (max_num_pages, 2, h_kv, page_size, d), dtype,
-                               elem_offset=pages_elem_offset)
-        page_indptr = T.match_buffer(var_page_indptr, (batch_size + 1,), "int32", elem_offset=page_indptr_elem_offset)
-        page_values = T.match_buffer(var_page_values, (nnz_pages,), "int32", elem_offset=page_values_elem_offset)
-        k_rope_pos_offset = T.match_buffer(var_k_rope_pos_offset, (batch_size,), "int32",
-                                           elem_offset=k_rope_pos_offset_elem_offset)
-        q_rope_position = T.match_buffer(var_q_rope_position, (total_len,), "int32",
-                                         elem_offset=q_rope_position_elem_offset)
-        output = T.match_buffer(var_output, (total_len, h_qo, d), dtype)
-        lse = T.match_buffer(var_lse, (total_len, h_qo), "float32")
-        length_info = _declare_length_info(var_length_info, batch_size, False, length_info_elem_offset)
-        if total_len <= rows:
-            T.evaluate(T.call_cpacked(few, q, q_indptr, pages, page_indptr, page_values, length_info,
-                                     k_rope_pos_offset, q_rope_position, output, lse, causal, rotary_mode,
-                                     rope_scale, rope_theta, sm_scale))
-        else:
-            T.evaluate(T.call_cpacked(tiled, q, q_indptr, pages, page_indptr, page_values, length_info,
-                                     k_rope_pos_offset, q_rope_position, output, lse, causal, rotary_mode,
-                                     rope_scale, rope_theta, sm_scale))
-
-    return batch_prefill_paged_kv
-
-
 SYMBOL = "batch_prefill_paged_kv"
 
 
@@ -163,7 +111,7 @@ def _paged_prefill_shape(func) -> tuple[int, int, int, str, int] | None:
 
 
 def few_query_prefill_pass() -> tvm.transform.Pass:
-    """TVM's paged prefill kernel (not the sliding-window one) behind few_query_dispatch, with the split-KV kernel
+    """TVM's paged prefill kernel (not the sliding-window one) behind a host dispatch, with the split-KV kernel
     for calls of few rows; soft-capped as it was. Runs after the kernels' other rebuilds (the tiled one is kept
     as it is then)."""
 
@@ -181,7 +129,9 @@ def few_query_prefill_pass() -> tvm.transform.Pass:
             few_name, tiled_name = f"{SYMBOL}_few", f"{SYMBOL}_tiled"
             cap = softcap_of(func)
             few = make_few_query_paged_prefill(h_kv, h_qo, d, dtype, page_size, softcap=cap)
-            dispatch = few_query_dispatch(h_kv, h_qo, d, dtype, page_size, few_name, tiled_name)
+            # (the query rows: q's first dimension)
+            dispatch = host_dispatch(func, func.params[0].shape[0], FEW_QUERY_ROWS, few_name, tiled_name,
+                                     {"global_symbol": SYMBOL})
             mod[tvm.ir.GlobalVar(few_name)] = few.with_attr(ATTR, cap) if cap else few
             mod[tvm.ir.GlobalVar(tiled_name)] = func.with_attr("global_symbol", tiled_name)
             mod[gv] = dispatch.with_attr(ATTR, cap) if cap else dispatch

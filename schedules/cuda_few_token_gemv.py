@@ -16,6 +16,7 @@ import logging
 import tvm
 
 from .gemv_match import is_unscheduled_prim_func, match_many_token_projection
+from .host_dispatch import host_dispatch
 
 log = logging.getLogger(__name__)
 
@@ -100,44 +101,6 @@ def make_few_token_gemv(x_shape, n: int, k: int, epilogue: str) -> tvm.tirx.Prim
     return func
 
 
-def make_dispatch(x_shape, n: int, k: int, epilogue: str, few: str, many: str) -> tvm.tirx.PrimFunc:
-    """A host function with the projection's parameters calling `few` up to FEW_TOKENS tokens, else `many`."""
-    from tvm.script import tirx as T
-
-    m = next(d for d in x_shape if not isinstance(d, (int, tvm.tirx.IntImm)))
-    (xs, _), (ws, _), (ss, _), *rest = _signature(x_shape, n, k, epilogue)
-    ys, yt = rest[-1]
-    attrs = {"tirx.noalias": True, "tirx.is_scheduled": True}
-    if len(rest) == 2:
-        rs = rest[0][0]
-
-        @T.prim_func(private=True, s_tir=True)
-        def func(var_x: T.handle, var_w: T.handle, var_s: T.handle, var_r: T.handle, var_y: T.handle):
-            T.func_attr(attrs)
-            x = T.match_buffer(var_x, xs, "float16")
-            w = T.match_buffer(var_w, ws, "uint32")
-            s = T.match_buffer(var_s, ss, "float16")
-            r = T.match_buffer(var_r, rs, "float16")
-            y = T.match_buffer(var_y, ys, yt)
-            if m <= FEW_TOKENS:
-                T.evaluate(T.call_cpacked(few, x, w, s, r, y))
-            else:
-                T.evaluate(T.call_cpacked(many, x, w, s, r, y))
-    else:
-        @T.prim_func(private=True, s_tir=True)
-        def func(var_x: T.handle, var_w: T.handle, var_s: T.handle, var_y: T.handle):
-            T.func_attr(attrs)
-            x = T.match_buffer(var_x, xs, "float16")
-            w = T.match_buffer(var_w, ws, "uint32")
-            s = T.match_buffer(var_s, ss, "float16")
-            y = T.match_buffer(var_y, ys, yt)
-            if m <= FEW_TOKENS:
-                T.evaluate(T.call_cpacked(few, x, w, s, y))
-            else:
-                T.evaluate(T.call_cpacked(many, x, w, s, y))
-    return func
-
-
 def few_token_gemv_pass() -> tvm.transform.Pass:
     """Every many-token q4f16_1 projection behind a dispatch to the few-token GEMV (before the GEMM pass)."""
 
@@ -158,8 +121,8 @@ def few_token_gemv_pass() -> tvm.transform.Pass:
             mod[tvm.ir.GlobalVar(few)] = make_few_token_gemv(x_shape, n, k, epilogue).with_attr("global_symbol", few)
             mod[tvm.ir.GlobalVar(many)] = func.with_attr("global_symbol", many)
             attrs = {a: v for a, v in func.attrs.items()} if func.attrs is not None else {}
-            mod[gv] = make_dispatch(x_shape, n, k, epilogue, few, many).with_attrs(attrs) \
-                .with_attr("tirx.is_scheduled", True).with_attr("global_symbol", name)
+            tokens = next(d for d in func.params[0].shape if not isinstance(d, (int, tvm.tirx.IntImm)))
+            mod[gv] = host_dispatch(func, tokens, FEW_TOKENS, few, many, {**attrs, "global_symbol": name})
             replaced += 1
         log.debug("few-token GEMV dispatches: %d", replaced)
         return mod

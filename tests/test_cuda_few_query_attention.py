@@ -58,8 +58,11 @@ def _marker(value: float, h_kv: int, h_qo: int, d: int):
 
 @pytest.mark.parametrize("rows,expect", [(1, 1.0), (fqa.FEW_QUERY_ROWS, 1.0), (fqa.FEW_QUERY_ROWS + 1, 2.0)])
 def test_dispatch_calls_the_few_rows_function_up_to_the_limit(rows, expect):
-    h_kv, h_qo, d = 1, 2, 4
-    disp = fqa.few_query_dispatch(h_kv, h_qo, d, "float32", PAGE, "few_rows", "many_rows")
+    from mlcc.schedules.host_dispatch import host_dispatch
+
+    h_kv, h_qo, d = 1, 2, 16
+    sig = fqa.make_few_query_paged_prefill(h_kv, h_qo, d, "float32", PAGE)  # (TVM's kernel's parameters)
+    disp = host_dispatch(sig, sig.params[0].shape[0], fqa.FEW_QUERY_ROWS, "few_rows", "many_rows")
     mod = tvm.IRModule({"main": disp.with_attr("global_symbol", "main"),
                         "few_rows": _marker(1.0, h_kv, h_qo, d).with_attr("global_symbol", "few_rows"),
                         "many_rows": _marker(2.0, h_kv, h_qo, d).with_attr("global_symbol", "many_rows")})

@@ -69,6 +69,9 @@ def _marker(x_shape, n: int, k: int, value: float):
 
     @T.prim_func(s_tir=True)
     def func(var_x: T.handle, var_w: T.handle, var_s: T.handle, var_y: T.handle):
+        T.match_buffer(var_x, xs, "float16")
+        T.match_buffer(var_w, ws, "uint32")
+        T.match_buffer(var_s, ss, "float16")
         y = T.match_buffer(var_y, ys, "float16")
         for i, j in T.grid(ys[1], n):
             with T.sblock("fill"):
@@ -82,12 +85,17 @@ def _marker(x_shape, n: int, k: int, value: float):
 def test_dispatch_picks_by_token_count(m, expect):
     from tvm.script import tirx as T
 
+    from mlcc.schedules.host_dispatch import host_dispatch
+
     n, k = 4, 32
-    x_shape = (T.int64(1), tvm.tirx.Var("m", "int64"), T.int64(k))
-    disp = ftg.make_dispatch(x_shape, n, k, "none", "few", "many")
+    tokens = tvm.tirx.Var("m", "int64")
+    x_shape = (T.int64(1), tokens, T.int64(k))
+    many = _marker(x_shape, n, k, 2.0)
+    # (as the pass does: the dispatch shares the parameters of the function it stands for, kept beside it)
+    disp = host_dispatch(many, tokens, ftg.FEW_TOKENS, "few", "many")
     mod = tvm.IRModule({"main": disp.with_attr("global_symbol", "main"),
                         "few": _marker(x_shape, n, k, 1.0).with_attr("global_symbol", "few"),
-                        "many": _marker(x_shape, n, k, 2.0).with_attr("global_symbol", "many")})
+                        "many": many.with_attr("global_symbol", "many")})
     lib = tvm.compile(mod, "llvm")
     dev = tvm.cpu()
     args = [tvm.runtime.tensor(a, dev) for a in (
