@@ -77,28 +77,18 @@ def make_few_token_gemv(x_shape, n: int, k: int, epilogue: str) -> tvm.tirx.Prim
 
     (xs, _), (ws, _), (ss, _), *rest = _signature(x_shape, n, k, epilogue)
     ys, yt = rest[-1]
-    if len(rest) == 2:
-        rs = rest[0][0]
+    has_r = len(rest) == 2
+    rs = rest[0][0] if has_r else (T.int64(1),)
 
-        @T.prim_func(private=True, s_tir=True)
-        def func(var_x: T.handle, var_w: T.handle, var_s: T.handle, var_r: T.handle, var_y: T.handle):
-            T.func_attr(attrs)
-            x = T.match_buffer(var_x, xs, "float16")
-            w = T.match_buffer(var_w, ws, "uint32")
-            s = T.match_buffer(var_s, ss, "float16")
-            r = T.match_buffer(var_r, rs, "float16")
-            y = T.match_buffer(var_y, ys, yt)
-            body(x, w, s, r, y)
-    else:
-        @T.prim_func(private=True, s_tir=True)
-        def func(var_x: T.handle, var_w: T.handle, var_s: T.handle, var_y: T.handle):
-            T.func_attr(attrs)
-            x = T.match_buffer(var_x, xs, "float16")
-            w = T.match_buffer(var_w, ws, "uint32")
-            s = T.match_buffer(var_s, ss, "float16")
-            y = T.match_buffer(var_y, ys, yt)
-            body(x, w, s, x, y)
-    return func
+    # TVMScript has no optional parameters: the kernel is written with all five, then keeps those the shape has
+    @T.prim_func(private=True, s_tir=True)
+    def full(x: T.Buffer(xs, "float16"), w: T.Buffer(ws, "uint32"), s: T.Buffer(ss, "float16"),
+             r: T.Buffer(rs, "float16"), y: T.Buffer(ys, yt)):
+        T.func_attr(attrs)
+        body(x, w, s, r if has_r else x, y)
+
+    x_p, w_p, s_p, r_p, y_p = full.params
+    return tvm.tirx.PrimFunc([x_p, w_p, s_p] + [r_p] * has_r + [y_p], full.body, attrs=full.attrs)
 
 
 def few_token_gemv_pass() -> tvm.transform.Pass:

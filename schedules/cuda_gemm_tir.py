@@ -52,46 +52,42 @@ def make_prefill_gemm(shape: PrefillGemm, params: GemmParams, few: GemmParams | 
 
     n, k, p, m = shape.n, shape.k, params, shape.m
     q4 = shape.weights == "q4f16_1"
-    call = template_call(shape.weights, shape.epilogue, params)
     x_shape = tuple(shape.x_shape)
     y_shape = x_shape[:-1] + (T.int64(n),)
     w_shape, w_dtype = ((T.int64(n), T.int64(k // 8)), "uint32") if q4 else ((T.int64(n), T.int64(k)), "float16")
     s_shape = (T.int64(n), T.int64(k // 32))
     r_shape = (T.int64(n),) if shape.epilogue == "bias" else y_shape
     m_blocks = (m + (p.bm - 1)) // p.bm
-    smem_bytes = p.smem_bytes(q4)
 
-    @T.macro
-    def big_tiles(x, w, s, r, y):
-        for bx in T.thread_binding(n // p.bn, thread="blockIdx.x"):
-            for by in T.thread_binding(m_blocks, thread="blockIdx.y"):
-                for tx in T.thread_binding(p.threads, thread="threadIdx.x"):
-                    with T.sblock("tc_gemm"):
-                        T.reads()
-                        T.writes()
-                        # TVM launches the kernel with this much dynamic shared memory (opting in past 48 KB)
-                        smem = T.alloc_buffer((smem_bytes,), "uint8", scope="shared.dyn")
-                        T.evaluate(T.call_extern("void", call, x.data, w.data, s.data, r.data, y.data,
-                                                 T.Cast("int32", m), T.int32(n), T.int32(k), smem.data))
+    def tiles(t: GemmParams, name: str):
+        """One launch of the kernel with tile parameters `t` (block `name`)."""
+        t_call, t_smem = template_call(shape.weights, shape.epilogue, t), t.smem_bytes(q4)
 
+        @T.macro
+        def launch(x, w, s, r, y):
+            for bx in T.thread_binding(n // t.bn, thread="blockIdx.x"):
+                for by in T.thread_binding((m + (t.bm - 1)) // t.bm, thread="blockIdx.y"):
+                    for tx in T.thread_binding(t.threads, thread="threadIdx.x"):
+                        with T.sblock(name):
+                            T.reads()
+                            T.writes()
+                            # TVM launches the kernel with this much dynamic shared memory (opting in past 48 KB)
+                            smem = T.alloc_buffer((t_smem,), "uint8", scope="shared.dyn")
+                            T.evaluate(T.call_extern("void", t_call, x.data, w.data, s.data, r.data, y.data,
+                                                     T.Cast("int32", m), T.int32(n), T.int32(k), smem.data))
+
+        return launch
+
+    big_tiles = tiles(p, "tc_gemm")
     if mid is None:
         tiled = big_tiles
     else:
-        q = mid
-        mid_call, mid_smem = template_call(shape.weights, shape.epilogue, q), q.smem_bytes(q4)
+        mid_tiles = tiles(mid, "tc_gemm_mid")
 
         @T.macro
         def tiled(x, w, s, r, y):
             if (n // p.bn) * m_blocks < MID_BLOCKS:
-                for bx in T.thread_binding(n // q.bn, thread="blockIdx.x"):
-                    for by in T.thread_binding((m + (q.bm - 1)) // q.bm, thread="blockIdx.y"):
-                        for tx in T.thread_binding(q.threads, thread="threadIdx.x"):
-                            with T.sblock("tc_gemm_mid"):
-                                T.reads()
-                                T.writes()
-                                smem = T.alloc_buffer((mid_smem,), "uint8", scope="shared.dyn")
-                                T.evaluate(T.call_extern("void", mid_call, x.data, w.data, s.data, r.data, y.data,
-                                                         T.Cast("int32", m), T.int32(n), T.int32(k), smem.data))
+                mid_tiles(x, w, s, r, y)
             else:
                 big_tiles(x, w, s, r, y)
 
@@ -130,45 +126,17 @@ def make_prefill_gemm(shape: PrefillGemm, params: GemmParams, few: GemmParams | 
 
     attrs = {"tirx.noalias": True, "tirx.is_scheduled": True}
     epi = shape.epilogue != "none"
-    # one signature per parameter list (x, W[, scales][, bias or residual], y); the call reads x in place of the
-    # ones this shape lacks
-    if q4 and epi:
-        @T.prim_func(private=True, s_tir=True)
-        def func(var_x: T.handle, var_w: T.handle, var_s: T.handle, var_r: T.handle, var_y: T.handle):
-            T.func_attr(attrs)
-            x = T.match_buffer(var_x, x_shape, "float16")
-            w = T.match_buffer(var_w, w_shape, w_dtype)
-            s = T.match_buffer(var_s, s_shape, "float16")
-            r = T.match_buffer(var_r, r_shape, "float16")
-            y = T.match_buffer(var_y, y_shape, "float16")
-            body(x, w, s, r, y)
-    elif q4:
-        @T.prim_func(private=True, s_tir=True)
-        def func(var_x: T.handle, var_w: T.handle, var_s: T.handle, var_y: T.handle):
-            T.func_attr(attrs)
-            x = T.match_buffer(var_x, x_shape, "float16")
-            w = T.match_buffer(var_w, w_shape, w_dtype)
-            s = T.match_buffer(var_s, s_shape, "float16")
-            y = T.match_buffer(var_y, y_shape, "float16")
-            body(x, w, s, x, y)
-    elif epi:
-        @T.prim_func(private=True, s_tir=True)
-        def func(var_x: T.handle, var_w: T.handle, var_r: T.handle, var_y: T.handle):
-            T.func_attr(attrs)
-            x = T.match_buffer(var_x, x_shape, "float16")
-            w = T.match_buffer(var_w, w_shape, w_dtype)
-            r = T.match_buffer(var_r, r_shape, "float16")
-            y = T.match_buffer(var_y, y_shape, "float16")
-            body(x, w, x, r, y)
-    else:
-        @T.prim_func(private=True, s_tir=True)
-        def func(var_x: T.handle, var_w: T.handle, var_y: T.handle):
-            T.func_attr(attrs)
-            x = T.match_buffer(var_x, x_shape, "float16")
-            w = T.match_buffer(var_w, w_shape, w_dtype)
-            y = T.match_buffer(var_y, y_shape, "float16")
-            body(x, w, x, x, y)
-    return func
+
+    # TVMScript has no optional parameters: the kernel is written with all five (x, W, scales, bias or residual,
+    # y), then keeps those this shape has; the call reads x in place of the others
+    @T.prim_func(private=True, s_tir=True)
+    def full(x: T.Buffer(x_shape, "float16"), w: T.Buffer(w_shape, w_dtype), s: T.Buffer(s_shape, "float16"),
+             r: T.Buffer(r_shape, "float16"), y: T.Buffer(y_shape, "float16")):
+        T.func_attr(attrs)
+        body(x, w, s if q4 else x, r if epi else x, y)
+
+    x_p, w_p, s_p, r_p, y_p = full.params
+    return tirx.PrimFunc([x_p, w_p] + [s_p] * q4 + [r_p] * epi + [y_p], full.body, attrs=full.attrs)
 
 
 # Projections with a side under this keep dlight's GEMM: on the Qwen2.5-0.5B shape (896 wide) this kernel made a
