@@ -15,7 +15,7 @@ import logging
 
 import tvm
 
-from .gemv_match import is_unscheduled_prim_func, match_many_token_projection
+from .gemv_match import is_unscheduled_prim_func, match_many_token_projection, token_dim
 from .host_dispatch import host_dispatch
 
 log = logging.getLogger(__name__)
@@ -61,7 +61,7 @@ def make_few_token_gemv(x_shape, n: int, k: int, epilogue: str) -> tvm.tirx.Prim
     """The kernel for up to FEW_TOKENS tokens, with the projection's parameters."""
     from tvm.script import tirx as T
 
-    m = next(d for d in x_shape if not isinstance(d, (int, tvm.tirx.IntImm)))
+    m = token_dim(x_shape)
     call, grid = template_call(n, k, epilogue), blocks(n, k)
     attrs = {"tirx.noalias": True, "tirx.is_scheduled": True}
 
@@ -111,8 +111,7 @@ def few_token_gemv_pass() -> tvm.transform.Pass:
             mod[tvm.ir.GlobalVar(few)] = make_few_token_gemv(x_shape, n, k, epilogue).with_attr("global_symbol", few)
             mod[tvm.ir.GlobalVar(many)] = func.with_attr("global_symbol", many)
             attrs = {a: v for a, v in func.attrs.items()} if func.attrs is not None else {}
-            tokens = next(d for d in func.params[0].shape if not isinstance(d, (int, tvm.tirx.IntImm)))
-            mod[gv] = host_dispatch(func, tokens, FEW_TOKENS, few, many, {**attrs, "global_symbol": name})
+            mod[gv] = host_dispatch(func, token_dim(x_shape), FEW_TOKENS, few, many, {**attrs, "global_symbol": name})
             replaced += 1
         log.debug("few-token GEMV dispatches: %d", replaced)
         return mod

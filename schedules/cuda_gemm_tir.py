@@ -31,7 +31,9 @@ class PrefillGemm:
 
     @property
     def m(self) -> tirx.Var:
-        return next(d for d in self.x_shape if not isinstance(d, (int, tirx.IntImm)))
+        from .gemv_match import token_dim
+
+        return token_dim(self.x_shape)
 
 
 def match_prefill_gemm(func: tirx.PrimFunc) -> PrefillGemm | None:

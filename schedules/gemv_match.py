@@ -150,6 +150,11 @@ def static_dim(d) -> int | None:
     return int(d) if isinstance(d, (int, tvm.tirx.IntImm)) else None
 
 
+def token_dim(x_shape) -> tvm.tirx.PrimExpr:
+    """The symbolic dimension (the token count) of a many-token projection's activations, (1, m, K) or (m, 1, K)."""
+    return next(d for d in x_shape if static_dim(d) is None)
+
+
 def same_shape(a, b) -> bool:
     return len(a) == len(b) and all(p.same_as(q) or (static_dim(p) is not None and static_dim(p) == static_dim(q))
                                     for p, q in zip(a, b))
