@@ -83,12 +83,12 @@ def split_kv_macros(h_kv: int, h_qo: int, d: int, dtype: str, page_size: int, sp
     log2e = math.log2(math.e)
 
     @T.macro
-    def merge_state(m, l, o, new_m, w, m_other, l_other, o_other):
-        # fold another online-softmax state (max, sum, output element v = o_other(v)) into (m, l, o); new_m and w
+    def merge_state(m, den, o, new_m, w, m_other, den_other, o_other):
+        # fold another online-softmax state (max, sum, output element v = o_other(v)) into (m, den, o); new_m and w
         # are scratch (the merged max and the other state's weight)
         new_m[0] = T.max(m[0], m_other)
         w[0] = T.exp2(m_other - new_m[0])
-        l[0] = l[0] * T.exp2(m[0] - new_m[0]) + l_other * w[0]
+        den[0] = den[0] * T.exp2(m[0] - new_m[0]) + den_other * w[0]
         for v in lane_loop(vec):
             o[v] = o[v] * T.exp2(m[0] - new_m[0]) + o_other(v) * w[0]
         m[0] = new_m[0]
@@ -115,7 +115,7 @@ def split_kv_macros(h_kv: int, h_qo: int, d: int, dtype: str, page_size: int, sp
             # the running max and sum of this thread's tokens; the current token's score
             # and the factor rescaling the state before it
             m = T.sblock_alloc_buffer((1,), "float32", scope="local")
-            l = T.sblock_alloc_buffer((1,), "float32", scope="local")
+            den = T.sblock_alloc_buffer((1,), "float32", scope="local")
             score = T.sblock_alloc_buffer((1,), "float32", scope="local")
             rescale = T.sblock_alloc_buffer((1,), "float32", scope="local")
             n_tok = T.sblock_alloc_buffer((1,), "int32", scope="local")
@@ -136,7 +136,7 @@ def split_kv_macros(h_kv: int, h_qo: int, d: int, dtype: str, page_size: int, sp
                         * sm_scale * log2e)
                 o[v] = T.float32(0)
             m[0] = T.float32(-5e4)
-            l[0] = T.float32(0)
+            den[0] = T.float32(0)
             for it in T.serial((chunk + tp - 1) // tp):
                 # every thread runs every step (the shuffles need whole warps, and a warp can
                 # hold two token slots): tokens past the chunk read a valid one and score -5e4
@@ -160,7 +160,7 @@ def split_kv_macros(h_kv: int, h_qo: int, d: int, dtype: str, page_size: int, sp
                 rescale[0] = T.exp2(m[0] - T.max(m[0], score[0]))
                 m[0] = T.max(m[0], score[0])
                 score[0] = T.exp2(score[0] - m[0])  # now the token's weight
-                l[0] = l[0] * rescale[0] + score[0]
+                den[0] = den[0] * rescale[0] + score[0]
                 for v in lane_loop(vec):
                     o[v] = o[v] * rescale[0] + score[0] * T.Cast(
                         "float32", pages[page, 1, kv_head, off, tx * vec + v])
@@ -168,17 +168,17 @@ def split_kv_macros(h_kv: int, h_qo: int, d: int, dtype: str, page_size: int, sp
             for v in lane_loop(vec):
                 o_sh[tz, ty, tx * vec + v] = o[v]
             md_sh[tz, ty, 0] = m[0]
-            md_sh[tz, ty, 1] = l[0]
+            md_sh[tz, ty, 1] = den[0]
             T.evaluate(T.tvm_storage_sync("shared"))
             if tz == 0:
                 for j in T.serial(tp - 1):
                     # (score and rescale are free after the token loop: the merge's scratch)
-                    merge_state(m, l, o, score, rescale, md_sh[j + 1, ty, 0], md_sh[j + 1, ty, 1],
+                    merge_state(m, den, o, score, rescale, md_sh[j + 1, ty, 0], md_sh[j + 1, ty, 1],
                                 lambda v: o_sh[j + 1, ty, tx * vec + v])
                 for v in lane_loop(vec):
                     part_o[row, kv_head * group + ty, by % splits, tx * vec + v] = o[v]
                 part_md[row, kv_head * group + ty, by % splits, 0] = m[0]
-                part_md[row, kv_head * group + ty, by % splits, 1] = l[0]
+                part_md[row, kv_head * group + ty, by % splits, 1] = den[0]
 
     @T.macro
     def merge(part_o, part_md, output, lse, bx, by, tx):
@@ -187,20 +187,20 @@ def split_kv_macros(h_kv: int, h_qo: int, d: int, dtype: str, page_size: int, sp
             T.writes()
             o = T.sblock_alloc_buffer((vec,), "float32", scope="local")
             m = T.sblock_alloc_buffer((1,), "float32", scope="local")
-            l = T.sblock_alloc_buffer((1,), "float32", scope="local")
+            den = T.sblock_alloc_buffer((1,), "float32", scope="local")
             new_m = T.sblock_alloc_buffer((1,), "float32", scope="local")
             w = T.sblock_alloc_buffer((1,), "float32", scope="local")
             m[0] = T.float32(-5e4)
-            l[0] = T.float32(1)  # TVM's convention: an empty sequence gives 0, not NaN
+            den[0] = T.float32(1)  # TVM's convention: an empty sequence gives 0, not NaN
             for v in lane_loop(vec):
                 o[v] = T.float32(0)
             for s in T.serial(splits):
-                merge_state(m, l, o, new_m, w, part_md[bx, by, s, 0], part_md[bx, by, s, 1],
+                merge_state(m, den, o, new_m, w, part_md[bx, by, s, 0], part_md[bx, by, s, 1],
                             lambda v: part_o[bx, by, s, tx * vec + v])
             for v in lane_loop(vec):
-                output[bx, by, tx * vec + v] = T.Cast(dtype, o[v] / l[0])
+                output[bx, by, tx * vec + v] = T.Cast(dtype, o[v] / den[0])
             if tx == 0:
-                lse[bx, by] = m[0] + T.log2(l[0])
+                lse[bx, by] = m[0] + T.log2(den[0])
 
     return chunk, merge, (tp, group, lanes)
 
@@ -243,10 +243,10 @@ def make_split_decode(h_kv: int, h_qo: int, d: int, dtype: str, page_size: int, 
                                            elem_offset=page_indptr_elem_offset)
         page_table_values = T.match_buffer(page_table_values_handle, (nnz_pages,), "int32",
                                            elem_offset=page_values_elem_offset)
-        k_rope_pos_offset = T.match_buffer(k_rope_pos_offset_handle, (B,), "int32",
-                                           elem_offset=k_rope_pos_offset_elem_offset)
-        q_rope_position = T.match_buffer(q_rope_position_handle, (B,), "int32",
-                                         elem_offset=q_rope_position_elem_offset)
+        _k_rope_pos_offset = T.match_buffer(k_rope_pos_offset_handle, (B,), "int32",  # (binds the signature)
+                                            elem_offset=k_rope_pos_offset_elem_offset)
+        _q_rope_position = T.match_buffer(q_rope_position_handle, (B,), "int32",
+                                          elem_offset=q_rope_position_elem_offset)
         output = T.match_buffer(output_handle, (B, h_qo, d), dtype)
         lse = T.match_buffer(lse_handle, (B, h_qo), "float32")
         length_info = _declare_length_info(var_length_info, B, sliding, length_info_elem_offset)
