@@ -60,7 +60,7 @@ def cmd_targets(args: argparse.Namespace) -> int:
 
 def cmd_chat(args: argparse.Namespace) -> int:
     from mlcc.options import CompileOptions
-    from mlcc.runtime.chat_cli import run_chat
+    from mlcc.runtime.serve.chat_cli import run_chat
 
     return run_chat(args.model, target=args.target, quant=args.quant, prompt=args.prompt,
                     max_tokens=args.max_tokens, temperature=args.temperature,
@@ -136,8 +136,8 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--title", default="mlcc chat")
     w.set_defaults(func=cmd_web)
 
-    from mlcc.runtime.loadgen import add_bench_parser
-    from mlcc.runtime.server_cli import add_serve_parser
+    from mlcc.runtime.serve.loadgen import add_bench_parser
+    from mlcc.runtime.serve.server_cli import add_serve_parser
 
     add_serve_parser(sub)
     add_bench_parser(sub)

@@ -10,7 +10,7 @@ next, more than one kernel change is worth).
 
 A variant is a CompileOptions value: a name from VARIANTS, or fields joined by '+' (`pdl=0+decode_graph=0`).
 "sync" is base's library timed with the synchronous loop (decode, argmax, read the id, repeat) instead of the
-engine's pipelined loop (runtime.decode_graph). Any other folder under --libs holding the model is a variant
+engine's pipelined loop (runtime.device.graph_decode). Any other folder under --libs holding the model is a variant
 too: to compare against another commit, build there (`git worktree add /tmp/wt REV`, then
 `PYTHONPATH=/tmp/wtpkg python bench/ab_decode.py build ...` with /tmp/wtpkg/mlcc linked to /tmp/wt, since
 PYTHONPATH wins over the editable install) and copy its base folder in under another name. Each variant is
@@ -86,8 +86,8 @@ def cmd_build(a) -> None:
 def cmd_run(a) -> None:
     import numpy as np
 
-    from mlcc.runtime.model import LoadedModel
-    from mlcc.runtime.token_fetch import TokenFetcher
+    from mlcc.runtime.device.model import LoadedModel
+    from mlcc.runtime.device.token_fetch import TokenFetcher
 
     libs = Path(a.libs)
     ref_file = libs / "reference.npz"

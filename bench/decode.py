@@ -11,7 +11,7 @@ roofline, every column from one device run.
     python3 bench/decode.py table $OUT/decode_mlcc.json $OUT/decode_hf.json [--markdown]
 
 Weights are random (speed does not depend on values); the output length is fixed (EOS ignored). mlcc decodes with
-the engine's pipelined loop (runtime.decode_graph: a lone greedy request) and, in alternating rounds over the
+the engine's pipelined loop (runtime.device.graph_decode: a lone greedy request) and, in alternating rounds over the
 same contexts, the synchronous loop (decode, argmax, read the id, repeat); every id reaches the host, as in
 serving. Before timing, every build is checked: argmax against numpy, decode_graph against plain decode (exact
 logits over several metadata layouts), pipelined against synchronous ids, and the small shapes' logits against
@@ -63,9 +63,9 @@ def teacher_forced_logits(m, forced: list[int]) -> tuple[np.ndarray, list[int]]:
 def decode_steps(m, tok: int, steps: int, pipelined: bool, fetcher=None, seq: int = 0) -> tuple[list[int], float]:
     """`steps` greedy batch-1 decode steps of sequence `seq` from token `tok`; (the new ids, seconds). Each id
     reaches the host, as in serving: pipelined = the engine's loop for a lone greedy request
-    (runtime.decode_graph), else the synchronous loop (decode, argmax, read, repeat)."""
-    from mlcc.runtime.decode_graph import decode_pipelined
-    from mlcc.runtime.sampler import DeviceDraw
+    (runtime.device.graph_decode), else the synchronous loop (decode, argmax, read, repeat)."""
+    from mlcc.runtime.core.sampler import DeviceDraw
+    from mlcc.runtime.device.graph_decode import decode_pipelined
 
     argmax = m.argmax
     got: list[int] = []
@@ -83,7 +83,7 @@ def decode_steps(m, tok: int, steps: int, pipelined: bool, fetcher=None, seq: in
 def cmd_reference(a) -> None:
     """The CPU (llvm) build of each checked shape, same quantization and the same seeded random weights."""
     from mlcc.compiler.build import compile_shape_only
-    from mlcc.runtime.model import LoadedModel
+    from mlcc.runtime.device.model import LoadedModel
 
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -211,8 +211,8 @@ def bytes_per_token(cfg: dict, params: list[dict], ctx: int, kv_itemsize: int) -
 def cmd_mlcc(a) -> None:
     import torch
 
-    from mlcc.runtime.model import LoadedModel
-    from mlcc.runtime.token_fetch import TokenFetcher
+    from mlcc.runtime.device.model import LoadedModel
+    from mlcc.runtime.device.token_fetch import TokenFetcher
 
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -33,8 +33,14 @@ CHECKS = [("float16", "none"), ("float16", "bias"), ("float16", "add"), ("float1
 
 
 def cmd_build(a) -> None:
-    from mlcc.schedules.cuda_gemm import (GemmParams, default_params, few_token_params, kernel_name, kernel_source,
-                                          reduce_source)
+    from mlcc.schedules.cuda_gemm import (
+        GemmParams,
+        default_params,
+        few_token_params,
+        kernel_name,
+        kernel_source,
+        reduce_source,
+    )
 
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -27,10 +27,9 @@ import tempfile
 import time
 from pathlib import Path
 
+import decode as dense
 import numpy as np
 from harness import add_options_argument, build_info, cli, parse_options, write_json
-
-import decode as dense
 
 QWEN3_30B_A3B = dict(  # Qwen/Qwen3-30B-A3B
     hidden_size=2048, intermediate_size=6144, num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4,
@@ -76,7 +75,7 @@ def cmd_build(a) -> None:
 
 def cmd_reference(a) -> None:
     from mlcc.compiler.build import compile_shape_only
-    from mlcc.runtime.model import LoadedModel
+    from mlcc.runtime.device.model import LoadedModel
 
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -139,8 +138,8 @@ def _prefill_tok_s(m, n: int, budget_s: float) -> float:
 def cmd_mlcc(a) -> None:
     import torch
 
-    from mlcc.runtime.model import LoadedModel
-    from mlcc.runtime.token_fetch import TokenFetcher
+    from mlcc.runtime.device.model import LoadedModel
+    from mlcc.runtime.device.token_fetch import TokenFetcher
 
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -134,7 +134,7 @@ def _time_batched_decode(m, batch: int) -> float:
 
 
 def _load(folder: Path):
-    from mlcc.runtime.model import LoadedModel
+    from mlcc.runtime.device.model import LoadedModel
 
     m = LoadedModel(folder, weights="random")
     m.create_kv_cache(max(BATCHES), max(PROMPTS) + max(BATCHES) * (CONTEXT + STEPS + 8) + 64, max(PROMPTS))

@@ -1,4 +1,4 @@
-"""Automatic prefix caching (runtime.prefix_cache): time to first token with a shared prefix, cache on vs off.
+"""Automatic prefix caching (runtime.core.prefix_cache): time to first token with a shared prefix, cache on vs off.
 
     python bench/prefix_cache.py cpu --out /tmp/prefix-cache            # this CPU, the bundled SmolLM2
     python3 bench/prefix_cache.py load --model DIR --weights random --target cuda --out $OUT   # device: 8B shape
@@ -26,7 +26,6 @@ import threading
 import time
 
 import numpy as np
-
 from harness import build_info, cli, write_json
 
 SYSTEM_WORDS = ("You are a careful assistant for a hardware store. Answer briefly, cite the aisle, never invent "
@@ -103,8 +102,8 @@ def cmd_cpu(a) -> None:
 
 
 def _run_load(core, prompts: list[list[int]], gaps: list[float], output_len: int) -> dict:
-    from mlcc.runtime.request import Request
-    from mlcc.runtime.sampler import SamplingParams
+    from mlcc.runtime.core.request import Request
+    from mlcc.runtime.core.sampler import SamplingParams
 
     done = threading.Semaphore(0)
     first: dict[int, float] = {}
@@ -138,9 +137,9 @@ def _run_load(core, prompts: list[list[int]], gaps: list[float], output_len: int
 
 
 def cmd_load(a) -> None:
-    from mlcc.runtime.core import EngineCore
-    from mlcc.runtime.model import LoadedModel
-    from mlcc.runtime.sampler import Sampler
+    from mlcc.runtime.core.sampler import Sampler
+    from mlcc.runtime.device.model import LoadedModel
+    from mlcc.runtime.engine_core import EngineCore
 
     rng = random.Random(0)
     model = LoadedModel(a.model, weights=a.weights)

@@ -10,7 +10,7 @@ over 2 us by the kernels around them.
     python3 bench/profile_decode.py --libs .dev/bench --model llama3-8b-q4f16_1 --prefill 2048 --steps 3 --out $OUT
     python3 bench/profile_decode.py --libs .dev/bench --model llama3-8b-q4f16_1 --verify 5 --out $OUT
 
---verify K profiles a speculative verify forward of K tokens after a 1,024-token context, as runtime.speculative
+--verify K profiles a speculative verify forward of K tokens after a 1,024-token context, as runtime.spec.speculative
 calls it (the logits of every position, their argmax read, the K tokens popped again).
 """
 
@@ -43,7 +43,7 @@ def main() -> None:
     from torch.profiler import ProfilerActivity, profile
 
     from mlcc.artifact import built_options
-    from mlcc.runtime.model import LoadedModel
+    from mlcc.runtime.device.model import LoadedModel
 
     torch.cuda.init()
     m = LoadedModel(Path(a.libs) / a.model, weights="random")

@@ -5,7 +5,7 @@ then a soak with client disconnects, then (optionally) batched throughput agains
     python bench/serve.py --target llvm --rates 0.5,1 --num-prompts 8 --output-len 16 --soak-seconds 20 \
         --soak-clients 4 --out /tmp/serve                                # this CPU, the bundled SmolLM2
 
-1. Sweep: open-loop Poisson arrivals at each --rates value (mlcc.runtime.loadgen, what `mlcc bench` runs),
+1. Sweep: open-loop Poisson arrivals at each --rates value (mlcc.runtime.serve.loadgen, what `mlcc bench` runs),
    streaming completions with a fixed output length (EOS ignored); per rate TTFT and ITL p50/p90/p99 (ms), output
    tok/s, errors.
 2. Soak: --soak-clients concurrent streaming chat clients for --soak-seconds, random prompts and lengths, 20% of
@@ -61,7 +61,7 @@ def start_server(a, extra: tuple[str, ...] = ()) -> tuple[subprocess.Popen, str]
 
 
 def sweep(base: str, a) -> list[dict]:
-    from mlcc.runtime.loadgen import print_table, run_load
+    from mlcc.runtime.serve.loadgen import print_table, run_load
 
     rows = [asyncio.run(run_load(f"{base}/v1", None, "none", a.num_prompts, a.input_len, a.output_len, rate, None,
                                  shared_prefix=a.shared_prefix))
@@ -179,7 +179,7 @@ def main() -> None:
     p.add_argument("--out", required=True)
     a = p.parse_args()
 
-    from mlcc.runtime.loadgen import wait_until_healthy
+    from mlcc.runtime.serve.loadgen import wait_until_healthy
 
     Path(a.out).mkdir(parents=True, exist_ok=True)
     res: dict = {"model": a.model or "bundled default", "target": a.target}

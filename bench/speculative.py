@@ -1,4 +1,4 @@
-"""Speculative decoding (runtime.speculative) against plain decoding in the same run, greedy, batch 1: on the CPU
+"""Speculative decoding (runtime.spec.speculative) against plain decoding in the same run, greedy, batch 1: on the CPU
 with real weights, on the H200 with random weights of the real shapes.
 
     python bench/speculative.py cpu --out /tmp/spec                       # both parts below
@@ -23,7 +23,7 @@ verify-cost (verify_cost.json): the verify costs of the gpu part's (a) for compi
 (their own weights), to compare builds of one model.
 
 gpu (speculative_gpu.json): (a) the Llama-3-8B shape in q4f16_1: ms of a verify forward of 2-8 tokens as
-runtime.speculative calls it (verify, the compiled argmax of every position, ids read, then popped) against a
+runtime.spec.speculative calls it (verify, the compiled argmax of every position, ids read, then popped) against a
 synchronous decode step and against the pipelined decode that plain decoding runs for a lone request; (b) the
 Qwen2.5-Coder 1.5B/0.5B shapes: the same costs, then one greedy request (200 random prompt ids, EOS ignored)
 through the engine core: plain, the 0.5B drafting k = 2, 4, 6 with pausing off (random weights: its drafts are
@@ -211,7 +211,7 @@ def cmd_build(a) -> None:
 
 
 def cmd_verify_cost(a) -> None:
-    from mlcc.runtime.model import LoadedModel
+    from mlcc.runtime.device.model import LoadedModel
 
     res = {"build": build_info(), "load_before": _load()}
     for d in a.folders:
@@ -253,10 +253,11 @@ def _time(fn, n: int) -> float:
 def verify_costs(m, lens=VERIFY_LENS, n: int = 30) -> dict:
     """One sequence with CONTEXT tokens: ms of a synchronous greedy decode step (decode, compiled argmax, id read:
     what a step costs when the host needs its id), ms per token of the pipelined decode the engine runs for a lone
-    greedy request (plain decoding), and ms of a verify forward of each length as runtime.speculative calls it
+    greedy request (plain decoding), and ms of a verify forward of each length as runtime.spec.speculative calls it
     (verify, compiled argmax of every position, ids read, the fed tokens popped again) and its ratio to both."""
     from decode import decode_steps
-    from mlcc.runtime.token_fetch import TokenFetcher
+
+    from mlcc.runtime.device.token_fetch import TokenFetcher
 
     rng = np.random.default_rng(0)
     m.create_kv_cache(1, 4096, 1024)
@@ -296,9 +297,9 @@ def _engine_run(target, prompt: list[int], max_new: int, make_speculator=None) -
     """One greedy request (EOS ignored) through an EngineCore; decode tok/s from its first token to its last."""
     import threading
 
-    from mlcc.runtime.core import EngineCore
-    from mlcc.runtime.request import Request
-    from mlcc.runtime.sampler import Sampler, SamplingParams
+    from mlcc.runtime.core.request import Request
+    from mlcc.runtime.core.sampler import Sampler, SamplingParams
+    from mlcc.runtime.engine_core import EngineCore
 
     core = EngineCore(target, Sampler.for_model(target), 1, 4096, 512, prefix_cache=False,
                       make_speculator=make_speculator)
@@ -340,9 +341,9 @@ def _speculate_anyway(speculator) -> dict:
 
 
 def _speculator(config: dict, draft_model=None):
-    from mlcc.runtime.draft import DraftProposer
-    from mlcc.runtime.spec_config import parse_speculative_config
-    from mlcc.runtime.speculative import Speculator
+    from mlcc.runtime.spec.draft import DraftProposer
+    from mlcc.runtime.spec.spec_config import parse_speculative_config
+    from mlcc.runtime.spec.speculative import Speculator
 
     c = parse_speculative_config(config)
 
@@ -357,8 +358,8 @@ def _speculator(config: dict, draft_model=None):
 def cmd_gpu(a) -> None:
     """(a) the 8B shape's verify cost; (b) the Qwen2.5-Coder pair's shapes through the engine. Random weights
     throughout: acceptance there says nothing about the real pair (see the docstring's table notes)."""
-    import mlcc.runtime.speculative as speculative
-    from mlcc.runtime.model import LoadedModel
+    import mlcc.runtime.spec.speculative as speculative
+    from mlcc.runtime.device.model import LoadedModel
 
     libs = Path(a.libs)
     res: dict = {"build": build_info(), "weights": "random", "libs": str(libs)}

@@ -58,7 +58,7 @@ def first_mask(engine) -> dict:
     and cached (the same grammar again)."""
     import numpy as np
 
-    from mlcc.runtime import prepare, protocol
+    from mlcc.runtime.api import prepare, protocol
 
     def once(fields: dict) -> float:
         t0 = time.perf_counter()

@@ -36,7 +36,7 @@ def cmd_build(a) -> None:
     from conftest import write_tokenizer
 
     from mlcc.compiler.build import compile_model, compile_shape_only
-    from mlcc.runtime import nccl_ccl
+    from mlcc.runtime.device import nccl_ccl
 
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -57,8 +57,8 @@ def cmd_build(a) -> None:
 
 
 def _load(path: Path, tp: int, weights: str = "files"):
-    from mlcc.runtime.model import LoadedModel
-    from mlcc.runtime.tensor_parallel import TensorParallelModel
+    from mlcc.runtime.device.model import LoadedModel
+    from mlcc.runtime.device.tensor_parallel import TensorParallelModel
 
     return TensorParallelModel(path, weights=weights) if tp > 1 else LoadedModel(path, weights=weights)
 
@@ -96,7 +96,7 @@ def _serve_answer(model_dir: Path) -> str:
 
     import openai
 
-    from mlcc.runtime.loadgen import wait_until_healthy
+    from mlcc.runtime.serve.loadgen import wait_until_healthy
 
     port = 8123
     proc = subprocess.Popen([sys.executable, "-m", "mlcc", "serve", str(model_dir), "--target", "cuda",

@@ -179,7 +179,7 @@ print('\n'.join(sorted(m, key=lambda b: not b.startswith('qwen'))))")
   diagnose > "$R/diag.txt" 2>&1
   local dawn_ok=$? tvm_ok=1
   cat "$R/diag.txt"
-  python3 -c "import tvm, mlcc.runtime.model" 2>/dev/null || tvm_ok=0
+  python3 -c "import tvm, mlcc.runtime.device.model" 2>/dev/null || tvm_ok=0
   [ "$tvm_ok" = 1 ] || echo "no TVM runtime / mlcc on python3's path: run under bench/gpu.sh run (carry .gpu-rt)"
   echo "== weights (seeded random, written here) $(( $(date +%s) - T0 ))s"
   if [ "$tvm_ok" = 1 ]; then

@@ -9,7 +9,7 @@ bench/vulkan.sh drives it (its header says what runs where); the steps:
     python3 bench/vulkan_bench.py cuda --libs DIR --out OUT   # device: the CUDA builds, same measurements
     python3 bench/vulkan_bench.py report --expected E --cuda C --web W... --out OUT   # rows + table
 
-Weights are seeded random values (runtime.model's weights="random"): the webgpu, cuda and llvm builds of one
+Weights are seeded random values (runtime.device.model's weights="random"): the webgpu, cuda and llvm builds of one
 model and quantization take the same parameter list, so every build runs the same model. A shape-only build has no
 tokenizer, so prompts are token ids, and "greedy text identical" is checked as identical greedy ids (random weights
 make greedy decoding repeat a few tokens, so the numeric check is the teacher-forced logits: the CPU build's
@@ -72,7 +72,7 @@ def _sha256(path: Path) -> str:
 def write_random_weights(model_dir: Path, seed: int = 0) -> list[str]:
     """tensor-cache.json + shards of the seeded random weights that LoadedModel(weights="random") draws, in the
     parameter order of mlcc-config.json; a stub tokenizer.json. Returns the shards' sha256."""
-    from mlcc.runtime.model import _random_param
+    from mlcc.runtime.device.model import _random_param
 
     cfg = json.loads((model_dir / "mlcc-config.json").read_text())
     rng = np.random.default_rng(seed)
@@ -125,7 +125,7 @@ def cmd_weights(a) -> None:
 
 def cpu_reference(d: Path, vocab_idx: list[int]) -> dict:
     """The llvm build's answers: teacher-forced check rows and greedy ids (the same loop as the other builds)."""
-    from mlcc.runtime.model import LoadedModel
+    from mlcc.runtime.device.model import LoadedModel
 
     m = LoadedModel(d, weights="random")
     check, ids = measure_check(m, vocab_idx), greedy(m, GREEDY_CHECKED)[0]
@@ -212,8 +212,8 @@ def cmd_jobs(a) -> None:
 
 
 def cmd_cuda(a) -> None:
-    from mlcc.runtime.model import LoadedModel
-    from mlcc.runtime.token_fetch import TokenFetcher
+    from mlcc.runtime.device.model import LoadedModel
+    from mlcc.runtime.device.token_fetch import TokenFetcher
 
     want = json.loads(Path(a.expected).read_text())
     rows = {}

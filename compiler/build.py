@@ -21,7 +21,7 @@ from mlcc.relax_models import Family, family_for
 from mlcc.targets import TargetPreset, cpu_record, get_target
 
 from .quantize import Quantization, get_quantization, group_quantize, quantize_model
-from .sampling import attach_argmax, attach_logit_functions, attach_sampler
+from .sampler import attach_argmax, attach_logit_functions, attach_sampler
 from .weights import ModelSource, iter_float_params, load_source
 
 log = logging.getLogger(__name__)
@@ -90,7 +90,7 @@ def export_module(source: ModelSource, preset: TargetPreset, quant: Quantization
     if target.kind.name != "webgpu":
         # TVM's GPU sort (top-p) needs blockIdx.z, which WGSL lacks; the JS engine samples from logits instead
         mod = attach_sampler(mod, cfg.vocab_size)
-    # grammar masks, logit_bias and logprobs on the device, for every target (schedules/logits.py)
+    # grammar masks, logit_bias and logprobs on the device, for every target (schedules/logit_processing.py)
     mod = attach_logit_functions(mod, cfg.vocab_size, target)
     return BuiltModule(mod, params, stamp, family, cfg, quant, preset, target, options)
 
@@ -115,7 +115,7 @@ def _attach_metadata(mod, stamp: dict[str, Any]):
 
 def builds_graph_decode(built: BuiltModule) -> bool:
     """CUDA, one GPU: batch-1 decode gets a whole-step CUDA graph (compiler/graph_decode.py). Disco workers (tensor
-    parallel) keep plain decode: the graph's attention alias is registered by runtime.decode_graph, not in their processes."""
+    parallel) keep plain decode: the graph's attention alias is registered by runtime.device.graph_decode, not in their processes."""
     return built.options.decode_graph and built.target.kind.name == "cuda" and built.cfg.tensor_parallel_shards == 1
 
 

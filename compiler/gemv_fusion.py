@@ -14,7 +14,7 @@ import logging
 import tvm
 
 from mlcc.schedules.cuda_gemv import make_gemv
-from mlcc.schedules.gemv_match import GemvShape, is_unscheduled_prim_func, match_gemv, match_gated, match_rms_norm
+from mlcc.schedules.gemv_match import GemvShape, is_unscheduled_prim_func, match_gated, match_gemv, match_rms_norm
 
 log = logging.getLogger(__name__)
 

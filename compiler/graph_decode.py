@@ -10,13 +10,13 @@ without graphs the host spends ~54 us per layer launching kernels. Here the atte
   (an opaque kernel outside the graph), so no kernel of the step reads a function input;
 - the kernels the KV cache launches read its per-step metadata (positions, page tables) from one device buffer that
   BeginForward refills, at offsets that move when the sequence's page count (and with sliding-window layers, the count
-  of pages their window spans) crosses a multiple of 4 (runtime.decode_graph.decode_layout). The caller passes
+  of pages their window spans) crosses a multiple of 4 (runtime.device.graph_decode.decode_layout). The caller passes
   `(kv_cache_id, kv_layout)`, a number it gives each KV cache object and that layout; RewriteCUDAGraph keys its graphs
   by both (a graph holds the addresses of one cache's buffers), so each layout of each cache is captured once (on its
   first step, which runs normally) and replayed.
 
 Valid for one sequence whose pages form a single block (not forked), with the metadata already
-on the device (`vm.builtin.attention_kv_cache_get_query_positions` before the call): runtime.model checks this and
+on the device (`vm.builtin.attention_kv_cache_get_query_positions` before the call): runtime.device.model checks this and
 uses `decode` otherwise. A build for several GPUs (disco) keeps plain decode.
 """
 

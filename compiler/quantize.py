@@ -11,9 +11,7 @@ from tvm.relax.frontend import nn
 from tvm.relax.frontend.nn import Tensor, op
 
 # re-exported: the scheme table and the numpy packing live in quant_schemes (no TVM needed there)
-from .quant_schemes import (QUANTIZATIONS, Quantization, get_quantization, group_dequantize,  # noqa: F401
-                            group_quantize)
-
+from .quant_schemes import QUANTIZATIONS, Quantization, get_quantization, group_dequantize, group_quantize  # noqa: F401
 
 # -- TE: dequantize fused into its consumer --------------------------------------------------------------------
 

@@ -18,14 +18,13 @@ import numpy as np
 from mlcc import artifact
 from mlcc.errors import RequestError, SpeculativeConfigError
 from mlcc.options import CompileOptions
-
-from . import prepare, protocol, structured, tool_calls
-from .call import Call
-from .core import EngineCore
-from .request import Event, Request
-from .sampler import Sampler
-from .spec_config import parse_speculative_config
-from .speculative import Speculator
+from mlcc.runtime.api import prepare, protocol, structured, tool_calls
+from mlcc.runtime.api.call import Call
+from mlcc.runtime.core.request import Event, Request
+from mlcc.runtime.core.sampler import Sampler
+from mlcc.runtime.engine_core import EngineCore
+from mlcc.runtime.spec.spec_config import parse_speculative_config
+from mlcc.runtime.spec.speculative import Speculator
 
 log = logging.getLogger(__name__)
 
@@ -42,13 +41,13 @@ class Engine:
     options: the compile options a model compiled on first use is built with (part of its cache key); for an
     artifacts folder, the options it must have been built with (a mismatch is refused). None: the defaults, or
     whatever the folder was built with. policy: "no_evict" (admit only what can finish) or "max_util" (admit
-    eagerly, preempt and recompute). pipeline: decode a lone request pipelined (runtime.core.EngineCore).
+    eagerly, preempt and recompute). pipeline: decode a lone request pipelined (runtime.engine_core.EngineCore).
     weights: "files", or "random" for a shape-only build (speed benchmarks: `compile_shape_only`). num_threads:
-    a CPU build's threads (default: the physical cores this process may use, runtime.cpu_threads). prefix_cache:
-    keep finished requests' KV pages and reuse the longest cached prefix of each new prompt (runtime.prefix_cache;
+    a CPU build's threads (default: the physical cores this process may use, runtime.device.cpu_threads). prefix_cache:
+    keep finished requests' KV pages and reuse the longest cached prefix of each new prompt (runtime.core.prefix_cache;
     models with sliding-window layers only continue a cached sequence, as a chat's next turn does).
-    speculative_config: speculative decoding (runtime.speculative), vLLM's keys as a dict or JSON text
-    (runtime.spec_config): {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 4} or
+    speculative_config: speculative decoding (runtime.spec.speculative), vLLM's keys as a dict or JSON text
+    (runtime.spec.spec_config): {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 4} or
     {"method": "draft", "model": PATH, "num_speculative_tokens": 4}; None: off."""
 
     def __init__(self, model: str | Path | None = None, target: str = "auto", quant: str | None = None, *,
@@ -183,7 +182,7 @@ class Engine:
 
     @functools.cached_property
     def tool_format(self) -> "tool_calls.ToolFormat":
-        """How this model writes tool calls (runtime.tool_calls), from its chat template and architecture."""
+        """How this model writes tool calls (runtime.api.tool_calls), from its chat template and architecture."""
         return tool_calls.tool_call_format(self.tokenizer.chat_template or "",
                                            self.model.config.get("model_type"))
 

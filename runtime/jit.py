@@ -12,8 +12,7 @@ from pathlib import Path
 from mlcc import artifact
 from mlcc.cache import cache_lock, cache_root
 from mlcc.options import CompileOptions
-
-from .interface import ModelFunctions
+from mlcc.runtime.device.interface import ModelFunctions
 
 log = logging.getLogger(__name__)
 

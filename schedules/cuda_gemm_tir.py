@@ -15,8 +15,18 @@ import logging
 import tvm
 from tvm import tirx
 
-from .cuda_gemm import (MID_BLOCKS, REDUCE_THREADS, SMALL_M, GemmParams, default_params, few_token_params,
-                        mid_params, reduce_call, supported, template_call)
+from .cuda_gemm import (
+    MID_BLOCKS,
+    REDUCE_THREADS,
+    SMALL_M,
+    GemmParams,
+    default_params,
+    few_token_params,
+    mid_params,
+    reduce_call,
+    supported,
+    template_call,
+)
 
 log = logging.getLogger(__name__)
 

@@ -11,7 +11,6 @@ import dataclasses
 
 import tvm
 
-
 GATED = ("swiglu", "geglu")  # silu / tanh-approximated GELU of the gate half, times the up half
 
 

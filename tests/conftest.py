@@ -12,7 +12,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1:
     # parallel test workers share the cores: TVM's spinning thread pools must not oversubscribe them
-    from mlcc.runtime.cpu_threads import usable_cores
+    from mlcc.runtime.device.cpu_threads import usable_cores
 
     os.environ.setdefault("TVM_NUM_THREADS",
                           str(max(1, usable_cores() // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))))

@@ -10,7 +10,7 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
-from mlcc.runtime.loadgen import wait_until_healthy
+from mlcc.runtime.serve.loadgen import wait_until_healthy
 
 
 def free_port() -> int:

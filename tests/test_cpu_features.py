@@ -60,7 +60,7 @@ def test_library_needing_a_missing_feature_is_refused_before_it_is_loaded(compil
 
 
 def test_library_whose_features_this_cpu_has_loads(compiled, monkeypatch):
-    from mlcc.runtime.model import LoadedModel
+    from mlcc.runtime.device.model import LoadedModel
 
     cpu = artifact.read_config(compiled("llama", "q0f32"))["stamp"]["cpu"]
     monkeypatch.setattr(artifact, "host_cpu", lambda: _host([*cpu["features"], "amx-tile"]))

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from mlcc.runtime.cpu_threads import usable_cores
+from mlcc.runtime.device.cpu_threads import usable_cores
 
 
 def _sys(tmp_path, siblings: dict[int, str], cpu_max: str | None = None, v1: tuple[int, int] | None = None):
@@ -49,7 +49,7 @@ def test_cgroup_quota_caps(tmp_path, cpu_max, v1, want):
 
 
 def _tvm_threads(env: dict[str, str], code: str = "") -> int:
-    script = ("import tvm_ffi, tvm\nfrom mlcc.runtime.cpu_threads import configure_cpu_threads\n" + code +
+    script = ("import tvm_ffi, tvm\nfrom mlcc.runtime.device.cpu_threads import configure_cpu_threads\n" + code +
               "print(tvm_ffi.get_global_func('runtime.NumThreads')())")
     env = {k: v for k, v in os.environ.items() if k not in ("TVM_NUM_THREADS", "OMP_NUM_THREADS")} | env
     return int(subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True,

@@ -6,6 +6,8 @@ RoPE in the model) is compiled with NVRTC, as on a GPU."""
 
 import pytest
 import tvm
+from conftest import FAMILIES
+from test_cuda_nvrtc import _assert_compiles, _cuda_source, nvrtc  # noqa: F401 (the fixture)
 from tvm import relax
 
 from mlcc.compiler.build import export_module
@@ -16,8 +18,6 @@ from mlcc.options import CompileOptions
 from mlcc.schedules.attention_softcap import softcap_of
 from mlcc.schedules.gemv_match import is_unscheduled_prim_func, match_gemv
 from mlcc.targets import get_target
-from test_cuda_nvrtc import _assert_compiles, _cuda_source, nvrtc  # noqa: F401 (the fixture)
-from conftest import FAMILIES
 
 SOFTCAP = {"gemma2": 2.0}  # conftest's Gemma 2 config: attn_logit_softcapping
 

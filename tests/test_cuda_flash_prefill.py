@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import tvm
+from test_cuda_nvrtc import _assert_compiles, _cuda_source, nvrtc  # noqa: F401 (the fixture)
 
 from mlcc.compiler.build import compile_library, export_module
 from mlcc.compiler.quantize import get_quantization
@@ -16,7 +17,6 @@ from mlcc.schedules.cuda_flash_prefill import make_flash_prefill
 from mlcc.schedules.cuda_source import add_cuda_helpers
 from mlcc.targets import get_target
 from mlcc.tvm_compat import cuda_source_postproc
-from test_cuda_nvrtc import _assert_compiles, _cuda_source, nvrtc  # noqa: F401 (the fixture)
 
 
 @pytest.mark.parametrize("preset", ["cuda", "cuda-sm80"])

@@ -9,6 +9,7 @@ from __future__ import annotations
 import re
 
 import pytest
+from test_cuda_nvrtc import _assert_compiles, _cuda_source, nvrtc  # noqa: F401 (the fixture)
 
 from mlcc.compiler.build import compile_library, export_module
 from mlcc.compiler.quantize import get_quantization
@@ -16,7 +17,6 @@ from mlcc.compiler.weights import load_source
 from mlcc.options import CompileOptions
 from mlcc.schedules.cuda_gemm import EPILOGUES, GemmParams, default_params, kernel_source, supported
 from mlcc.targets import get_target
-from test_cuda_nvrtc import _assert_compiles, _cuda_source, nvrtc  # noqa: F401 (the fixture)
 
 SEARCHED = [(128, 128, 2, 4, 3, 32), (128, 256, 2, 4, 4, 64), (256, 128, 4, 2, 3, 64), (64, 128, 2, 2, 4, 32),
             (128, 64, 2, 2, 4, 64)]

@@ -210,7 +210,7 @@ def test_graph_layout_moves_every_four_pages():
 
 
 def test_sliding_layers_graph_layout_follows_both_page_tables():
-    from mlcc.runtime.decode_graph import decode_layout
+    from mlcc.runtime.device.graph_decode import decode_layout
 
     # window 64, pages of 16: the window spans 4 pages when it starts on a page boundary, else 5 (TVM's
     # GetLayerSlidingWindowNumPages); the key is (page table in blocks of 4, window pages in blocks of 4)

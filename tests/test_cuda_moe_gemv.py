@@ -12,13 +12,20 @@ import re
 
 import numpy as np
 import pytest
-
-from mlcc.options import CompileOptions
-from mlcc.schedules.cuda_moe_gemv import (ATTR, MoeGemv, MoeLayout, kernel_source, launch_layout, make_moe_gemv,
-                                          match_expert_gemv)
-from mlcc.targets import get_target
 from test_cuda_nvrtc import _assert_compiles, _cuda_source, nvrtc  # noqa: F401 (the fixture)
 from test_moe import _q4_experts, _run_on_cpu
+
+from mlcc.options import CompileOptions
+from mlcc.schedules.cuda_moe_gemv import (
+    ATTR,
+    MoeGemv,
+    MoeLayout,
+    kernel_source,
+    launch_layout,
+    make_moe_gemv,
+    match_expert_gemv,
+)
+from mlcc.targets import get_target
 
 # (K, n, k, rows_x, swiglu, experts): Qwen3-30B-A3B gate_up and down, Mixtral-8x7B gate_up and down
 QWEN3 = [MoeGemv(2048, 768, 8, 1, True, 128), MoeGemv(768, 2048, 8, 8, False, 128)]

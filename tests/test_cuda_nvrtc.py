@@ -158,7 +158,7 @@ def test_logit_functions_compile_for_a_real_vocabulary(nvrtc):
     """apply_bitmask, apply_logit_bias and logprobs for Qwen2.5's 151936-token vocabulary: the top-K rounds over
     2048-token pieces and the merge of their picks (the tiny model's vocabulary fits one piece)."""
     from mlcc.compiler.pipeline import build_pipeline
-    from mlcc.compiler.sampling import attach_logit_functions
+    from mlcc.compiler.sampler import attach_logit_functions
     from mlcc.options import CompileOptions
 
     target = get_target("cuda").tvm_target()

@@ -14,8 +14,8 @@ from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
 from mlcc import AsyncEngine, CompileOptions, Engine
 from mlcc.errors import ArtifactError, ContextWindowExceededError, RequestError
-from mlcc.runtime.request import Request
-from mlcc.runtime.sampler import SamplingParams
+from mlcc.runtime.core.request import Request
+from mlcc.runtime.core.sampler import SamplingParams
 
 MSGS = [{"role": "user", "content": "Hello there"}]
 
@@ -132,7 +132,7 @@ def test_context_window_overflow(engine):
 def test_penalised_greedy_decoding_follows_the_formula(engine, compiled):
     """Each step's argmax over the model's logits after HF's repetition penalty (prompt and output) and OpenAI's
     frequency/presence penalties (output), computed here by hand."""
-    from mlcc.runtime.model import LoadedModel
+    from mlcc.runtime.device.model import LoadedModel
 
     rep, freq, pres, steps = 1.8, 1.5, 0.5, 16
     prompt = engine.encode_prompt("aaaa")
@@ -222,7 +222,7 @@ def test_compiled_sampler_follows_the_distribution(compiled):
     """The library's own sample_top_p_top_k: frequencies match softmax(logits / T); top-k / top-p truncate."""
     import numpy as np
 
-    from mlcc.runtime.model import LoadedModel
+    from mlcc.runtime.device.model import LoadedModel
 
     m = LoadedModel(compiled("llama", "q0f32"))
     f = m.fns.sample_top_p_top_k
@@ -251,7 +251,7 @@ def test_compiled_sampler_follows_the_distribution(compiled):
 
 @pytest.fixture(scope="module")
 def pipelined_engine(compiled):
-    """The same model decoding a lone request pipelined (runtime.decode_graph.decode_pipelined), as on CUDA: ids
+    """The same model decoding a lone request pipelined (runtime.device.graph_decode.decode_pipelined), as on CUDA: ids
     drawn by the compiled argmax/sampler and left on the device, the loop on although reads cannot overlap here."""
     e = Engine(compiled("llama", "q0f32"), target="llvm", max_batch=4, pipeline=True)
     yield e
@@ -276,7 +276,7 @@ def test_pipelined_decode_matches_the_synchronous_loop(engine, pipelined_engine)
 
 
 def test_pipelined_decode_queues_a_step_only_after_the_previous_steps_tail(engine, pipelined_engine, monkeypatch):
-    """With a step tail (on CUDA: an event after the step's last KV-cache read, runtime.decode_graph), step k's
+    """With a step tail (on CUDA: an event after the step's last KV-cache read, runtime.device.graph_decode), step k's
     KV-cache metadata must not be queued before step k-1 has passed it (TVM copies it into one buffer); the ids are
     still handed out in order and equal the synchronous loop's."""
     model, log = pipelined_engine.model, []

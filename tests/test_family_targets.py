@@ -4,8 +4,8 @@ CI compiles the two families with the most switches; `-m slow` runs every family
 
 import pytest
 import tvm
-
 from conftest import FAMILIES
+
 from mlcc.compiler.build import export_module
 from mlcc.compiler.pipeline import build_pipeline
 from mlcc.compiler.quantize import get_quantization

@@ -6,9 +6,9 @@ the dequantized weights."""
 import numpy as np
 import pytest
 import torch
-
-from mlcc.runtime.model import LoadedModel
 from test_parity import PROMPT, hf_logits, hf_model, rel_err
+
+from mlcc.runtime.device.model import LoadedModel
 
 # test model kind → GGUF architecture
 GGUF_ARCH = {"llama": "LLAMA", "qwen2": "QWEN2", "qwen3": "QWEN3", "gemma2_head_dim_scale": "GEMMA2",

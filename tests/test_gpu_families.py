@@ -17,7 +17,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
 from conftest import FAMILIES, PROMPT
 
 STEPS = [(7 * i + 3) % 300 for i in range(72)]  # past 64 tokens: a new decode-graph layout
@@ -45,7 +44,7 @@ def build_family(kind: str, root: Path) -> Path:
 
 
 def _logits(model_dir: Path) -> np.ndarray:
-    from mlcc.runtime.model import LoadedModel
+    from mlcc.runtime.device.model import LoadedModel
 
     m = LoadedModel(model_dir)
     m.create_kv_cache(1, 256, 64)

@@ -31,7 +31,7 @@ def builds(hf_models, tmp_path_factory):
 
 
 def test_logit_functions_match_numpy_on_cuda(builds):
-    from mlcc.runtime.model import LoadedModel
+    from mlcc.runtime.device.model import LoadedModel
 
     m = LoadedModel(builds / "cuda")
     rng = np.random.default_rng(0)

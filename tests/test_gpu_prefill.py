@@ -20,7 +20,7 @@ IDS = [1 + (i * 37) % 49000 for i in range(300)]
 
 
 def _logits(model_dir) -> np.ndarray:
-    from mlcc.runtime.model import LoadedModel
+    from mlcc.runtime.device.model import LoadedModel
 
     m = LoadedModel(model_dir, weights="random")
     m.create_kv_cache(1, 1024, 512)

@@ -42,7 +42,7 @@ def build(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def model(build):
-    from mlcc.runtime.model import LoadedModel
+    from mlcc.runtime.device.model import LoadedModel
 
     m = LoadedModel(build)
     assert m.graph is not None and m.graph.tail is not None   # the library has decode_graph; the tail event exists
@@ -77,9 +77,9 @@ def test_decode_graph_matches_plain_decode(model):
 
 @pytest.mark.parametrize("path", ["graph+tail", "graph", "plain"])
 def test_pipelined_decode_matches_the_synchronous_loop(model, path):
-    from mlcc.runtime.decode_graph import decode_pipelined
-    from mlcc.runtime.sampler import DeviceDraw, Sampler, SamplingParams
-    from mlcc.runtime.token_fetch import TokenFetcher
+    from mlcc.runtime.core.sampler import DeviceDraw, Sampler, SamplingParams
+    from mlcc.runtime.device.graph_decode import decode_pipelined
+    from mlcc.runtime.device.token_fetch import TokenFetcher
 
     m, tail = model, model.graph.tail
     fetcher = TokenFetcher(m.dev)
@@ -164,8 +164,8 @@ def test_forked_sequences_decode_as_their_parent_would(model, prompt_len):
 
 
 def _all_token_ids(engine, prompts: list[str], n: int) -> list[list[int]]:
-    from mlcc.runtime.request import Request
-    from mlcc.runtime.sampler import SamplingParams
+    from mlcc.runtime.core.request import Request
+    from mlcc.runtime.core.sampler import SamplingParams
 
     queues = [queue.Queue() for _ in prompts]
     reqs = [Request(engine.encode_prompt(p), SamplingParams(temperature=0, ignore_eos=True), n, q.put, None, set())

@@ -32,7 +32,7 @@ def test_device_sampler_draws_follow_the_softmax(builds):
     four standard deviations of its probability."""
     import tvm
 
-    from mlcc.runtime.model import LoadedModel
+    from mlcc.runtime.device.model import LoadedModel
 
     m = LoadedModel(builds / "cuda")
     sample = m.sample

@@ -36,7 +36,7 @@ def builds(tmp_path_factory):
 
 def _teacher_forced(model_dir, ids: list[int], forced: list[int] | None) -> tuple[np.ndarray, list[int]]:
     """Logits after the prompt and after each of STEPS decode steps, fed `forced` (or the greedy token)."""
-    from mlcc.runtime.model import LoadedModel
+    from mlcc.runtime.device.model import LoadedModel
 
     m = LoadedModel(model_dir)
     m.create_kv_cache(1, 2048, 512)
@@ -50,7 +50,7 @@ def _teacher_forced(model_dir, ids: list[int], forced: list[int] | None) -> tupl
 
 def test_cuda_logits_and_greedy_tokens_match_the_cpu_build(builds):
     from mlcc.artifact import read_config
-    from mlcc.runtime.tokenizer import Tokenizer
+    from mlcc.runtime.core.tokenizer import Tokenizer
 
     tok = Tokenizer(builds / "llvm", read_config(builds / "llvm")["tokenizer"])
     ids = tok.encode(tok.apply_chat_template(PROMPT))

@@ -7,7 +7,6 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
-
 from server_support import mlcc_serve
 
 KEY = "sk-hostile"

@@ -40,7 +40,7 @@ def funcs(request):
     """The three functions alone for a vocabulary that is no multiple of 32 (partial mask word); `chunked` runs
     the GPUs' two-stage top-K (pieces of 64, a partial last one) on the CPU."""
     from mlcc.compiler.pipeline import build_pipeline
-    from mlcc.compiler.sampling import attach_logit_functions
+    from mlcc.compiler.sampler import attach_logit_functions
     from mlcc.options import CompileOptions
 
     vocab = 333
@@ -112,7 +112,7 @@ def test_logprobs_match_log_softmax_and_order(funcs):
 
 @pytest.fixture(scope="module")
 def model(compiled):
-    from mlcc.runtime.model import LoadedModel
+    from mlcc.runtime.device.model import LoadedModel
 
     m = LoadedModel(compiled("llama", "q0f32"))
     m.create_kv_cache(2, 512, 64)
@@ -177,7 +177,7 @@ def test_prefill_all_matches_prefill_at_every_position(model):
 
 
 def test_bad_inputs_and_missing_functions_are_clear(model):
-    from mlcc.runtime.tensor_parallel import TensorParallelModel
+    from mlcc.runtime.device.tensor_parallel import TensorParallelModel
 
     model.add_sequence(0)
     try:

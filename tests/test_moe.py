@@ -14,12 +14,12 @@ import re
 import numpy as np
 import pytest
 import torch
-
 from conftest import MOE_FAMILIES, PROMPT
-from mlcc.compiler.quantize import get_quantization, group_dequantize, group_quantize
-from mlcc.runtime.model import LoadedModel
 from test_gguf import _permute_like_llama_cpp, _write_hparams, _write_tokenizer
 from test_parity import hf_logits, rel_err, run_greedy
+
+from mlcc.compiler.quantize import get_quantization, group_dequantize, group_quantize
+from mlcc.runtime.device.model import LoadedModel
 
 # (Mixtral: GGUF architecture llama, q/k permuted like every llama file)
 GGUF_ARCH = {"mixtral": "LLAMA", "qwen2_moe_sparse": "QWEN2MOE", "qwen3_moe": "QWEN3MOE"}

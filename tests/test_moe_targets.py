@@ -9,14 +9,14 @@ import json
 
 import pytest
 import tvm
+from test_cuda_nvrtc import _assert_compiles, _cuda_source, nvrtc  # noqa: F401 (the fixture)
+from test_family_targets import SOURCE_KIND, _device_source
+from test_targets import ROCM_READY
 
 from mlcc.compiler.build import export_module
 from mlcc.compiler.quantize import get_quantization
 from mlcc.compiler.weights import load_source
 from mlcc.targets import get_target
-from test_cuda_nvrtc import _assert_compiles, _cuda_source, nvrtc  # noqa: F401 (the fixture)
-from test_family_targets import SOURCE_KIND, _device_source
-from test_targets import ROCM_READY
 
 MOE_KERNELS = ("moe_topk_softmax", "moe_count_by_expert", "moe_place_by_expert", "moe_expert_gemv",
                "moe_grouped_gemm", "moe_weighted_sum")

@@ -12,7 +12,7 @@ from openai.types.chat import ChatCompletion
 
 from mlcc import Engine
 from mlcc.errors import RequestError
-from mlcc.runtime.model import LoadedModel
+from mlcc.runtime.device.model import LoadedModel
 
 MSGS = [{"role": "user", "content": "Hello there"}]
 
@@ -272,7 +272,7 @@ def test_tool_result_turns_are_accepted_in_the_history(long_engine):
                                             tool_choice="none")
     assert r.choices[0].message.tool_calls is None and r.choices[0].finish_reason in ("stop", "length")
     # this template ignores tools: the model reads its earlier call as it was told to write it, and the result
-    from mlcc.runtime import prepare, protocol
+    from mlcc.runtime.api import prepare, protocol
 
     call = prepare.chat_call(long_engine, protocol.parse_chat_request(
         {"messages": history, "tools": [WEATHER], "max_tokens": 4}).model_dump(exclude_none=True, by_alias=True))

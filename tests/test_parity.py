@@ -8,11 +8,10 @@ so only kernel arithmetic differs: ≤ 1e-4 for f32 activations, ≤ 2e-2 for f1
 import numpy as np
 import pytest
 import torch
+from conftest import FAMILIES, PROMPT
 
 from mlcc.compiler.quantize import get_quantization, group_dequantize, group_quantize
-from conftest import FAMILIES, PROMPT
-from mlcc.runtime.model import LoadedModel
-
+from mlcc.runtime.device.model import LoadedModel
 
 
 def hf_model(folder, quant: str = "q0f32"):

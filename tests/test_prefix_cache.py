@@ -1,4 +1,4 @@
-"""Automatic prefix caching (runtime.prefix_cache): greedy outputs equal a cold engine's (prefix cache off) for
+"""Automatic prefix caching (runtime.core.prefix_cache): greedy outputs equal a cold engine's (prefix cache off) for
 shared prefixes that end inside a page and at a page boundary, for concurrent requests, after evictions and after
 preemption, and no KV page leaks. The tiny test Llama's tokenizer is byte-level: prompts are token ids here."""
 
@@ -12,9 +12,9 @@ import threading
 import pytest
 
 from mlcc import AsyncEngine, Engine
-from mlcc.runtime.prefix_cache import PrefixCache
-from mlcc.runtime.request import Request
-from mlcc.runtime.sampler import SamplingParams
+from mlcc.runtime.core.prefix_cache import PrefixCache
+from mlcc.runtime.core.request import Request
+from mlcc.runtime.core.sampler import SamplingParams
 
 PS = 16
 

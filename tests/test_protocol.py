@@ -1,4 +1,4 @@
-"""runtime.protocol: every request field's types, bounds and refusals, the error params in OpenAI's spelling, and
+"""runtime.api.protocol: every request field's types, bounds and refusals, the error params in OpenAI's spelling, and
 the JSON body parser's limits (depth, surrogates, encodings). Pure and fast: no model."""
 
 import json
@@ -6,8 +6,8 @@ import json
 import pytest
 
 from mlcc.errors import RequestError
-from mlcc.runtime.json_body import check_values, json_depth
-from mlcc.runtime.protocol import (
+from mlcc.runtime.api.json_body import check_values, json_depth
+from mlcc.runtime.api.protocol import (
     MAX_DEPTH,
     ChatCompletionRequest,
     CompletionRequest,

@@ -1,4 +1,4 @@
-"""q4 packing against a plain, loop-based reading of MLC's layout (DESIGN.md), bit for bit."""
+"""q4 packing against a plain, loop-based reading of MLC's q4f16_1 layout (docs/ARCHITECTURE.md), bit for bit."""
 
 import numpy as np
 import pytest

@@ -100,7 +100,7 @@ def test_gemma3_270m_gguf_greedy_matches_transformers(weights_dir, tmp_path):
     import transformers as tf
 
     from mlcc.compiler.build import compile_model
-    from mlcc.runtime.model import LoadedModel
+    from mlcc.runtime.device.model import LoadedModel
 
     gguf = gemma3_270m_gguf()
     tok = tf.AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)

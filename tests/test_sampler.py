@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from mlcc.runtime.sampler import Sampler, SamplingParams, apply_penalties, sample_row
+from mlcc.runtime.core.sampler import Sampler, SamplingParams, apply_penalties, sample_row
 
 LOGITS = np.array([2.0, -1.0, 0.5, 3.0, -0.5, 1.0])
 PROMPT = [5, 0]

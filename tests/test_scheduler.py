@@ -7,10 +7,10 @@ import math
 
 import pytest
 
-from mlcc.runtime.policy import MaxUtil, NoEvict, Plan, make_policy
-from mlcc.runtime.request import Request
-from mlcc.runtime.sampler import SamplingParams
-from mlcc.runtime.scheduler import Scheduler
+from mlcc.runtime.core.policy import MaxUtil, NoEvict, Plan, make_policy
+from mlcc.runtime.core.request import Request
+from mlcc.runtime.core.sampler import SamplingParams
+from mlcc.runtime.core.scheduler import Scheduler
 
 PS = 16
 

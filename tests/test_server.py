@@ -10,7 +10,6 @@ import time
 import httpx
 import openai
 import pytest
-
 from server_support import free_port, mlcc_serve
 
 KEY = "sk-test-123"

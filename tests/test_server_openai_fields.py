@@ -15,7 +15,6 @@ import jsonschema
 import openai
 import pytest
 from pydantic import BaseModel, Field
-
 from server_support import mlcc_serve
 
 KEY = "sk-fields"

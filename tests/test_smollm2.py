@@ -9,7 +9,7 @@ import pytest
 import torch
 from conftest import smollm2_gguf
 
-from mlcc.runtime.model import LoadedModel
+from mlcc.runtime.device.model import LoadedModel
 
 pytestmark = pytest.mark.slow
 
@@ -41,7 +41,7 @@ def smol_q0f32(tmp_path_factory, gguf):
 
 def test_q0f32_greedy_continuation_equals_transformers(smol_q0f32, hf_smollm2):
     from mlcc.artifact import read_config
-    from mlcc.runtime.tokenizer import Tokenizer
+    from mlcc.runtime.core.tokenizer import Tokenizer
 
     tok = Tokenizer(smol_q0f32, read_config(smol_q0f32)["tokenizer"])
     ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}]))
@@ -89,7 +89,7 @@ def test_served_through_the_openai_client(smol_q4f16_1):
     import openai
     from server_support import free_port
 
-    from mlcc.runtime.loadgen import wait_until_healthy
+    from mlcc.runtime.serve.loadgen import wait_until_healthy
 
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "mlcc", "serve", str(smol_q4f16_1), "--target", "llvm", "--port",

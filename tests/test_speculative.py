@@ -1,4 +1,4 @@
-"""Speculative decoding (runtime.speculative): greedy output equals plain decoding (n-gram and draft models, random
+"""Speculative decoding (runtime.spec.speculative): greedy output equals plain decoding (n-gram and draft models, random
 tiny models and the bundled SmolLM2), the rejection sampler keeps the target distribution, the KV cache holds
 exactly a request's tokens after rejections, speculating and plain requests share a batch, bad configs are refused,
 and `mlcc serve --speculative-config` reports acceptance in /metrics."""
@@ -12,16 +12,16 @@ import httpx
 import numpy as np
 import openai
 import pytest
-
 from conftest import write_tokenizer
+from server_support import mlcc_serve
+
 from mlcc import Engine
 from mlcc.errors import SpeculativeConfigError
-from mlcc.runtime.draft import check_same_tokenizer
-from mlcc.runtime.ngram import propose_ngram
-from mlcc.runtime.rejection import accept, accept_greedy
-from mlcc.runtime.sampler import SamplingParams, target_probs
-from mlcc.runtime.spec_config import parse_speculative_config
-from server_support import mlcc_serve
+from mlcc.runtime.core.sampler import SamplingParams, target_probs
+from mlcc.runtime.spec.draft import check_same_tokenizer
+from mlcc.runtime.spec.ngram import propose_ngram
+from mlcc.runtime.spec.rejection import accept, accept_greedy
+from mlcc.runtime.spec.spec_config import parse_speculative_config
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 4, "prompt_lookup_min": 1}
 # a repeated phrase: the tiny random models (one token per byte) soon loop, which n-gram lookup predicts
@@ -32,7 +32,7 @@ PROMPT = [(7 * i) % 50 + 60 for i in range(12)] * 3
 def _always_speculate(monkeypatch):
     """These tests are about what speculation computes, so it runs even where the start-up cost probe would keep
     it off (a draft as large as the target, a loaded CI machine); tests/test_speculative_cost.py tests the probe."""
-    import mlcc.runtime.speculative as speculative
+    import mlcc.runtime.spec.speculative as speculative
 
     monkeypatch.setattr(speculative, "speculative_step_cost", lambda *args, **kwargs: None)
 
@@ -152,7 +152,7 @@ def test_a_paused_lone_request_resumes_speculating(plain, target, compiled):
     """A draft that is mostly wrong pauses a lone request's speculation; the cool-down is counted in steps, so
     the request is not handed to the pipelined burst (which would decode it plainly to its end) and speculates
     again afterwards, with the same answer."""
-    from mlcc.runtime.speculative import COOLDOWN, WINDOW
+    from mlcc.runtime.spec.speculative import COOLDOWN, WINDOW
 
     config = {"method": "draft", "model": str(compiled("qwen2", "q0f32")), "num_speculative_tokens": 4}
     n = 2 * WINDOW + COOLDOWN[0] + 16
@@ -209,7 +209,7 @@ def test_mixed_batch_with_and_without_speculation(plain, target):
 def test_kv_holds_exactly_the_tokens_after_rejections(target, compiled):
     """A draft that is mostly wrong: after the request ends, its cached sequence holds exactly its tokens, and the
     next decode step's logits on it equal a cold recompute of the same tokens."""
-    from mlcc.runtime.model import LoadedModel
+    from mlcc.runtime.device.model import LoadedModel
 
     config = {"method": "draft", "model": str(compiled("qwen2", "q0f32")), "num_speculative_tokens": 4}
     with Engine(target, target="llvm", max_batch=2, speculative_config=config) as spec:
@@ -242,7 +242,7 @@ def test_rejection_sampling_keeps_the_target_distribution(target, params, kind):
     distance between the draws' frequencies and the exact distribution stays under 1.5 times its expected value for
     exact sampling (0.5 * sum_i sqrt(2 p_i (1 - p_i) / (pi n))), and so does the second token's given the first
     was the accepted proposal."""
-    from mlcc.runtime.model import LoadedModel
+    from mlcc.runtime.device.model import LoadedModel
 
     m = LoadedModel(target)
     m.create_kv_cache(1, 128, 64)

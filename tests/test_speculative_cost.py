@@ -1,4 +1,4 @@
-"""The speculator's start-up cost probe (runtime.speculative.speculative_step_cost): it times a decode step and a
+"""The speculator's start-up cost probe (runtime.spec.speculative.speculative_step_cost): it times a decode step and a
 verify on a scratch sequence that it removes again, and where a speculative step would cost more decode steps than
 the tokens it can yield, speculation stays off and every request decodes plainly, with the same output."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import logging
 
 from mlcc import Engine
-from mlcc.runtime import speculative
+from mlcc.runtime.spec import speculative
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 4, "prompt_lookup_min": 1}
 PROMPT = [(7 * i) % 50 + 60 for i in range(12)] * 3
@@ -34,7 +34,7 @@ def test_speculation_stays_off_where_it_cannot_pay(compiled, monkeypatch, caplog
         want = _greedy(plain)
     # a verify of 6 tokens as slow as 100 decode steps
     monkeypatch.setattr(speculative, "step_seconds", lambda model, tokens, repeats=5: (0.001, 0.1))
-    with caplog.at_level(logging.WARNING, logger="mlcc.runtime.speculative"):
+    with caplog.at_level(logging.WARNING, logger="mlcc.runtime.spec.speculative"):
         with Engine(target, target="llvm", max_batch=2, speculative_config=NGRAM) as e:
             assert not e.core.speculator.enabled and e.core.speculator.step_cost == 100.0
             assert _greedy(e) == want

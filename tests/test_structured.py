@@ -1,4 +1,4 @@
-"""Grammar-constrained decoding (runtime/structured.py) on SmolLM2's real 49,152-token vocabulary: random walks
+"""Grammar-constrained decoding (runtime/api/structured.py) on SmolLM2's real 49,152-token vocabulary: random walks
 through the masks must produce text the grammar's source accepts (jsonschema for schemas, re for regexes)."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import pytest
 from conftest import smollm2_tokenizer_json
 
 from mlcc.errors import RequestError
-from mlcc.runtime.structured import (
+from mlcc.runtime.api.structured import (
     GrammarCompiler,
     GrammarStateError,
     spec_from_response_format,

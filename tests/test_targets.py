@@ -6,8 +6,8 @@ import tarfile
 
 import pytest
 
-from mlcc.targets import TARGETS, get_target
 from mlcc.errors import ToolchainError
+from mlcc.targets import TARGETS, get_target
 from mlcc.targets.toolchains import rocm_toolchain
 
 ROCM_READY = True

@@ -112,7 +112,7 @@ def test_disco_workers_get_their_functions_by_registration():
     """What the controller calls on every worker (the cuda arch is an argument, not an environment variable)."""
     import tvm
 
-    from mlcc.runtime.disco_worker import register_worker_functions
+    from mlcc.runtime.device.disco_worker import register_worker_functions
 
     register_worker_functions()
     assert tvm.get_global_func("mlcc.tp.load_params", allow_missing=True) is not None

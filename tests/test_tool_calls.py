@@ -1,4 +1,4 @@
-"""Tool calls (runtime/tool_calls.py): format detection, grammars that make a model call tools (random walks on
+"""Tool calls (runtime/api/tool_calls.py): format detection, grammars that make a model call tools (random walks on
 SmolLM2's vocabulary whose arguments must validate against the tool's parameters), and the streaming parser."""
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ import pytest
 from conftest import CHATML, smollm2_tokenizer_json, write_tokenizer
 
 from mlcc.errors import RequestError
-from mlcc.runtime.structured import GrammarCompiler
-from mlcc.runtime.tool_calls import (
+from mlcc.runtime.api.structured import GrammarCompiler
+from mlcc.runtime.api.tool_calls import (
     FORMATS,
     ToolCallParser,
     template_takes_tools,

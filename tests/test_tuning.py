@@ -6,7 +6,6 @@ import subprocess
 import sys
 
 import pytest
-
 from test_parity import PROMPT, hf_logits, hf_model, rel_err
 
 # the latencies tune() sees, in its order per task (default schedule, then the tuned one): the first task's tuned
@@ -99,7 +98,7 @@ def test_compile_applies_the_kept_record_and_only_it(tuned, hf_models):
 
 def test_a_model_compiled_with_the_database_keeps_its_results(tuned, hf_models, tmp_path):
     from mlcc.compiler.build import compile_model
-    from mlcc.runtime.model import LoadedModel
+    from mlcc.runtime.device.model import LoadedModel
 
     _, db = tuned
     out = tmp_path / "tuned"

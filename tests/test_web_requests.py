@@ -89,8 +89,8 @@ ACCEPTED = [
 
 
 def current_js() -> str:
-    from mlcc.runtime import protocol
-    from mlcc.runtime.json_body import MAX_DEPTH
+    from mlcc.runtime.api import protocol
+    from mlcc.runtime.api.json_body import MAX_DEPTH
 
     return render_js(protocol.ChatCompletionRequest.model_json_schema(), dict(protocol._UNSUPPORTED), MAX_DEPTH)
 
@@ -117,7 +117,7 @@ def js_verdicts(requests: list[dict]) -> list[dict]:
 
 
 def py_verdict(req: dict) -> dict:
-    from mlcc.runtime.protocol import parse_chat_request
+    from mlcc.runtime.api.protocol import parse_chat_request
 
     try:
         parse_chat_request(req)

@@ -4,7 +4,7 @@
 // (@huggingface/jinja), a WebGPU `gpu` object and a `fetch`; optionally xgrammar (@mlc-ai/web-xgrammar) for
 // structured outputs.
 //
-// Requests take the Python engine's shape (runtime/protocol.py's schema, request_check.js): temperature, top_p,
+// Requests take the Python engine's shape (runtime/api/protocol.py's schema, request_check.js): temperature, top_p,
 // top_k, seed, stop, stop_token_ids, max_tokens / max_completion_tokens, presence / frequency / repetition
 // penalties, logit_bias, ignore_eos, logprobs / top_logprobs (of the model's own distribution, as the Python
 // engine), stream / stream_options.include_usage, user, text content parts; with xgrammar: response_format

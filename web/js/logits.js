@@ -1,6 +1,6 @@
 // Host-side logits processing of the web engine, on the copy of a step's logits in wasm memory: what the model
 // library does on the GPU where a build lacks its logit functions (older builds), plus the steps the Python
-// engine's sampler does on the host too (repetition penalty, top-k). Semantics as runtime/sampler.py.
+// engine's sampler does on the host too (repetition penalty, top-k). Semantics as runtime/core/sampler.py.
 
 export const TOP_LOGPROBS = 20;
 

@@ -1,4 +1,4 @@
-// Request validation for the web engine: the chat request's JSON schema exported from mlcc.runtime.protocol
+// Request validation for the web engine: the chat request's JSON schema exported from mlcc.runtime.api.protocol
 // (request_schema.js, generated), checked by a small validator for the subset of JSON Schema pydantic emits, then
 // the rules protocol checks in code, then what this engine can do. Every refusal is an EngineError naming the
 // field (param, as OpenAI writes it: messages[0].content) and saying why; nothing is ignored silently.

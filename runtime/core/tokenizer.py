@@ -14,6 +14,7 @@ from tokenizers.decoders import DecodeStream
 
 from mlcc.errors import RequestError
 
+
 class Tokenizer:
     def __init__(self, model_dir: Path, info: dict[str, Any]):
         path = Path(model_dir) / "tokenizer.json"
@@ -56,7 +57,7 @@ class Tokenizer:
 
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
                             tools: list[dict[str, Any]] | None = None) -> str:
-        """messages as validated by runtime.protocol (content a string or None); tools in OpenAI's form, given to
+        """messages as validated by runtime.api.protocol (content a string or None); tools in OpenAI's form, given to
         templates that render them (`tools` in HF's apply_chat_template)."""
         if self._template is None:
             raise RequestError("this model has no chat template; use completions.create(prompt=...) instead",

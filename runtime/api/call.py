@@ -1,4 +1,4 @@
-"""One create() call: a validated request (runtime.protocol) becomes the n Requests the engine core runs, and their
+"""One create() call: a validated request (runtime.api.protocol) becomes the n Requests the engine core runs, and their
 events become the `openai` package's response objects (whole or streamed), logprobs and tool calls included."""
 
 from __future__ import annotations
@@ -9,7 +9,6 @@ from typing import Any, Callable
 
 import numpy as np
 from openai.types import Completion, CompletionChoice, CompletionUsage
-from openai.types.completion_usage import PromptTokensDetails
 from openai.types.chat import ChatCompletion, ChatCompletionChunk, ChatCompletionMessage
 from openai.types.chat.chat_completion import Choice as ChatChoice
 from openai.types.chat.chat_completion import ChoiceLogprobs
@@ -20,15 +19,16 @@ from openai.types.chat.chat_completion_message_function_tool_call import ChatCom
 from openai.types.chat.chat_completion_message_function_tool_call import Function as ToolFunction
 from openai.types.chat.chat_completion_token_logprob import ChatCompletionTokenLogprob, TopLogprob
 from openai.types.completion_choice import Logprobs as CompletionLogprobs
+from openai.types.completion_usage import PromptTokensDetails
 
-from .logit_processing import TokenLogprob
-from .request import Event, Request
-from .sampler import SamplingParams
+from mlcc.runtime.core.logit_processing import TokenLogprob
+from mlcc.runtime.core.request import Event, Request
+from mlcc.runtime.core.sampler import SamplingParams
 
 
 class Call:
     """Submits its n choices and shapes their events. engine: runtime.engine.Engine. matchers: one grammar
-    matcher per choice, or None. parsers: one tool-call parser per choice (runtime.tool_calls), or None."""
+    matcher per choice, or None. parsers: one tool-call parser per choice (runtime.api.tool_calls), or None."""
 
     def __init__(self, engine: Any, chat: bool, ids: list[int], params: SamplingParams, max_new: int, n: int,
                  model: str, include_usage: bool, *, logit_bias: dict[int, float] | None = None,
@@ -44,7 +44,7 @@ class Call:
         self.prefix = prefix          # echo: the prompt's text before each choice's
         self.prefix_ids = prefix_ids or []
         self.texts, self.reasons, self.completion_tokens = [prefix] * n, ["stop"] * n, 0
-        self.cached_tokens = 0   # prompt tokens the prefix cache served (runtime.prefix_cache)
+        self.cached_tokens = 0   # prompt tokens the prefix cache served (runtime.core.prefix_cache)
         self.logprobs: list[list[TokenLogprob]] = [[] for _ in range(n)]
         self.prompt_logprobs: list[TokenLogprob | None] | None = None
         self._tool_calls_seen = [False] * n
@@ -194,7 +194,7 @@ class Call:
         return []
 
     def _parsed_chunks(self, i: int, pieces: list) -> list[ChatCompletionChunk]:
-        """Tool-call parser pieces (runtime.tool_calls.ParsedDelta) as chunks: content, or tool-call deltas."""
+        """Tool-call parser pieces (runtime.api.tool_calls.ParsedDelta) as chunks: content, or tool-call deltas."""
         out = []
         for d in pieces:
             if d.index is not None:

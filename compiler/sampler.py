@@ -84,7 +84,7 @@ def attach_logit_functions(mod, vocab: int, target, threads: int = 256, chunk: i
     `apply_bitmask(logits [b, V], bitmask int32 [b, ceil(V/32)]) -> [b, V]` (-inf where the token's bit is 0),
     `apply_logit_bias(logits, rows int32[m], token_ids int32[m], bias f32[m]) -> [b, V]` (pairs unique) and
     `logprobs(logits, ids int32[b]) -> (f32[b], int32[b, K], f32[b, K])`: log-softmax at ids and the K best
-    (schedules/logits.py). Top-K rounds run over `chunk`-sized pieces of a row, then over the pieces' picks: 2048 on
+    (schedules/logit_processing.py). Top-K rounds run over `chunk`-sized pieces of a row, then over the pieces' picks: 2048 on
     GPUs (every block one piece), the whole row on CPUs; `logprobs=False` leaves the last function out."""
     from tvm import relax, tirx
 
@@ -138,7 +138,7 @@ def attach_logit_functions(mod, vocab: int, target, threads: int = 256, chunk: i
 
 
 def _top_k(bb, values, batch, n: int, k: int, chunk: int, threads: int | None):
-    """K selection rounds over groups of `chunk` (schedules/logits.py), then, where a row had several groups, K
+    """K selection rounds over groups of `chunk` (schedules/logit_processing.py), then, where a row had several groups, K
     rounds over the groups' picks. -> (idx int32 [b, K], val [b, K]) as Relax values."""
     from tvm import relax
 

@@ -14,10 +14,9 @@ import numpy as np
 
 from mlcc import artifact, tvm_compat
 from mlcc.errors import RequestError
-
-from .decode_graph import GraphDecode, register_graph_attention
-from .token_fetch import UploadBuffer
-from .interface import KVCacheOps, ModelFunctions
+from mlcc.runtime.device.graph_decode import GraphDecode, register_graph_attention
+from mlcc.runtime.device.interface import KVCacheOps, ModelFunctions
+from mlcc.runtime.device.token_fetch import UploadBuffer
 
 log = logging.getLogger(__name__)
 
@@ -75,7 +74,7 @@ class PagedModel:
                                                  S([page_size]), S([0]))
         self.page_size, self.prefill_chunk, self.max_batch = page_size, prefill_chunk, max_batch
         # each sequence's length in the cache: a pipelined decode's last step may have fed one token more than
-        # its request counted (runtime.decode_graph)
+        # its request counted (runtime.device.graph_decode)
         self.seq_lens: dict[int, int] = {}
         if self.graph is not None:
             self.graph.attach(self.kv, page_size)
@@ -191,7 +190,7 @@ class PagedModel:
 
     def verify(self, seq_ids: Sequence[int], token_lists: Sequence[Sequence[int]]):
         """One ragged forward over several sequences returning the logits of every new position,
-        [sum of lengths, vocab] in order (speculative verification: runtime.speculative); each list at most
+        [sum of lengths, vocab] in order (speculative verification: runtime.spec.speculative); each list at most
         max_prefill_chunk long, all together at most the prefill chunk."""
         lens = [len(t) for t in token_lists]
         flat = [t for ts in token_lists for t in ts]
@@ -203,7 +202,7 @@ class PagedModel:
         self._grow(seq_ids, lens)
         return self._logits(out, len(flat))
 
-    # -- logit functions (compiler/sampling.attach_logit_functions), on the logits where they are -------------------
+    # -- logit functions (compiler/sampler.attach_logit_functions), on the logits where they are -------------------
     @property
     def has_logit_functions(self) -> bool:
         return all(getattr(self.fns, name) is not None for name in ModelFunctions.LOGIT_FUNCTIONS)
@@ -266,7 +265,7 @@ class LoadedModel(PagedModel):
     def __init__(self, model_dir: str | Path, device_id: int = 0, verify_checksums: bool = True,
                  weights: str = "files", num_threads: int | None = None):
         """weights="random" fills parameters with random values (speed benchmarks of shape-only builds).
-        num_threads: CPU builds' thread count (runtime.cpu_threads: default, the usable physical cores)."""
+        num_threads: CPU builds' thread count (runtime.device.cpu_threads: default, the usable physical cores)."""
         import tvm
         from tvm.runtime import ShapeTuple
         from tvm.runtime.vm import VirtualMachine
@@ -282,7 +281,7 @@ class LoadedModel(PagedModel):
             artifact.verify_shards(self.dir)
         tvm_compat.load_backend_runtimes(self.device_kind)
         if self.device_kind == "cpu":
-            from .cpu_threads import configure_cpu_threads
+            from mlcc.runtime.device.cpu_threads import configure_cpu_threads
 
             configure_cpu_threads(num_threads)
         if self.device_kind == "cuda" and self.config.get("cuda_arch"):
@@ -351,7 +350,7 @@ class LoadedModel(PagedModel):
 
     def _upload(self, name: str, a: np.ndarray):
         """Into a buffer kept per (name, shape): the copy is queued behind the kernels that read its last contents
-        (runtime.token_fetch.UploadBuffer: on CUDA without waiting for them)."""
+        (runtime.device.token_fetch.UploadBuffer: on CUDA without waiting for them)."""
         a = np.ascontiguousarray(a)
         key = (name, a.shape, str(a.dtype))
         buf = self._buffers.get(key)
@@ -367,7 +366,7 @@ class LoadedModel(PagedModel):
     def decode_fed_back(self, seq_id: int, ids) -> tuple[Any, Any]:
         """Batch-1 decode of a token id already on the device (the previous step's sampled id, never read back).
         Returns (logits, step tail): the event recorded after this step's last KV-cache read where the step has
-        one (decode_graph, runtime.decode_graph), else None."""
+        one (decode_graph, runtime.device.graph_decode), else None."""
         self.kv_ops.begin_forward(self.kv, self._shape([seq_id]), self._shape([1]))
         if self.graph is not None and self.graph.serves(seq_id):
             out, tail = self.graph(seq_id, ids), self.graph.tail

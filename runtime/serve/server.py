@@ -1,6 +1,6 @@
 """OpenAI-compatible HTTP server (FastAPI): /v1/chat/completions, /v1/completions, /v1/models, /health, /metrics.
 
-Bodies are read and validated by runtime.protocol (a depth-limited JSON parser, then the request models), not by
+Bodies are read and validated by runtime.api.protocol (a depth-limited JSON parser, then the request models), not by
 FastAPI, so every refusal is a 4xx in OpenAI's shape naming the field; unknown paths and wrong methods answer in
 that shape too. The request models are also the OpenAPI document's request bodies.
 """
@@ -22,15 +22,14 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 
 from mlcc.errors import RequestError
-
-from .engine import AsyncEngine, Engine
-from .protocol import (
+from mlcc.runtime.api.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     parse_chat_request,
     parse_completion_request,
     parse_json_body,
 )
+from mlcc.runtime.engine import AsyncEngine, Engine
 
 log = logging.getLogger(__name__)
 

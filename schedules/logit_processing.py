@@ -1,4 +1,4 @@
-"""Kernels of the logit functions compiled into every library (compiler/sampling.py): the grammar bitmask, the
+"""Kernels of the logit functions compiled into every library (compiler/sampler.py): the grammar bitmask, the
 logit-bias scatter, and log-softmax with the K most likely tokens.
 
 The top-K is K rounds of an argmax, not a sort of the vocabulary: round r picks the largest (value, lowest index)

@@ -4,7 +4,7 @@ It has its own paged KV cache with one sequence per speculating request, kept in
 it reads what the request emitted since (one ragged prefill for all requests), then drafts k tokens (k - 1 batched
 decode steps); once the target has verified them, the drafts it rejected are popped, so the draft's KV always holds
 a prefix of the request's tokens. Greedy requests draft the argmax (a point mass); sampling requests draw from the
-draft's distribution under the request's own sampling parameters, which the acceptance (runtime.rejection) divides
+draft's distribution under the request's own sampling parameters, which the acceptance (runtime.spec.rejection) divides
 by.
 """
 
@@ -20,9 +20,8 @@ from typing import Any, Sequence
 import numpy as np
 
 from mlcc.errors import SpeculativeConfigError
-
-from .request import Request
-from .sampler import target_probs
+from mlcc.runtime.core.request import Request
+from mlcc.runtime.core.sampler import target_probs
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +43,7 @@ def check_same_tokenizer(target_dir: Path, draft_dir: Path) -> None:
 
 
 class DraftProposer:
-    """model: a runtime.model.PagedModel (the draft, loaded); target_vocab: the target's logit rows."""
+    """model: a runtime.device.model.PagedModel (the draft, loaded); target_vocab: the target's logit rows."""
 
     def __init__(self, model: Any, target_vocab: int, max_batch: int, kv_tokens: int, prefill_chunk: int,
                  page_size: int = 16):   # the page size only sizes this cache's pages, not the target's

@@ -12,7 +12,6 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-
 History = tuple[Sequence[int], Sequence[int]]   # (prompt ids, generated ids): what penalties look at
 
 
@@ -32,7 +31,7 @@ class SamplingParams:
 
     @classmethod
     def from_request(cls, **kw: Any) -> "SamplingParams":
-        """From a request validated by runtime.protocol (ranges and types are checked there); None: the default."""
+        """From a request validated by runtime.api.protocol (ranges and types are checked there); None: the default."""
         kw = {k: v for k, v in kw.items() if v is not None}
         stop = kw.pop("stop", [])
         return cls(stop=[stop] if isinstance(stop, str) else list(stop), **kw)
@@ -65,7 +64,7 @@ class Sampler:
 
     @classmethod
     def for_model(cls, model) -> "Sampler":
-        """The sampler of a loaded model (runtime.model.PagedModel)."""
+        """The sampler of a loaded model (runtime.device.model.PagedModel)."""
         def upload(name: str, a: np.ndarray):
             try:
                 return model._upload(name, a)
@@ -94,7 +93,7 @@ class Sampler:
         return [sample_row(host[rows[i]], params[i], histories[i], rngs[i]) for i in range(n)]
 
     def device_draw(self, p: SamplingParams, rng: np.random.Generator) -> "DeviceDraw | None":
-        """How one request's next id is drawn on the device and left there (runtime.decode_graph), or None
+        """How one request's next id is drawn on the device and left there (runtime.device.graph_decode), or None
         where that needs the host (penalties) or the library lacks the sampler."""
         if p.penalised:
             return None
@@ -168,7 +167,7 @@ def sample_row(row: np.ndarray, p: SamplingParams, history: History, rng: np.ran
 
 def target_probs(row: np.ndarray, p: SamplingParams, history: History) -> np.ndarray:
     """The distribution a non-greedy request samples from (penalties, temperature, top-k, top-p), float64; the
-    speculative acceptance (runtime.rejection) compares drafts against it."""
+    speculative acceptance (runtime.spec.rejection) compares drafts against it."""
     # float64 and a clip: extreme (but valid) penalties or temperatures must not turn into inf - inf = NaN
     row = np.clip(apply_penalties(row.astype(np.float64), p, history), -1e300, 1e300)
     z = np.clip(row / p.temperature, -1e300, 1e300)

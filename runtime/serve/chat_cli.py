@@ -6,8 +6,7 @@ import sys
 import time
 
 from mlcc.options import CompileOptions
-
-from .engine import Engine
+from mlcc.runtime.engine import Engine
 
 
 def run_chat(model: str | None, target: str = "auto", quant: str | None = None, prompt: str | None = None,

@@ -1,12 +1,12 @@
 """The compiled model as the runtime sees it: the library's functions and TVM's KV-cache builtins, each looked up
-once by name into a typed record. The single-device loader (runtime.model) and the tensor-parallel one
-(runtime.tensor_parallel) both build these, from a local VM or from disco's worker functions.
+once by name into a typed record. The single-device loader (runtime.device.model) and the tensor-parallel one
+(runtime.device.tensor_parallel) both build these, from a local VM or from disco's worker functions.
 
-The function names are the contract of DESIGN.md: relax_models' export spec, the sampling functions
-compiler/sampling.py adds (`argmax_logits`, `sample_top_p_top_k`, and the logit functions `apply_bitmask`,
+The function names are the contract of docs/ARCHITECTURE.md: relax_models' export spec, the sampling functions
+compiler/sampler.py adds (`argmax_logits`, `sample_top_p_top_k`, and the logit functions `apply_bitmask`,
 `apply_logit_bias`, `logprobs`), `_metadata` (the ABI stamp) and, in single-GPU CUDA libraries,
 compiler/graph_decode.py's `decode_graph`. Libraries built before the logit functions existed lack them; the runtime
-then refuses the request fields that need them (runtime.model).
+then refuses the request fields that need them (runtime.device.model).
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ class ModelFunctions:
     sample_top_p_top_k: Function | None = None
     # (ids int32[1], (KV cache id, metadata layout), kv, params) -> (logits, kv): batch-1 decode as one CUDA graph
     decode_graph: Function | None = None
-    # the logit functions (compiler/sampling.attach_logit_functions), absent from older libraries:
+    # the logit functions (compiler/sampler.attach_logit_functions), absent from older libraries:
     # (logits [b, vocab], bitmask int32 [b, ceil(vocab / 32)]) -> logits, -inf where a token's bit is 0
     apply_bitmask: Function | None = None
     # (logits [b, vocab], rows int32[m], token ids int32[m], bias f32[m]) -> logits with the bias added (pairs unique)

@@ -1,5 +1,5 @@
 """A tensor-parallel model: N GPUs of one host driven through TVM disco (worker processes) with NCCL all-reduce.
-It offers the subset of LoadedModel's interface the Engine and scheduler use (runtime.model.PagedModel), so
+It offers the subset of LoadedModel's interface the Engine and scheduler use (runtime.device.model.PagedModel), so
 `Engine(..., tensor_parallel=N)` runs unchanged on top. Greedy ids come from a compiled argmax on the workers; other
 sampling reads worker 0's logits on the host."""
 
@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import threading
 from pathlib import Path
 from typing import Sequence
 
@@ -16,26 +15,13 @@ import numpy as np
 
 from mlcc import artifact, tvm_compat
 from mlcc.errors import RequestError
-
-from .interface import KVCacheOps, ModelFunctions
-from .model import PagedModel, load_params
+from mlcc.runtime.device.interface import KVCacheOps, ModelFunctions
+from mlcc.runtime.device.model import PagedModel
 
 log = logging.getLogger(__name__)
 
 # NVLink multicast stays off: on shared hosts a program using it can take the GPUs out of service (device notes)
 NCCL_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
-_LOAD_LOCK = threading.Lock()   # TVM's tensor cache is one per process (worker 0 shares the controller's)
-
-
-def load_shard_params(model_dir: str, specs_json: str, weights: str):
-    """Runs on each disco worker (registered as mlcc.tp.load_params): this rank's parameters onto this rank's
-    GPU."""
-    import tvm
-
-    rank = int(tvm.get_global_func("runtime.disco.worker_id")()[0])  # a Shape([id])
-    with _LOAD_LOCK:
-        return load_params(Path(model_dir) / artifact.shard_dir(rank), json.loads(specs_json), tvm.cuda(rank),
-                           weights, seed=rank)
 
 
 class _WorkerLogits:
@@ -67,7 +53,7 @@ class TensorParallelModel(PagedModel):
         import tvm
         from tvm.runtime import ShapeTuple
 
-        from . import nccl_ccl
+        from mlcc.runtime.device import nccl_ccl
 
         self.dir = Path(model_dir)
         self.config = artifact.read_config(self.dir)
@@ -91,13 +77,13 @@ class TensorParallelModel(PagedModel):
         nccl_ccl.load()
         from tvm.runtime import disco  # after nccl_ccl.load(): it needs libtvm_runtime_extra
 
-        from .disco_worker import register_worker_functions
+        from mlcc.runtime.device.disco_worker import register_worker_functions
 
         register_worker_functions()   # worker 0 runs in this process
 
         # Worker processes, not threads: TVM captures CUDA graphs in global mode, which forbids the other threads'
         # CUDA calls while one worker captures.
-        self.sess = disco.ProcessSession(num_workers=self.shards, entrypoint="mlcc.runtime.disco_worker")
+        self.sess = disco.ProcessSession(num_workers=self.shards, entrypoint="mlcc.runtime.device.disco_worker")
         if self.config.get("cuda_arch"):  # before the library is loaded: its CUDA source is compiled at load
             self.sess.get_global_func("mlcc.tp.register_cuda_jit")(self.config["cuda_arch"])
         self.sess.init_ccl("nccl", *range(self.shards))

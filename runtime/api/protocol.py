@@ -15,8 +15,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from mlcc.errors import RequestError
-
-from .json_body import MAX_DEPTH, check_values, kind_of, param_path, parse_json_body
+from mlcc.runtime.api.json_body import MAX_DEPTH, check_values, kind_of, param_path, parse_json_body
 
 __all__ = ["MAX_DEPTH", "ChatCompletionRequest", "CompletionRequest", "parse_chat_request", "parse_completion_request",
            "parse_json_body"]

@@ -1,7 +1,7 @@
 """Speculative decoding inside continuous batching: requests that speculate this step get proposals (n-gram lookup,
-runtime.ngram, or a draft model, runtime.draft), and the target scores all of them in one ragged forward
+runtime.spec.ngram, or a draft model, runtime.spec.draft), and the target scores all of them in one ragged forward
 (PagedModel.verify: every speculating request's last token and its proposals, logits at every position); the
-acceptance (runtime.rejection) keeps a prefix of each request's proposals and draws one more token, and the
+acceptance (runtime.spec.rejection) keeps a prefix of each request's proposals and draws one more token, and the
 rejected proposals' KV is popped (TVM's PopN), so a request's KV holds exactly its tokens after every step (what
 the prefix cache caches). Requests that do not speculate this step decode in the usual batched step.
 
@@ -29,11 +29,11 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from .draft import DraftProposer
-from .ngram import propose_ngram
-from .rejection import accept, accept_greedy
-from .request import Request
-from .spec_config import SpeculativeConfig
+from mlcc.runtime.core.request import Request
+from mlcc.runtime.spec.draft import DraftProposer
+from mlcc.runtime.spec.ngram import propose_ngram
+from mlcc.runtime.spec.rejection import accept, accept_greedy
+from mlcc.runtime.spec.spec_config import SpeculativeConfig
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +52,7 @@ class _State:
 
 
 class Speculator:
-    """model: the target (runtime.model.PagedModel); stats: the engine core's counters; draft: the draft
+    """model: the target (runtime.device.model.PagedModel); stats: the engine core's counters; draft: the draft
     model's proposer for method "draft"."""
 
     def __init__(self, config: SpeculativeConfig, model: Any, page_size: int, stats: collections.Counter,

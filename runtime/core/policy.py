@@ -1,10 +1,10 @@
 """Scheduling policies: from the requests' states and the KV cache's free pages, the plan of one engine step.
 
-A policy decides and changes nothing: runtime.scheduler applies its plan to the queues, runtime.core runs it on the
+A policy decides and changes nothing: runtime.core.scheduler applies its plan to the queues, runtime.engine_core runs it on the
 model. Page arithmetic follows TVM's paged KV cache: a sequence of n tokens holds ceil(n / page_size) pages, a
 decode step takes a new page only for a sequence whose pages are full, and a fork shares the parent's full pages
 and copies a partly filled last one.
-Pages only the prefix cache holds (runtime.prefix_cache) count as free: the engine core evicts them when a step
+Pages only the prefix cache holds (runtime.core.prefix_cache) count as free: the engine core evicts them when a step
 needs them. A request forked from a cached prefix is charged all its pages (others may share them), but its
 preemption is counted to free only those it holds beyond the cached prefix.
 
@@ -21,7 +21,7 @@ import dataclasses
 import math
 from typing import Callable, Sequence
 
-from .request import Request
+from mlcc.runtime.core.request import Request
 
 
 @dataclasses.dataclass

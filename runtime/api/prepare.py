@@ -1,4 +1,4 @@
-"""From a validated request (runtime.protocol) to a runtime.call.Call: the prompt's ids (chat template, tools),
+"""From a validated request (runtime.api.protocol) to a runtime.api.call.Call: the prompt's ids (chat template, tools),
 sampling parameters, the limits of the context window and the KV cache, logit_bias, logprobs, and the grammar
 that constrains the output (response_format, structured_outputs, or the tools for tool_choice required/named)."""
 
@@ -8,11 +8,10 @@ import json
 from typing import Any
 
 from mlcc.errors import ContextWindowExceededError, RequestError
-
-from . import structured, tool_calls
-from .call import Call
-from .logit_processing import TOP_LOGPROBS
-from .sampler import SamplingParams
+from mlcc.runtime.api import structured, tool_calls
+from mlcc.runtime.api.call import Call
+from mlcc.runtime.core.logit_processing import TOP_LOGPROBS
+from mlcc.runtime.core.sampler import SamplingParams
 
 _SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "presence_penalty", "frequency_penalty", "repetition_penalty",
                     "seed", "stop", "stop_token_ids", "ignore_eos")
@@ -121,7 +120,7 @@ def _grammar_spec(fields: dict[str, Any]) -> Any:
 def _template_message(m: dict[str, Any], calls_as_text: Any = None) -> dict[str, Any]:
     """OpenAI's message → what HF chat templates read: content parts joined into one string, tool-call arguments
     as objects (templates render them with tojson). calls_as_text: for a template that ignores tools, the
-    runtime.tool_calls.ToolFormat an assistant's earlier calls are written into its content with, as the model
+    runtime.api.tool_calls.ToolFormat an assistant's earlier calls are written into its content with, as the model
     was told to write them."""
     m = dict(m)
     content = m.get("content")

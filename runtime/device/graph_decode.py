@@ -28,10 +28,9 @@ import weakref
 from typing import Any, Callable, Sequence
 
 from mlcc import artifact
-
-from .interface import Function, KVCacheOps
-from .sampler import DeviceDraw
-from .token_fetch import CudaEvent, TokenFetcher, cuda_runtime
+from mlcc.runtime.core.sampler import DeviceDraw
+from mlcc.runtime.device.interface import Function, KVCacheOps
+from mlcc.runtime.device.token_fetch import CudaEvent, TokenFetcher, cuda_runtime
 
 # The step tails the graph-attention callback records: id(GraphDecode) -> (kv cache, last layer, event, device).
 # A process-wide table because TVM calls one registered function for every library loaded in the process.

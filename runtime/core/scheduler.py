@@ -1,7 +1,7 @@
 """The request queues and KV-cache sequence slots of continuous batching.
 
 Callers submit and abort from any thread; the engine core's worker asks `schedule(free_pages)` for each step's
-plan, which the policy (runtime.policy) decides from the queues and which is applied to them here, and reports
+plan, which the policy (runtime.core.policy) decides from the queues and which is applied to them here, and reports
 back what ended (`finish`) and what forked (`forked`). Nothing here touches the model.
 """
 
@@ -12,9 +12,9 @@ import itertools
 import logging
 import threading
 
-from .policy import Plan, Policy
-from .prefix_cache import PrefixCache
-from .request import Request, SharedPrefix
+from mlcc.runtime.core.policy import Plan, Policy
+from mlcc.runtime.core.prefix_cache import PrefixCache
+from mlcc.runtime.core.request import Request, SharedPrefix
 
 log = logging.getLogger(__name__)
 
@@ -162,7 +162,7 @@ class Scheduler:
 
     def _match(self, admit: list[Request]) -> list[Request]:
         """Admitted requests start from the longest cached prefix of what they must prefill: the engine core forks
-        it (runtime.prefix_cache). Returns those that found one."""
+        it (runtime.core.prefix_cache). Returns those that found one."""
         cache, found = self.prefix_cache, []
         if cache is None:
             return found

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mlcc.errors import RequestError
-from mlcc.runtime.structured import JSON_OPTIONS, TRIGGER_MARK, GrammarSpec
+from mlcc.runtime.api.structured import JSON_OPTIONS, TRIGGER_MARK, GrammarSpec
 
 
 @dataclass(frozen=True)

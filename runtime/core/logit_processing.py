@@ -15,7 +15,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from .request import Request
+from mlcc.runtime.core.request import Request
 
 TOP_LOGPROBS = 20   # the most alternatives a request may ask for (the compiled `logprobs` returns this many)
 
@@ -28,7 +28,7 @@ class TokenLogprob:
 
 
 class LogitProcessor:
-    """model: a PagedModel with mask_logits, bias_logits, logprobs and to_device (runtime.model)."""
+    """model: a PagedModel with mask_logits, bias_logits, logprobs and to_device (runtime.device.model)."""
 
     def __init__(self, model: Any, vocab_size: int):
         self.model = model

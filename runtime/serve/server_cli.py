@@ -21,11 +21,11 @@ def add_serve_parser(sub) -> None:
     s.add_argument("--policy", choices=["no_evict", "max_util"], default="no_evict",
                    help="no_evict: admit only what can finish; max_util: admit eagerly, preempt and recompute")
     s.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_false",
-                   help="do not keep finished requests' KV pages for reuse by later prompts (runtime.prefix_cache)")
+                   help="do not keep finished requests' KV pages for reuse by later prompts (runtime.core.prefix_cache)")
     s.add_argument("--speculative-config", default=None, metavar="JSON",
                    help='speculative decoding, vLLM\'s keys: \'{"method": "ngram", "num_speculative_tokens": 5, '
                         '"prompt_lookup_max": 4}\' or \'{"method": "draft", "model": PATH, '
-                        '"num_speculative_tokens": 4}\' (runtime.speculative)')
+                        '"num_speculative_tokens": 4}\' (runtime.spec.speculative)')
     s.add_argument("--served-model-name", default=None)
     s.add_argument("--tensor-parallel", type=int, default=None, metavar="N",
                    help="GPUs the model is sharded over (must match how it was compiled; default: as compiled)")
@@ -39,9 +39,8 @@ def run_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from mlcc.options import CompileOptions
-
-    from .engine import Engine
-    from .server import create_app
+    from mlcc.runtime.engine import Engine
+    from mlcc.runtime.serve.server import create_app
 
     engine = Engine(args.model, target=args.target, quant=args.quant, max_batch=args.max_batch,
                     kv_cache_tokens=args.kv_cache_tokens, prefill_chunk=args.prefill_chunk, policy=args.policy,

@@ -1,13 +1,13 @@
 """The engine core: one worker thread that owns the model and executes the scheduler's plans.
 
-Each step it asks the scheduler (runtime.scheduler, deciding through runtime.policy) for a plan, then runs it: KV
+Each step it asks the scheduler (runtime.core.scheduler, deciding through runtime.core.policy) for a plan, then runs it: KV
 sequences removed (cancelled, preempted) and added (admitted), one ragged prefill chunk, forks of requests whose
 prompt is now read, one batched decode step — or, when a single request is running, a pipelined decode burst
-(runtime.decode_graph) that lasts until the request ends or another one arrives — and hands the sampled tokens to
+(runtime.device.graph_decode) that lasts until the request ends or another one arrives — and hands the sampled tokens to
 the requests, which report through their sinks (text deltas, then a finish event), so sync, async and HTTP
 callers share it.
 
-With the prefix cache (runtime.prefix_cache) an admitted request whose prompt starts like a cached sequence is
+With the prefix cache (runtime.core.prefix_cache) an admitted request whose prompt starts like a cached sequence is
 forked from it instead of added empty, a request that ends or is preempted leaves its sequence cached, and cached
 sequences are evicted (least recently used first) only when a step needs more pages than are free.
 """
@@ -22,16 +22,15 @@ import threading
 import numpy as np
 
 from mlcc.errors import ContextWindowExceededError
-
-from .decode_graph import decode_pipelined
-from .logit_processing import LogitProcessor
-from .policy import Plan, make_policy
-from .prefix_cache import PrefixCache
-from .request import Event, Request
-from .sampler import DeviceDraw, Sampler
-from .scheduler import Scheduler
-from .speculative import Speculator
-from .token_fetch import TokenFetcher
+from mlcc.runtime.core.logit_processing import LogitProcessor
+from mlcc.runtime.core.policy import Plan, make_policy
+from mlcc.runtime.core.prefix_cache import PrefixCache
+from mlcc.runtime.core.request import Event, Request
+from mlcc.runtime.core.sampler import DeviceDraw, Sampler
+from mlcc.runtime.core.scheduler import Scheduler
+from mlcc.runtime.device.graph_decode import decode_pipelined
+from mlcc.runtime.device.token_fetch import TokenFetcher
+from mlcc.runtime.spec.speculative import Speculator
 
 log = logging.getLogger(__name__)
 
@@ -40,8 +39,8 @@ class EngineCore:
     """pipeline: decode a lone request pipelined — None: where the device reads sampled ids back without waiting
     for the steps queued after them (CUDA); True: wherever the model can feed ids back (elsewhere it only adds a
     wasted step at the end of each request: the same tokens, for tests); False: never. prefix_cache: reuse cached
-    prompt prefixes (runtime.prefix_cache); prefix_forks: by forking cached sequences too, not only by continuing
-    them. make_speculator(model, page_size, stats) -> the runtime.speculative.Speculator of speculative
+    prompt prefixes (runtime.core.prefix_cache); prefix_forks: by forking cached sequences too, not only by continuing
+    them. make_speculator(model, page_size, stats) -> the runtime.spec.speculative.Speculator of speculative
     decoding, or None."""
 
     def __init__(self, model, sampler: Sampler, max_batch: int, max_total_tokens: int, prefill_chunk: int,

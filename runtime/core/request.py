@@ -10,8 +10,8 @@ from typing import Any, Callable
 
 import numpy as np
 
-from .sampler import SamplingParams
-from .tokenizer import StreamDecoder
+from mlcc.runtime.core.sampler import SamplingParams
+from mlcc.runtime.core.tokenizer import StreamDecoder
 
 
 @dataclasses.dataclass
@@ -23,7 +23,7 @@ class Event:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     error: BaseException | None = None
-    logprob: Any = None            # delta: the token's runtime.logit_processing.TokenLogprob, where asked for
+    logprob: Any = None            # delta: the token's runtime.core.logit_processing.TokenLogprob, where asked for
     prompt_logprobs: list | None = None   # finish: the prompt's TokenLogprobs (None for its first token), echo
     cached_tokens: int = 0         # finish: prompt tokens whose KV came from the prefix cache
 
@@ -58,14 +58,14 @@ class Request:
     emitted: int = 0               # chars of `text` already sent
     finish_reason: str | None = None
     cancelled: bool = False
-    # what happens to this request's logits (runtime.logit_processing): token id -> bias, a grammar matcher
-    # (runtime.structured.Matcher), and the number of top alternatives its logprobs carry (None: no logprobs)
+    # what happens to this request's logits (runtime.core.logit_processing): token id -> bias, a grammar matcher
+    # (runtime.api.structured.Matcher), and the number of top alternatives its logprobs carry (None: no logprobs)
     logit_bias: dict[int, float] | None = None
     matcher: Any = None
     top_logprobs: int | None = None
     prompt_top_logprobs: int | None = None     # echo with logprobs: score the prompt too
     prompt_logprobs: list = dataclasses.field(default_factory=list)
-    # prefix caching (runtime.prefix_cache): the cached prefix it is forked from when admitted (a Hit), the fork
+    # prefix caching (runtime.core.prefix_cache): the cached prefix it is forked from when admitted (a Hit), the fork
     # position, the cached entry, the mirror pages its sequence may share with others and how many of them came
     # from the cache; the prompt tokens its first admission reused (usage); its KV length when preempted
     prefix_hit: Any = None
@@ -85,7 +85,7 @@ class Request:
 
     @property
     def processed(self) -> bool:
-        """Its logits go through runtime.logit_processing (no pipelined decode: each mask needs the last token)."""
+        """Its logits go through runtime.core.logit_processing (no pipelined decode: each mask needs the last token)."""
         return bool(self.logit_bias) or self.matcher is not None or self.top_logprobs is not None
 
     @property

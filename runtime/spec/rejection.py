@@ -6,7 +6,7 @@ For proposal i (drafted from distribution q_i; an n-gram proposal is a point mas
 target's distribution p_i at that position: keep it with probability min(1, p_i(d) / q_i(d)); at the first
 rejection draw from the residual norm(max(0, p_i - q_i)) and stop; if every proposal is kept, draw one more token
 from p_{k+1}. Greedy requests keep a proposal exactly when it is the target's argmax and end with the argmax, so
-their output is plain greedy decoding's. p is runtime.sampler.target_probs: the same penalties, temperature,
+their output is plain greedy decoding's. p is runtime.core.sampler.target_probs: the same penalties, temperature,
 top-k and top-p as the plain sampler. The verify step's logits come to the host for this (on the CPU they are
 there already); the compiled on-device sampler is not used for speculating requests.
 """
@@ -17,7 +17,7 @@ from typing import Sequence
 
 import numpy as np
 
-from .sampler import SamplingParams, apply_penalties, target_probs
+from mlcc.runtime.core.sampler import SamplingParams, apply_penalties, target_probs
 
 
 def accept(logits: np.ndarray, drafts: Sequence[int], q: np.ndarray | None, params: SamplingParams,

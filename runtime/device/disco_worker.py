@@ -3,6 +3,27 @@ loading the NCCL collectives and registering the functions mlcc's controller cal
 
 from __future__ import annotations
 
+import json
+import threading
+from pathlib import Path
+
+from mlcc import artifact
+
+_LOAD_LOCK = threading.Lock()   # TVM's tensor cache is one per process (worker 0 shares the controller's)
+
+
+def load_shard_params(model_dir: str, specs_json: str, weights: str):
+    """Runs on each disco worker (registered as mlcc.tp.load_params): this rank's parameters onto this rank's
+    GPU."""
+    import tvm
+
+    from mlcc.runtime.device.model import load_params
+
+    rank = int(tvm.get_global_func("runtime.disco.worker_id")()[0])  # a Shape([id])
+    with _LOAD_LOCK:
+        return load_params(Path(model_dir) / artifact.shard_dir(rank), json.loads(specs_json), tvm.cuda(rank),
+                           weights, seed=rank)
+
 
 def register_worker_functions() -> None:
     """mlcc.tp.load_params (this rank's weights) and mlcc.tp.register_cuda_jit(arch) (CUDA source in the library
@@ -11,7 +32,6 @@ def register_worker_functions() -> None:
     import tvm
 
     from mlcc import tvm_compat
-    from mlcc.runtime.tensor_parallel import load_shard_params
 
     tvm.register_global_func("mlcc.tp.load_params", load_shard_params, override=True)
     tvm.register_global_func("mlcc.tp.register_cuda_jit", tvm_compat.register_cuda_jit, override=True)
@@ -19,7 +39,7 @@ def register_worker_functions() -> None:
 
 def main() -> None:
     from mlcc import tvm_compat
-    from mlcc.runtime import nccl_ccl
+    from mlcc.runtime.device import nccl_ccl
 
     tvm_compat.load_backend_runtimes("cuda")
     nccl_ccl.load()

@@ -1,6 +1,6 @@
 """Sampled token ids from the device to the host without waiting for the kernels queued after them.
 
-Pipelined decode (runtime.decode_graph) queues step k before it reads step k-1's token. Every read TVM offers
+Pipelined decode (runtime.device.graph_decode) queues step k before it reads step k-1's token. Every read TVM offers
 synchronizes the whole stream (`Tensor.numpy()` ends in a stream sync), which would wait for step k as well, and
 TVM's Python API has no events. On CUDA the copy and the wait therefore go through the CUDA runtime TVM has already
 loaded (libcudart): an asynchronous copy into page-locked memory on the stream TVM launches on, then an event

@@ -1,0 +1,1 @@
+"""mlcc.runtime.serve"""
