@@ -59,13 +59,11 @@ def cmd_targets(args: argparse.Namespace) -> int:
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
-    from mlcc.options import CompileOptions
+    from mlcc.options import EngineConfig
     from mlcc.runtime.serve.chat_cli import run_chat
 
-    return run_chat(args.model, target=args.target, quant=args.quant, prompt=args.prompt,
-                    max_tokens=args.max_tokens, temperature=args.temperature,
-                    options=CompileOptions.parse(args.option) if args.option else None, num_threads=args.threads,
-                    speculative_config=args.speculative_config)
+    return run_chat(args.model, EngineConfig.from_cli(args), prompt=args.prompt, max_tokens=args.max_tokens,
+                    temperature=args.temperature)
 
 
 def cmd_web(args: argparse.Namespace) -> int:
@@ -77,15 +75,9 @@ def cmd_web(args: argparse.Namespace) -> int:
     return 0
 
 
-def add_option_flag(parser: argparse.ArgumentParser) -> None:
-    """`--option KEY=VALUE`: a compile option (mlcc.options.CompileOptions), recorded in the library's stamp."""
-    from mlcc.options import CompileOptions
-
-    parser.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
-                        help=f"compile option, repeatable ({CompileOptions.names()}; see mlcc/options.py)")
-
-
 def build_parser() -> argparse.ArgumentParser:
+    from mlcc.options import CompileOptions, EngineConfig
+
     p = argparse.ArgumentParser(prog="mlcc", description="Compile and run LLMs with Apache TVM")
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = p.add_subparsers(dest="command", required=True)
@@ -99,7 +91,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--tuning-db", default=None, help="apply tuned kernels from this database (see `mlcc tune`)")
     c.add_argument("--tensor-parallel", type=int, default=1, metavar="N",
                    help="shard attention heads and MLP columns over N GPUs (TVM disco + NCCL)")
-    add_option_flag(c)
+    CompileOptions.add_cli_argument(c)
     c.set_defaults(func=cmd_compile)
 
     tu = sub.add_parser("tune", help="tune the model's static-shape kernels (meta-schedule + xgboost) into a DB")
@@ -109,24 +101,17 @@ def build_parser() -> argparse.ArgumentParser:
     tu.add_argument("--trials", type=int, default=64, help="trials per kernel")
     tu.add_argument("--max-tasks", type=int, default=None, help="tune only the N largest kernels")
     tu.add_argument("--db", default=None, help="tuning database folder (default: ~/.cache/mlcc/tuning-db)")
-    add_option_flag(tu)
+    CompileOptions.add_cli_argument(tu)
     tu.set_defaults(func=cmd_tune)
 
     t = sub.add_parser("targets", help="list target presets")
     t.set_defaults(func=cmd_targets)
 
     ch = sub.add_parser("chat", help="chat in the terminal (default model: the bundled SmolLM2-135M-Instruct)")
-    ch.add_argument("model", nargs="?", default=None, help="artifacts folder, HF folder or .gguf (default: bundled)")
-    ch.add_argument("--target", default="auto")
-    ch.add_argument("--quant", default=None, help="quantization when compiling on first use")
+    EngineConfig.add_cli_arguments(ch, max_batch=1)
     ch.add_argument("--prompt", default=None, help="answer one prompt and exit")
-    ch.add_argument("--max-tokens", type=int, default=256)
-    ch.add_argument("--temperature", type=float, default=0.0)
-    ch.add_argument("--threads", type=int, default=None, metavar="N",
-                    help="CPU threads (default: the physical cores this process may use)")
-    ch.add_argument("--speculative-config", default=None, metavar="JSON",
-                    help="speculative decoding, as `mlcc serve --speculative-config`")
-    add_option_flag(ch)
+    ch.add_argument("--max-tokens", type=int, default=256, help="most tokens an answer may have (default: %(default)s)")
+    ch.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (0: greedy; default: %(default)s)")
     ch.set_defaults(func=cmd_chat)
 
     w = sub.add_parser("web", help="write a static chat site (browser + Node.js) for WebGPU builds")

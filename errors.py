@@ -51,6 +51,10 @@ class CompileOptionsError(MlccError, ValueError):
     """An unknown compile option or a value of the wrong type."""
 
 
+class EngineConfigError(MlccError, ValueError):
+    """An engine setting out of range or unknown (mlcc.options.EngineConfig)."""
+
+
 class NpmError(MlccError, RuntimeError):
     """The web bundle's pinned JavaScript dependencies could not be installed."""
 

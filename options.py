@@ -1,4 +1,5 @@
-"""Every compile-time choice of a build, in one value that travels with the library.
+"""Every choice of a build and of an engine, each in one frozen value: `CompileOptions` (compile time) and
+`EngineConfig` (run time).
 
 `CompileOptions` goes from `compile_model` down the pass pipeline to the kernel generators, is written into the
 library's ABI stamp and into `mlcc-config.json`, and is part of the JIT cache key: a library built with other
@@ -9,10 +10,12 @@ effect there. Kept free of TVM so the runtime can read it.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
+import json
 from typing import Any
 
-from mlcc.errors import CompileOptionsError
+from mlcc.errors import CompileOptionsError, EngineConfigError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,5 +101,136 @@ class CompileOptions:
     def names(cls) -> str:
         return ", ".join(f.name for f in dataclasses.fields(cls))
 
+    @classmethod
+    def add_cli_argument(cls, parser: argparse.ArgumentParser, help_suffix: str = "") -> None:
+        """`--option KEY=VALUE`, repeatable: the one declaration `compile`, `tune`, `chat` and `serve` share."""
+        parser.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
+                            help=f"compile option, repeatable ({cls.names()}; see mlcc/options.py){help_suffix}")
+
 
 _BOOLS = {"1": True, "true": True, "on": True, "yes": True, "0": False, "false": False, "off": False, "no": False}
+
+
+POLICIES = ("no_evict", "max_util")
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    """Every run-time choice of an `Engine`, built once (from keyword arguments or from the CLI's flags) and passed
+    down whole: the engine, its core and the KV cache read what they need from it."""
+
+    # compile target and quantization of a model compiled on first use ("auto": this machine's device)
+    target: str = "auto"
+    quant: str | None = None
+    # requests decoded together in one step
+    max_batch: int = 4
+    # at most the model's own context window (None: the model's)
+    context_window: int | None = None
+    # KV-cache capacity in tokens (None: from memory: enough for max_batch full contexts, within the budget below)
+    kv_cache_tokens: int | None = None
+    # GPUs: the fraction of the device's memory the weights, the KV cache and the activations may take together
+    gpu_memory_utilization: float = 0.85
+    # most prompt tokens one prefill step reads
+    prefill_chunk: int = 512
+    device_id: int = 0
+    # "no_evict": admit only what can finish; "max_util": admit eagerly, preempt and recompute
+    policy: str = "no_evict"
+    # GPUs the model is sharded over (None: as compiled)
+    tensor_parallel: int | None = None
+    # the compile options a model compiled on first use is built with; for an artifacts folder, those it must have
+    options: CompileOptions | None = None
+    # decode a lone request pipelined (None: where the device reads ids back without waiting, i.e. CUDA)
+    pipeline: bool | None = None
+    # "files", or "random" for a shape-only build (speed benchmarks)
+    weights: str = "files"
+    # a CPU build's threads (None: the physical cores this process may use)
+    num_threads: int | None = None
+    # keep finished requests' KV pages and reuse the longest cached prefix of each new prompt
+    prefix_cache: bool = True
+    # vLLM's speculative_config keys, as a dict or JSON text (None: off); parsed and checked by the engine
+    speculative_config: dict[str, Any] | str | None = None
+    # tokens a KV-cache page holds
+    page_size: int = 16
+
+    def __post_init__(self) -> None:
+        positive = ("max_batch", "prefill_chunk", "page_size", "context_window", "kv_cache_tokens",
+                    "tensor_parallel", "num_threads")
+        for name in positive:
+            v = getattr(self, name)
+            if v is not None and (type(v) is not int or v < 1):
+                raise EngineConfigError(f"{name} must be a positive integer, got {v!r}")
+        if self.device_id < 0:
+            raise EngineConfigError(f"device_id must be >= 0, got {self.device_id}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise EngineConfigError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.policy not in POLICIES:
+            raise EngineConfigError(f"policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
+        if self.weights not in ("files", "random"):
+            raise EngineConfigError(f"weights must be 'files' or 'random', got {self.weights!r}")
+        if self.options is not None and not isinstance(self.options, CompileOptions):
+            raise EngineConfigError(f"options must be a CompileOptions, got {type(self.options).__name__}")
+
+    @classmethod
+    def of(cls, config: "EngineConfig | None" = None, **kwargs: Any) -> "EngineConfig":
+        """config with the keyword arguments set on it (unknown names refused, naming the known ones)."""
+        unknown = sorted(set(kwargs) - {f.name for f in dataclasses.fields(cls)})
+        if unknown:
+            raise EngineConfigError(f"unknown engine setting(s) {', '.join(unknown)}; known: {cls.names()}")
+        return dataclasses.replace(config or cls(), **kwargs)
+
+    @classmethod
+    def names(cls) -> str:
+        return ", ".join(f.name for f in dataclasses.fields(cls))
+
+    @classmethod
+    def add_cli_arguments(cls, parser: argparse.ArgumentParser, max_batch: int) -> None:
+        """The flags of `mlcc chat` and `mlcc serve`, declared once (max_batch: the command's default)."""
+        d = cls()
+        parser.add_argument("model", nargs="?", default=None,
+                            help="artifacts folder, HF folder or .gguf (default: the bundled SmolLM2-135M-Instruct)")
+        parser.add_argument("--target", default=d.target, help="target preset (default: %(default)s, this machine)")
+        parser.add_argument("--quant", default=d.quant, help="quantization when compiling on first use")
+        parser.add_argument("--max-batch", type=int, default=max_batch, help="requests decoded together "
+                            "(default: %(default)s)")
+        parser.add_argument("--context-window", type=int, default=None,
+                            help="at most the model's context window (default: the model's)")
+        parser.add_argument("--kv-cache-tokens", type=int, default=None,
+                            help="KV-cache capacity in tokens (default: from memory)")
+        parser.add_argument("--gpu-memory-utilization", type=float, default=d.gpu_memory_utilization,
+                            help="GPUs: fraction of device memory for weights, KV cache and activations "
+                                 "(default: %(default)s)")
+        parser.add_argument("--prefill-chunk", type=int, default=d.prefill_chunk,
+                            help="most prompt tokens one prefill step reads (default: %(default)s)")
+        parser.add_argument("--policy", choices=POLICIES, default=d.policy,
+                            help="no_evict: admit only what can finish; max_util: admit eagerly, preempt and "
+                                 "recompute (default: %(default)s)")
+        parser.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_false",
+                            help="do not keep finished requests' KV pages for reuse by later prompts")
+        parser.add_argument("--threads", dest="num_threads", type=int, default=None, metavar="N",
+                            help="CPU threads (default: the physical cores this process may use)")
+        parser.add_argument("--speculative-config", default=None, metavar="JSON",
+                            help='speculative decoding, vLLM\'s keys: \'{"method": "ngram", '
+                                 '"num_speculative_tokens": 5, "prompt_lookup_max": 4}\' or '
+                                 '\'{"method": "draft", "model": PATH, "num_speculative_tokens": 4}\'')
+        parser.add_argument("--tensor-parallel", type=int, default=None, metavar="N",
+                            help="GPUs the model is sharded over (must match how it was compiled; default: as "
+                                 "compiled)")
+        CompileOptions.add_cli_argument(parser, "; what a model compiled on first use is built with: an artifacts "
+                                                "folder must have been built with it")
+
+    @classmethod
+    def from_cli(cls, args: argparse.Namespace) -> "EngineConfig":
+        """The config of parsed `add_cli_arguments` flags."""
+        return cls(target=args.target, quant=args.quant, max_batch=args.max_batch,
+                   context_window=args.context_window, kv_cache_tokens=args.kv_cache_tokens,
+                   gpu_memory_utilization=args.gpu_memory_utilization, prefill_chunk=args.prefill_chunk,
+                   policy=args.policy, prefix_cache=args.prefix_cache, num_threads=args.num_threads,
+                   speculative_config=args.speculative_config, tensor_parallel=args.tensor_parallel,
+                   options=CompileOptions.parse(args.option) if args.option else None)
+
+    def describe(self) -> str:
+        """One line for logs: the settings that differ from the defaults."""
+        d = EngineConfig()
+        diff = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+                if getattr(self, f.name) != getattr(d, f.name)}
+        return json.dumps(diff, default=str) if diff else "defaults"

@@ -139,6 +139,7 @@ def _run_load(core, prompts: list[list[int]], gaps: list[float], output_len: int
 def cmd_load(a) -> None:
     from mlcc.runtime.core.sampler import Sampler
     from mlcc.runtime.device.model import LoadedModel
+    from mlcc.options import EngineConfig
     from mlcc.runtime.engine_core import EngineCore
 
     rng = random.Random(0)
@@ -152,8 +153,9 @@ def cmd_load(a) -> None:
                  "prompt_len": a.prompt_len, "shared": a.shared, "output_len": a.output_len, "rate": a.rate,
                  "max_batch": a.max_batch, "kv_tokens": kv_tokens, "policy": a.policy, "load_before": _load()}
     for name, on in (("cache_on", True), ("cache_off", False)):
-        core = EngineCore(model, Sampler.for_model(model), a.max_batch, kv_tokens, min(a.prefill_chunk, kv_tokens),
-                          policy=a.policy, prefix_cache=on)
+        config = EngineConfig(max_batch=a.max_batch, kv_cache_tokens=kv_tokens, prefill_chunk=a.prefill_chunk,
+                              policy=a.policy, prefix_cache=on)
+        core = EngineCore(model, Sampler.for_model(model), config)
         try:
             _run_load(core, [prompts[0]], [0.0], 4)   # warm-up (and, with the cache, the shared prefix cached)
             core.stats.clear()

@@ -299,9 +299,11 @@ def _engine_run(target, prompt: list[int], max_new: int, make_speculator=None) -
 
     from mlcc.runtime.core.request import Request
     from mlcc.runtime.core.sampler import Sampler, SamplingParams
+    from mlcc.options import EngineConfig
     from mlcc.runtime.engine_core import EngineCore
 
-    core = EngineCore(target, Sampler.for_model(target), 1, 4096, 512, prefix_cache=False,
+    core = EngineCore(target, Sampler.for_model(target),
+                      EngineConfig(max_batch=1, kv_cache_tokens=4096, prefill_chunk=512, prefix_cache=False),
                       make_speculator=make_speculator)
     try:
         rates, ids = [], None

@@ -88,7 +88,7 @@ def attach_logit_functions(mod, vocab: int, target, threads: int = 256, chunk: i
     GPUs (every block one piece), the whole row on CPUs; `logprobs=False` leaves the last function out."""
     from tvm import relax, tirx
 
-    from mlcc.schedules import logits as L
+    from mlcc.schedules import logit_processing as L
 
     gpu = "gpu" in target.keys
     t = threads if gpu else None
@@ -142,7 +142,7 @@ def _top_k(bb, values, batch, n: int, k: int, chunk: int, threads: int | None):
     rounds over the groups' picks. -> (idx int32 [b, K], val [b, K]) as Relax values."""
     from tvm import relax
 
-    from mlcc.schedules import logits as L
+    from mlcc.schedules import logit_processing as L
 
     def rounds(inputs, n_in, group, with_index, name):
         groups = -(-n_in // group)

@@ -7,6 +7,7 @@ callers are batched together.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import logging
 import queue
@@ -17,7 +18,7 @@ import numpy as np
 
 from mlcc import artifact
 from mlcc.errors import RequestError, SpeculativeConfigError
-from mlcc.options import CompileOptions
+from mlcc.options import EngineConfig
 from mlcc.runtime.api import prepare, protocol, structured, tool_calls
 from mlcc.runtime.api.call import Call
 from mlcc.runtime.core.request import Event, Request
@@ -38,68 +39,68 @@ class Engine:
     """`Engine(model)` where model is an artifacts folder, an HF folder or a .gguf (compiled on first use), or
     None for the bundled SmolLM2-135M-Instruct.
 
-    options: the compile options a model compiled on first use is built with (part of its cache key); for an
-    artifacts folder, the options it must have been built with (a mismatch is refused). None: the defaults, or
-    whatever the folder was built with. policy: "no_evict" (admit only what can finish) or "max_util" (admit
-    eagerly, preempt and recompute). pipeline: decode a lone request pipelined (runtime.engine_core.EngineCore).
-    weights: "files", or "random" for a shape-only build (speed benchmarks: `compile_shape_only`). num_threads:
-    a CPU build's threads (default: the physical cores this process may use, runtime.device.cpu_threads). prefix_cache:
-    keep finished requests' KV pages and reuse the longest cached prefix of each new prompt (runtime.core.prefix_cache;
-    models with sliding-window layers only continue a cached sequence, as a chat's next turn does).
-    speculative_config: speculative decoding (runtime.spec.speculative), vLLM's keys as a dict or JSON text
-    (runtime.spec.spec_config): {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 4} or
-    {"method": "draft", "model": PATH, "num_speculative_tokens": 4}; None: off."""
+    The settings are one `EngineConfig` (mlcc.options: what each means and its default), given whole as
+    `config=`, as keyword arguments (`Engine(model, max_batch=8, prefix_cache=False)`), or both (the keywords
+    override the config's). `target` and `quant` may also come second and third, positionally. The engine keeps
+    the resolved config (KV-cache size, context window and prefill chunk as used) in `engine.config`."""
 
-    def __init__(self, model: str | Path | None = None, target: str = "auto", quant: str | None = None, *,
-                 max_batch: int = 4, context_window: int | None = None, kv_cache_tokens: int | None = None,
-                 prefill_chunk: int = 512, device_id: int = 0, policy: str = "no_evict",
-                 tensor_parallel: int | None = None, options: CompileOptions | None = None,
-                 pipeline: bool | None = None, weights: str = "files", num_threads: int | None = None,
-                 prefix_cache: bool = True, speculative_config: dict[str, Any] | str | None = None):
+    def __init__(self, model: str | Path | None = None, target: str | None = None, quant: str | None = None, *,
+                 config: EngineConfig | None = None, **settings: Any):
+        from mlcc.runtime.core.tokenizer import Tokenizer
+        from mlcc.runtime.device.model import LoadedModel
+        from mlcc.runtime.jit import resolve_model
         from mlcc.targets import detect_local
 
-        from .jit import resolve_model
-        from .model import LoadedModel
-        from .tokenizer import Tokenizer
-
-        if target == "auto":
-            target = detect_local()
-        self.speculative_config = parse_speculative_config(speculative_config)   # refused before any loading
-        self.model_dir = resolve_model(model, target, quant, tensor_parallel or 1, options)
+        if target is not None:
+            settings["target"] = target
+        if quant is not None:
+            settings["quant"] = quant
+        cfg = EngineConfig.of(config, **settings)
+        if cfg.target == "auto":
+            cfg = dataclasses.replace(cfg, target=detect_local())
+        self.speculative_config = parse_speculative_config(cfg.speculative_config)   # refused before any loading
+        self.model_dir = resolve_model(model, cfg.target, cfg.quant, cfg.tensor_parallel or 1, cfg.options)
         built_tp = int(artifact.read_config(self.model_dir).get("tensor_parallel", 1))
-        if tensor_parallel is not None and tensor_parallel != built_tp:
+        if cfg.tensor_parallel is not None and cfg.tensor_parallel != built_tp:
             raise artifact.ArtifactError(
-                f"{self.model_dir} was compiled for --tensor-parallel {built_tp}, not {tensor_parallel}; recompile "
-                f"with `mlcc compile SOURCE --target {target} --tensor-parallel {tensor_parallel} --output DIR`")
+                f"{self.model_dir} was compiled for --tensor-parallel {built_tp}, not {cfg.tensor_parallel}; "
+                f"recompile with `mlcc compile SOURCE --target {cfg.target} --tensor-parallel {cfg.tensor_parallel} "
+                "--output DIR`")
         if built_tp > 1:
-            from .tensor_parallel import TensorParallelModel
+            from mlcc.runtime.device.tensor_parallel import TensorParallelModel
 
             self.model = TensorParallelModel(self.model_dir)
         else:
-            self.model = LoadedModel(self.model_dir, device_id=device_id, weights=weights, num_threads=num_threads)
-        cfg = self.model.config
-        self.model_name = Path(cfg["source"]["path"]).stem if "source" in cfg else self.model_dir.name
-        self.tokenizer = Tokenizer(self.model_dir, cfg["tokenizer"])
-        self.context_window = min(context_window or self.model.context_window, self.model.context_window)
-        if kv_cache_tokens is None:
-            kv_cache_tokens = self._default_kv_tokens(max_batch)
-        kv_cache_tokens = max(kv_cache_tokens, 64)
-        self.kv_cache_tokens = kv_cache_tokens
+            self.model = LoadedModel(self.model_dir, device_id=cfg.device_id, weights=cfg.weights,
+                                     num_threads=cfg.num_threads)
+        model_cfg = self.model.config
+        self.model_name = Path(model_cfg["source"]["path"]).stem if "source" in model_cfg else self.model_dir.name
+        self.tokenizer = Tokenizer(self.model_dir, model_cfg["tokenizer"])
+        context_window = min(cfg.context_window or self.model.context_window, self.model.context_window)
+        cfg = dataclasses.replace(cfg, context_window=context_window)
+        kv_cache_tokens = max(cfg.kv_cache_tokens or self._default_kv_tokens(cfg), 64)
+        self.config = cfg = dataclasses.replace(cfg, kv_cache_tokens=kv_cache_tokens,
+                                                prefill_chunk=min(cfg.prefill_chunk, kv_cache_tokens))
         forks = not self.model.has_sliding_window   # windows over a forked prefix are not exact (prefix_cache)
-        self.core = EngineCore(self.model, Sampler.for_model(self.model), max_batch, kv_cache_tokens,
-                               min(prefill_chunk, kv_cache_tokens), policy=policy, pipeline=pipeline,
-                               prefix_cache=prefix_cache, prefix_forks=forks,
-                               make_speculator=self._speculator_factory(target, device_id, num_threads, max_batch,
-                                                                        min(prefill_chunk, kv_cache_tokens)))
+        self.core = EngineCore(self.model, Sampler.for_model(self.model), cfg, prefix_forks=forks,
+                               make_speculator=self._speculator_factory(cfg))
         self.chat = _Chat(self)
         self.completions = _Completions(self)
         log.info("engine ready: %s on %s, KV cache %d tokens (%.0f MB), batch %d, prefix cache %s, speculative %s",
-                 self.model_name, cfg["target"], kv_cache_tokens, kv_cache_tokens * _kv_bytes_per_token(cfg) / 1e6,
-                 max_batch, "on" if prefix_cache else "off",
+                 self.model_name, model_cfg["target"], kv_cache_tokens,
+                 kv_cache_tokens * _kv_bytes_per_token(model_cfg) / 1e6, cfg.max_batch,
+                 "on" if cfg.prefix_cache else "off",
                  self.speculative_config.method if self.speculative_config else "off")
 
-    def _speculator_factory(self, target: str, device_id: int, num_threads: int | None, max_batch: int,
-                            prefill_chunk: int):
+    @property
+    def context_window(self) -> int:
+        return self.config.context_window
+
+    @property
+    def kv_cache_tokens(self) -> int:
+        return self.config.kv_cache_tokens
+
+    def _speculator_factory(self, cfg: EngineConfig):
         """How the engine core builds its Speculator (None without speculation); a draft model is loaded here, on
         the target's device, and must share its tokenizer."""
         config = self.speculative_config
@@ -107,17 +108,17 @@ class Engine:
             return None
         draft = None
         if config.method == "draft":
-            from .draft import DraftProposer, check_same_tokenizer
-            from .jit import resolve_model
-            from .model import LoadedModel
+            from mlcc.runtime.device.model import LoadedModel
+            from mlcc.runtime.jit import resolve_model
+            from mlcc.runtime.spec.draft import DraftProposer, check_same_tokenizer
 
             path = Path(config.model)
             if not path.exists():
                 raise SpeculativeConfigError(f"speculative_config.model: {path}: no such model folder or file")
-            draft_dir = resolve_model(path, target, config.quantization)
+            draft_dir = resolve_model(path, cfg.target, config.quantization)
             check_same_tokenizer(self.model_dir, draft_dir)
-            model = LoadedModel(draft_dir, device_id=device_id, num_threads=num_threads)
-            draft = DraftProposer(model, self.model.vocab, max_batch, self.kv_cache_tokens, prefill_chunk)
+            model = LoadedModel(draft_dir, device_id=cfg.device_id, num_threads=cfg.num_threads)
+            draft = DraftProposer(model, self.model.vocab, cfg.max_batch, cfg.kv_cache_tokens, cfg.prefill_chunk)
             log.info("draft model %s (%d speculative tokens)", draft_dir, config.num_speculative_tokens)
 
         def make(model, page_size: int, stats) -> Speculator:
@@ -125,8 +126,9 @@ class Engine:
 
         return make
 
-    def _default_kv_tokens(self, max_batch: int) -> int:
-        """Enough for max_batch full contexts, capped by a memory budget (CPU: 1/4 of free RAM, at most 2 GiB)."""
+    def _default_kv_tokens(self, cfg: EngineConfig) -> int:
+        """Enough for max_batch full contexts, capped by a memory budget (CPU: 1/4 of free RAM, at most 2 GiB;
+        GPUs: gpu_memory_utilization of the device's memory less the weights and 1 GiB for activations)."""
         per_token = _kv_bytes_per_token(self.model.config)
         if self.model.device_kind == "cpu":
             import psutil
@@ -134,8 +136,8 @@ class Engine:
             budget = min(psutil.virtual_memory().available // 4, 2 << 30)
         else:
             weights = sum(int(np.prod(p["shape"])) * np.dtype(p["dtype"]).itemsize for p in self.model.config["params"])
-            budget = int(self.model.dev.total_global_memory * 0.85) - weights - (1 << 30)
-        return int(min(self.context_window * max_batch, max(budget // per_token, 256)))
+            budget = int(self.model.dev.total_global_memory * cfg.gpu_memory_utilization) - weights - (1 << 30)
+        return int(min(cfg.context_window * cfg.max_batch, max(budget // per_token, 256)))
 
     # -- request plumbing ----------------------------------------------------------------------------------------
     def run_sync(self, call: Call) -> Iterator[tuple[int, Event]]:

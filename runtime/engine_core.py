@@ -22,6 +22,7 @@ import threading
 import numpy as np
 
 from mlcc.errors import ContextWindowExceededError
+from mlcc.options import EngineConfig
 from mlcc.runtime.core.logit_processing import LogitProcessor
 from mlcc.runtime.core.policy import Plan, make_policy
 from mlcc.runtime.core.prefix_cache import PrefixCache
@@ -36,29 +37,34 @@ log = logging.getLogger(__name__)
 
 
 class EngineCore:
-    """pipeline: decode a lone request pipelined — None: where the device reads sampled ids back without waiting
-    for the steps queued after them (CUDA); True: wherever the model can feed ids back (elsewhere it only adds a
-    wasted step at the end of each request: the same tokens, for tests); False: never. prefix_cache: reuse cached
-    prompt prefixes (runtime.core.prefix_cache); prefix_forks: by forking cached sequences too, not only by continuing
-    them. make_speculator(model, page_size, stats) -> the runtime.spec.speculative.Speculator of speculative
-    decoding, or None."""
+    """Runs on the settings of `config` (mlcc.options.EngineConfig, resolved by the Engine: kv_cache_tokens and
+    prefill_chunk set): max_batch, kv_cache_tokens, prefill_chunk, page_size, policy, prefix_cache and pipeline —
+    decode a lone request pipelined: None where the device reads sampled ids back without waiting for the steps
+    queued after them (CUDA); True wherever the model can feed ids back (elsewhere it only adds a wasted step at the
+    end of each request: the same tokens, for tests); False never. prefix_forks: reuse cached prefixes by forking
+    cached sequences too, not only by continuing them. make_speculator(model, page_size, stats) -> the
+    runtime.spec.speculative.Speculator of speculative decoding, or None."""
 
-    def __init__(self, model, sampler: Sampler, max_batch: int, max_total_tokens: int, prefill_chunk: int,
-                 page_size: int = 16, policy: str = "no_evict", pipeline: bool | None = None,
-                 prefix_cache: bool = True, prefix_forks: bool = True, make_speculator=None):
+    def __init__(self, model, sampler: Sampler, config: EngineConfig, prefix_forks: bool = True,
+                 make_speculator=None):
+        if config.kv_cache_tokens is None:
+            raise ValueError("EngineCore needs a resolved config: kv_cache_tokens set")
         self.model = model
         self.sampler = sampler
-        self.page_size = page_size
-        model.create_kv_cache(max_batch, max_total_tokens, prefill_chunk, page_size)
+        self.config = config
+        self.page_size = page_size = config.page_size
+        prefill_chunk = min(config.prefill_chunk, config.kv_cache_tokens)
+        model.create_kv_cache(config.max_batch, config.kv_cache_tokens, prefill_chunk, page_size)
         self.total_pages = model.free_pages()
-        self.policy = make_policy(policy, page_size, self.total_pages, prefill_chunk)
+        self.policy = make_policy(config.policy, page_size, self.total_pages, prefill_chunk)
         self.stats: collections.Counter = collections.Counter()
         self.prefix_cache = (PrefixCache(page_size, model.remove_sequence, model.free_pages, forks=prefix_forks)
-                             if prefix_cache else None)
-        self.scheduler = Scheduler(self.policy, max_batch, self.stats, self.prefix_cache)
+                             if config.prefix_cache else None)
+        self.scheduler = Scheduler(self.policy, config.max_batch, self.stats, self.prefix_cache)
         self.processor = LogitProcessor(model, model.vocab)
         self.speculator: Speculator | None = (make_speculator(model, page_size, self.stats)
                                               if make_speculator is not None else None)
+        pipeline = config.pipeline
         feeds_back = hasattr(model, "decode_fed_back")
         self._fetcher = TokenFetcher(model.dev) if feeds_back and pipeline is not False else None
         self._pipeline = self._fetcher is not None and (pipeline or (pipeline is None and self._fetcher.overlaps))

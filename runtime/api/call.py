@@ -3,6 +3,7 @@ events become the `openai` package's response objects (whole or streamed), logpr
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import uuid
 from typing import Any, Callable
@@ -26,28 +27,44 @@ from mlcc.runtime.core.request import Event, Request
 from mlcc.runtime.core.sampler import SamplingParams
 
 
-class Call:
-    """Submits its n choices and shapes their events. engine: runtime.engine.Engine. matchers: one grammar
-    matcher per choice, or None. parsers: one tool-call parser per choice (runtime.api.tool_calls), or None."""
+@dataclasses.dataclass(frozen=True)
+class CallSpec:
+    """What one create() call asks for, as runtime.api.prepare checked it. ids: the prompt's token ids; max_new: the
+    most tokens a choice may add; n: choices; model: the name responses carry; make_matcher: a new grammar matcher
+    per choice, or None; make_parser: a new tool-call parser per choice (runtime.api.tool_calls), or None; prefix /
+    prefix_ids: echo's prompt text and ids, before each choice's."""
 
-    def __init__(self, engine: Any, chat: bool, ids: list[int], params: SamplingParams, max_new: int, n: int,
-                 model: str, include_usage: bool, *, logit_bias: dict[int, float] | None = None,
-                 top_logprobs: int | None = None, prompt_top_logprobs: int | None = None,
-                 make_matcher: Callable[[], Any] | None = None, make_parser: Callable[[], Any] | None = None,
-                 prefix: str = "", prefix_ids: list[int] | None = None):
-        self.engine, self.chat, self.ids, self.params, self.max_new, self.n = engine, chat, ids, params, max_new, n
-        self.rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-        self.created, self.name, self.include_usage = int(time.time()), model, include_usage
-        self.logit_bias, self.top_logprobs, self.prompt_top_logprobs = logit_bias, top_logprobs, prompt_top_logprobs
-        self.make_matcher = make_matcher
-        self.parsers = [make_parser() for _ in range(n)] if make_parser else None
-        self.prefix = prefix          # echo: the prompt's text before each choice's
-        self.prefix_ids = prefix_ids or []
-        self.texts, self.reasons, self.completion_tokens = [prefix] * n, ["stop"] * n, 0
+    chat: bool
+    ids: list[int]
+    params: SamplingParams
+    max_new: int
+    n: int = 1
+    model: str = ""
+    include_usage: bool = False
+    logit_bias: dict[int, float] | None = None
+    top_logprobs: int | None = None
+    prompt_top_logprobs: int | None = None
+    make_matcher: Callable[[], Any] | None = None
+    make_parser: Callable[[], Any] | None = None
+    prefix: str = ""
+    prefix_ids: list[int] = dataclasses.field(default_factory=list)
+
+
+class Call:
+    """Submits the n choices of a CallSpec to an engine (runtime.engine.Engine) and shapes their events."""
+
+    def __init__(self, engine: Any, spec: CallSpec):
+        self.engine, self.spec = engine, spec
+        self.chat, self.ids, self.params, self.max_new, self.n = spec.chat, spec.ids, spec.params, spec.max_new, spec.n
+        self.rid = f"{'chatcmpl' if spec.chat else 'cmpl'}-{uuid.uuid4().hex}"
+        self.created, self.name, self.include_usage = int(time.time()), spec.model, spec.include_usage
+        self.top_logprobs = spec.top_logprobs
+        self.parsers = [spec.make_parser() for _ in range(spec.n)] if spec.make_parser else None
+        self.texts, self.reasons, self.completion_tokens = [spec.prefix] * spec.n, ["stop"] * spec.n, 0
         self.cached_tokens = 0   # prompt tokens the prefix cache served (runtime.core.prefix_cache)
-        self.logprobs: list[list[TokenLogprob]] = [[] for _ in range(n)]
+        self.logprobs: list[list[TokenLogprob]] = [[] for _ in range(spec.n)]
         self.prompt_logprobs: list[TokenLogprob | None] | None = None
-        self._tool_calls_seen = [False] * n
+        self._tool_calls_seen = [False] * spec.n
 
     def submit(self, sink: Callable[[int, Event], None]) -> list[Request]:
         """The n choices as one request and its forks: the prompt is read once. Choice i draws from a generator
@@ -59,9 +76,9 @@ class Call:
             decoder = engine.tokenizer.stream(skip_special_tokens=self.parsers is None)
             reqs.append(Request(self.ids, self.params, self.max_new, lambda e, i=i: sink(i, e),
                                 decoder, engine.tokenizer.eos_ids, rng=np.random.default_rng(seed),
-                                logit_bias=self.logit_bias, top_logprobs=self.top_logprobs,
-                                prompt_top_logprobs=self.prompt_top_logprobs,
-                                matcher=self.make_matcher() if self.make_matcher else None))
+                                logit_bias=self.spec.logit_bias, top_logprobs=self.top_logprobs,
+                                prompt_top_logprobs=self.spec.prompt_top_logprobs,
+                                matcher=self.spec.make_matcher() if self.spec.make_matcher else None))
         reqs[0].forks = reqs[1:]
         engine.core.submit(reqs[0])
         return reqs
@@ -128,8 +145,8 @@ class Call:
         if entries is None:
             entries = list(self.logprobs[i])
             if self.prompt_logprobs is not None:
-                prompt = [None if j == 0 else self.prompt_logprobs[j] for j in range(len(self.prefix_ids))]
-                entries = list(zip(self.prefix_ids, prompt)) + [(t.token_id, t) for t in entries]
+                prompt = [None if j == 0 else self.prompt_logprobs[j] for j in range(len(self.spec.prefix_ids))]
+                entries = list(zip(self.spec.prefix_ids, prompt)) + [(t.token_id, t) for t in entries]
             else:
                 entries = [(t.token_id, t) for t in entries]
         tokens, values, tops, offsets = [], [], [], []
@@ -164,9 +181,9 @@ class Call:
     def stream_start(self) -> list[Any]:
         if self.chat:
             return [self._chat_chunk(i, ChoiceDelta(role="assistant", content="")) for i in range(self.n)]
-        if not self.prefix:
+        if not self.spec.prefix:
             return []
-        return [self._completion_chunk(i, self.prefix) for i in range(self.n)]
+        return [self._completion_chunk(i, self.spec.prefix) for i in range(self.n)]
 
     def stream_event(self, i: int, ev: Event) -> list[Any]:
         if ev.kind == "delta":

@@ -9,7 +9,7 @@ from typing import Any
 
 from mlcc.errors import ContextWindowExceededError, RequestError
 from mlcc.runtime.api import structured, tool_calls
-from mlcc.runtime.api.call import Call
+from mlcc.runtime.api.call import Call, CallSpec
 from mlcc.runtime.core.logit_processing import TOP_LOGPROBS
 from mlcc.runtime.core.sampler import SamplingParams
 
@@ -53,7 +53,7 @@ def completion_call(engine: Any, fields: dict[str, Any]) -> Call:
         raise RequestError("echo with logprobs is answered whole, not streamed: set stream=false", param="echo")
     prefix = "" if not echo else prompt if isinstance(prompt, str) else engine.tokenizer.decode(ids)
     return _make(engine, False, fields, ids, fields.get("max_tokens", 16), _grammar_spec(fields), top,
-                 top if echo else None, prefix=prefix, prefix_ids=ids if echo else None)
+                 top if echo else None, prefix=prefix, prefix_ids=ids if echo else [])
 
 
 def _make(engine: Any, chat: bool, fields: dict[str, Any], ids: list[int], max_tokens: int | None,
@@ -74,10 +74,11 @@ def _make(engine: Any, chat: bool, fields: dict[str, Any], ids: list[int], max_t
             engine.model.require_logit_function(name, param)
     grammar = engine.grammars.compile(spec) if spec is not None else None
     stream_options = fields.get("stream_options") or {}
-    return Call(engine, chat, ids, params, max_new, fields.get("n", 1), fields.get("model") or engine.model_name,
-                bool(stream_options.get("include_usage")), logit_bias=logit_bias,
-                top_logprobs=top, prompt_top_logprobs=prompt_top,
-                make_matcher=(lambda: engine.grammars.matcher(grammar)) if grammar is not None else None, **kw)
+    return Call(engine, CallSpec(
+        chat, ids, params, max_new, n=fields.get("n", 1), model=fields.get("model") or engine.model_name,
+        include_usage=bool(stream_options.get("include_usage")), logit_bias=logit_bias, top_logprobs=top,
+        prompt_top_logprobs=prompt_top,
+        make_matcher=(lambda: engine.grammars.matcher(grammar)) if grammar is not None else None, **kw))
 
 
 def _max_new(engine: Any, ids: list[int], max_tokens: int | None) -> int:

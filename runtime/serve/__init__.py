@@ -1,1 +1,1 @@
-"""mlcc.runtime.serve"""
+"""mlcc.runtime.serve: what users run: the HTTP server, `mlcc chat`, `mlcc serve`, the load generator."""

@@ -5,18 +5,15 @@ from __future__ import annotations
 import sys
 import time
 
-from mlcc.options import CompileOptions
+from mlcc.options import EngineConfig
 from mlcc.runtime.engine import Engine
 
 
-def run_chat(model: str | None, target: str = "auto", quant: str | None = None, prompt: str | None = None,
-             max_tokens: int = 256, temperature: float = 0.0, options: CompileOptions | None = None,
-             num_threads: int | None = None, speculative_config: str | None = None) -> int:
-    """options: as Engine's (the compile options of a model compiled on first use, or those a folder must have);
-    speculative_config: as Engine's (JSON text)."""
+def run_chat(model: str | None, config: EngineConfig | None = None, prompt: str | None = None,
+             max_tokens: int = 256, temperature: float = 0.0) -> int:
+    """config: the engine's settings (mlcc.options.EngineConfig; default: batch 1)."""
     t0 = time.time()
-    engine = Engine(model, target=target, quant=quant, max_batch=1, options=options, num_threads=num_threads,
-                    speculative_config=speculative_config)
+    engine = Engine(model, config=config or EngineConfig(max_batch=1))
     print(f"[{engine.model_name} on {engine.model.config['target']}, ready in {time.time() - t0:.1f}s]",
           file=sys.stderr)
     history: list[dict[str, str]] = []

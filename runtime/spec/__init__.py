@@ -1,1 +1,1 @@
-"""mlcc.runtime.spec"""
+"""mlcc.runtime.spec: speculative decoding: configuration, n-gram and draft-model proposals, acceptance."""

@@ -1,0 +1,51 @@
+"""EngineConfig: one settings value for the engine, its checks, and the chat/serve flags declared from it once."""
+
+from __future__ import annotations
+
+import pytest
+
+from mlcc.cli import build_parser
+from mlcc.errors import EngineConfigError
+from mlcc.options import CompileOptions, EngineConfig
+
+
+def test_unknown_setting_names_the_known_ones():
+    with pytest.raises(EngineConfigError, match="unknown engine setting.*max_batchh.*known: .*max_batch"):
+        EngineConfig.of(max_batchh=4)
+
+
+@pytest.mark.parametrize("bad", [{"max_batch": 0}, {"prefill_chunk": -1}, {"gpu_memory_utilization": 1.5},
+                                 {"policy": "fifo"}, {"weights": "zeros"}, {"kv_cache_tokens": 1.5},
+                                 {"options": {"pdl": False}}])
+def test_bad_values_are_refused(bad):
+    with pytest.raises(EngineConfigError, match=next(iter(bad))):
+        EngineConfig(**bad)
+
+
+def test_keywords_override_a_given_config():
+    base = EngineConfig(max_batch=16, prefix_cache=False)
+    cfg = EngineConfig.of(base, max_batch=2)
+    assert (cfg.max_batch, cfg.prefix_cache) == (2, False) and base.max_batch == 16
+    assert EngineConfig().describe() == "defaults" and '"max_batch": 2' in cfg.describe()
+
+
+@pytest.mark.parametrize("command,max_batch", [("chat", 1), ("serve", 8)])
+def test_chat_and_serve_share_the_engine_flags(command, max_batch):
+    parser = build_parser()
+    assert EngineConfig.from_cli(parser.parse_args([command])) == EngineConfig(max_batch=max_batch)
+    args = parser.parse_args([command, "model.gguf", "--max-batch", "3", "--no-prefix-cache", "--policy", "max_util",
+                              "--kv-cache-tokens", "4096", "--gpu-memory-utilization", "0.5", "--threads", "2",
+                              "--option", "pdl=0", "--speculative-config", '{"method": "ngram"}'])
+    cfg = EngineConfig.from_cli(args)
+    assert args.model == "model.gguf"
+    assert cfg == EngineConfig(max_batch=3, prefix_cache=False, policy="max_util", kv_cache_tokens=4096,
+                               gpu_memory_utilization=0.5, num_threads=2, options=CompileOptions(pdl=False),
+                               speculative_config='{"method": "ngram"}')
+
+
+def test_every_flag_has_help():
+    parser = build_parser()
+    sub = next(a for a in parser._actions if a.dest == "command")
+    for name in ("chat", "serve", "compile"):
+        for action in sub.choices[name]._actions:
+            assert action.help, f"mlcc {name} {action.option_strings or action.dest} has no help"
