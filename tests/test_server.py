@@ -233,7 +233,7 @@ def test_errors_are_openai_shaped_for_paths_and_methods(server):
 
 def test_mlcc_bench_against_the_server(server, tmp_path):
     out = tmp_path / "bench.json"
-    r = subprocess.run([sys.executable, "-m", "mlcc", "bench", "--base-url", f"{server}/v1", "--api-key", KEY,
+    r = subprocess.run([sys.executable, "-m", "mlcc", "bench", "serve", "--base-url", f"{server}/v1", "--api-key", KEY,
                         "--num-prompts", "6", "--input-len", "uniform:4:12", "--output-len", "8",
                         "--request-rate", "20,50", "--json", str(out)], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr

@@ -1,4 +1,4 @@
-"""`mlcc bench`: load generator for any OpenAI-compatible endpoint (ours or another).
+"""`mlcc bench serve`: load generator for any OpenAI-compatible endpoint (ours or another).
 
 Fixed or uniform input/output lengths, optionally a fraction of each prompt shared by all requests (a common system
 prompt: what a prefix cache reuses), open-loop Poisson request-rate sweep or fixed concurrency, streaming; reports
@@ -157,7 +157,13 @@ def print_table(rows: list[dict[str, Any]]) -> None:
 
 
 def add_bench_parser(sub) -> None:
-    b = sub.add_parser("bench", help="load-test an OpenAI-compatible endpoint (TTFT/ITL percentiles, tok/s)")
+    """`mlcc bench serve` (this load generator, over HTTP) and `mlcc bench throughput` (the engine in-process)."""
+    from mlcc.runtime.serve.throughput import add_throughput_parser
+
+    modes = sub.add_parser("bench", help="benchmarks: `serve` load-tests an OpenAI-compatible endpoint, "
+                                         "`throughput` runs the engine in this process").add_subparsers(
+        dest="bench_mode", required=True)
+    b = modes.add_parser("serve", help="load-test an OpenAI-compatible endpoint (TTFT/ITL percentiles, tok/s)")
     b.add_argument("--base-url", default="http://127.0.0.1:8000/v1")
     b.add_argument("--model", default=None, help="model name (default: the endpoint's first model)")
     b.add_argument("--api-key", default="none")
@@ -170,6 +176,7 @@ def add_bench_parser(sub) -> None:
                    help="fraction of each prompt that is the same for all requests (default 0)")
     b.add_argument("--json", default=None, help="write the results here")
     b.set_defaults(func=run_bench)
+    add_throughput_parser(modes)
 
 
 def run_bench(args: argparse.Namespace) -> int:
