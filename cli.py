@@ -75,6 +75,31 @@ def cmd_web(args: argparse.Namespace) -> int:
     return 0
 
 
+def request_schema_js() -> str:
+    """web/js/request_schema.js as runtime/api/protocol.py defines the request today. Rendered here, not in mlcc.web:
+    the web layer may not import the runtime."""
+    from mlcc.runtime.api import protocol
+    from mlcc.web.request_schema import render_js
+
+    return render_js(protocol.ChatCompletionRequest.model_json_schema(), dict(protocol._UNSUPPORTED),
+                     protocol.MAX_DEPTH)
+
+
+def cmd_export_request_schema(args: argparse.Namespace) -> int:
+    from mlcc.web.request_schema import JS_FILE
+
+    js = request_schema_js()
+    if args.check:
+        if JS_FILE.read_text() != js:
+            print(f"{JS_FILE} is stale: run `mlcc export-request-schema`", file=sys.stderr)
+            return 1
+        print(f"{JS_FILE} is current")
+        return 0
+    JS_FILE.write_text(js)
+    print(f"wrote {JS_FILE}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     from mlcc.options import CompileOptions, EngineConfig
 
@@ -120,6 +145,12 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--output", "-o", required=True, help="site folder to write")
     w.add_argument("--title", default="mlcc chat")
     w.set_defaults(func=cmd_web)
+
+    rs = sub.add_parser("export-request-schema",
+                        help="regenerate web/js/request_schema.js (the web engine's request checks) from the "
+                             "runtime's request protocol; run after changing runtime/api/protocol.py")
+    rs.add_argument("--check", action="store_true", help="write nothing; exit 1 if the committed file is stale")
+    rs.set_defaults(func=cmd_export_request_schema)
 
     from mlcc.runtime.serve.loadgen import add_bench_parser
     from mlcc.runtime.serve.server_cli import add_serve_parser

@@ -1,18 +1,18 @@
 """The web engine's request checks (web/js/request_check.js) against protocol's: the committed schema is the one
 protocol's pydantic model gives, and hostile requests are refused naming the same field as parse_chat_request.
-Needs only node (no GPU, no site). `python tests/test_web_requests.py` rewrites web/js/request_schema.js."""
+Needs only node (no GPU, no site). `mlcc export-request-schema` rewrites web/js/request_schema.js."""
 
 from __future__ import annotations
 
 import json
 import shutil
 import subprocess
-import sys
 
 import pytest
 
+from mlcc.cli import main, request_schema_js
 from mlcc.errors import RequestError
-from mlcc.web.request_schema import JS_FILE, render_js
+from mlcc.web.request_schema import JS_FILE
 
 M = [{"role": "user", "content": "hi"}]
 # (request, why it is refused): each one protocol refuses too, with the same param
@@ -88,16 +88,14 @@ ACCEPTED = [
 ]
 
 
-def current_js() -> str:
-    from mlcc.runtime.api import protocol
-    from mlcc.runtime.api.json_body import MAX_DEPTH
-
-    return render_js(protocol.ChatCompletionRequest.model_json_schema(), dict(protocol._UNSUPPORTED), MAX_DEPTH)
-
-
 def test_request_schema_is_current():
-    assert JS_FILE.read_text() == current_js(), \
-        "web/js/request_schema.js is stale: regenerate it with python tests/test_web_requests.py"
+    assert JS_FILE.read_text() == request_schema_js(), \
+        "web/js/request_schema.js is stale: regenerate it with `mlcc export-request-schema`"
+
+
+def test_export_request_schema_check_passes_on_the_committed_file(capsys):
+    assert main(["export-request-schema", "--check"]) == 0
+    assert "is current" in capsys.readouterr().out
 
 
 def js_verdicts(requests: list[dict]) -> list[dict]:
@@ -181,8 +179,3 @@ def test_web_support_refuses_what_the_web_engine_cannot_do():
         assert "web engine" in g[2] or "vocabulary" in g[2], g
     assert lark_got[0] == "structured_outputs.grammar" and "Lark" in lark_got[2]
     assert regex_with_grammars is None
-
-
-if __name__ == "__main__":
-    JS_FILE.write_text(current_js())
-    print(f"wrote {JS_FILE}", file=sys.stderr)

@@ -1,8 +1,8 @@
 """The chat request's JSON schema as the web engine imports it (web/js/request_schema.js, committed): pydantic's
 schema of runtime/api/protocol.py's ChatCompletionRequest (the one source of truth) with its `$ref`s inlined,
 titles/defaults/descriptions dropped and the discriminator reduced to the tag's name. mlcc.web does not import the
-runtime (the layers contract), so tests/test_web_requests.py renders the file from protocol and checks the committed
-copy is current; `python tests/test_web_requests.py` rewrites it."""
+runtime (the layers contract), so the command `mlcc export-request-schema` (mlcc.cli, above both) renders the file
+from protocol through render_js and writes it; tests/test_web_requests.py checks the committed copy is current."""
 
 from __future__ import annotations
 
@@ -41,7 +41,7 @@ def inline_refs(schema: dict[str, Any]) -> dict[str, Any]:
 
 def render_js(schema: dict[str, Any], unsupported: dict[str, str], max_depth: int) -> str:
     """request_schema.js: the inlined schema, the fields refused by name with their hints, the nesting limit."""
-    return ("// Generated from mlcc.runtime.api.protocol by `python tests/test_web_requests.py`; do not edit.\n"
+    return ("// Generated from mlcc.runtime.api.protocol by `mlcc export-request-schema`; do not edit.\n"
             f"export const CHAT_REQUEST_SCHEMA = {json.dumps(inline_refs(schema), sort_keys=True)};\n"
             f"export const UNSUPPORTED_FIELDS = {json.dumps(unsupported, sort_keys=True)};\n"
             f"export const MAX_DEPTH = {max_depth};\n")
