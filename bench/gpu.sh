@@ -1,121 +1,90 @@
 #!/usr/bin/env bash
-# The GPU runs on the H200 (the device tool's nvidia-h200): the gpu-marked tests, then the decode table
-# (bench/decode.py), results into $OUT. Run from the checkout root.
+# mlcc's CUDA side on a machine with an NVIDIA GPU: the gpu-marked tests, the decode table, or any benchmark command,
+# after one setup. mlcc and TVM are whatever python3 imports (`pip install -e .[test]` in this checkout, or
+# `pip install mlcc`, which brings TVM); where python3 cannot import mlcc, this checkout goes on the path as the
+# package mlcc.
 #
-#   bash bench/gpu.sh prepare        here: writes .gpu-rt/ and .whl/ (below)
-#   bash bench/gpu.sh [tests] [decode] [PYTEST_ARGS]   device: the stages named (default: both), in that order;
-#                                    PYTEST_ARGS (e.g. -k "graph or split") go to the tests
-#   bash bench/gpu.sh run CMD ...    device: CMD after the same setup (ab_decode.py, profile_decode.py, serve.py ...)
+#   bash bench/gpu.sh [--out DIR] [tests] [decode] [PYTEST_ARGS]
+#       the stages named, in that order (none named: both). tests: the gpu-marked tests (PYTEST_ARGS, e.g.
+#       -k "graph or split", go to pytest), their log in DIR/gpu-tests.txt. decode: the decode table
+#       (bench/decode.py): mlcc on the shape-only libraries in $MLCC_BENCH_LIBS (default .dev/bench; built there
+#       first when missing, a few minutes), transformers on the same shapes, the roofline; DIR/decode_mlcc.json,
+#       decode_hf.json, decode_table.md.
+#   bash bench/gpu.sh [--out DIR] run CMD ...
+#       CMD after the same setup, e.g. `run python3 bench/decode.py ab-run --libs .dev/ab --out out/bench`.
 #
-# What TVM travels (one device call carries at most 64 MiB, the working tree included):
-#   .gpu/     full TVM, compiler included (~61 MiB; ../shared/gpu/pack.sh writes it). The tests compile, so they need
-#             it, and it leaves room for nothing else: no openai wheels, so the Engine tests skip (unless an
-#             earlier call on the same warm machine carried .whl: it stays there and setup uses it).
-#   .gpu-rt/  runtime-only TVM (~6 MiB: the tvm python tree with libtvm_runtime*.so, no libtvm_compiler.so, plus the
-#             tvm-ffi wheel). TVM drops into runtime-only mode, all that a library cross-compiled here needs (mlcc
-#             registers NVRTC for the arch the library was built for). With .whl/: the cp312 wheels the device image
-#             lacks (openai, fastapi, uvicorn, ...), for the Engine and `mlcc serve`.
-# Either unpacks into /tmp/site once per machine; a warm machine keeps it between calls.
-#
-# The decode table, two calls on one machine (the way its committed results were made):
-#   here:    ../shared/gpu/pack.sh && bash bench/gpu.sh prepare
-#            python bench/decode.py build --out .dev/bench && python bench/decode.py reference --out .dev/bench
-#   first:   run(command="bash bench/gpu.sh tests", carry=[".gpu"])
-#   then:    run(command="bash bench/gpu.sh decode", carry=[".gpu-rt", ".whl", ".dev/bench"])
-# Or one call, `bash bench/gpu.sh` with carry [".gpu"]: without .dev/bench the decode stage builds the libraries on
-# the device (its compile column then is the device's), which with the tests may not fit one call's 10 minutes.
-# Stage limits: TEST_S (default 300 s); LIBS (default .dev/bench) names the libraries folder.
-# Results: $OUT/gpu-tests.txt, decode_mlcc.json, decode_hf.json, decode_table.md (commit them as
-# bench/results/<date>-<commit>-<what>.*, see bench/results/README.md).
+# DIR: --out, else $MLCC_BENCH_OUT, else out/bench (git-ignored); CMD sees it as $MLCC_BENCH_OUT. A result worth
+# keeping goes into bench/results/ under the naming of bench/results/README.md.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-OUT=${OUT:-/tmp/out}
-
-prepare() {   # here, needs ../shared/gpu (the TVM bundle) and pip's registry
-  local S=../shared/gpu exclude
-  exclude=$(git rev-parse --git-path info/exclude)
-  mkdir -p "$(dirname "$exclude")"
-  for p in /.gpu-rt/ /.whl/ /.dev/; do grep -qx "$p" "$exclude" 2>/dev/null || echo "$p" >> "$exclude"; done
-  rm -rf .gpu-rt && mkdir -p .gpu-rt
-  cp "$S"/apache_tvm_ffi-*.whl "$S"/tvm-py.tar.xz .gpu-rt/ || return 1
-  cat > .gpu-rt/setup.sh <<'SETUP'
-_D=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
-_SITE=/tmp/site
-if [ ! -f $_SITE/tvm/lib/libtvm_runtime.so ]; then
-  mkdir -p $_SITE
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target $_SITE $_D/apache_tvm_ffi-*.whl || return 1
-  tar -C $_SITE -xJf $_D/tvm-py.tar.xz || return 1
+OUT_DIR=${MLCC_BENCH_OUT:-out/bench}
+if [ "${1:-}" = --out ]; then
+  [ $# -ge 2 ] || { echo "--out needs a folder"; exit 2; }
+  OUT_DIR=$2; shift 2
 fi
-export PYTHONPATH=$_SITE${PYTHONPATH:+:$PYTHONPATH}
-_CR=$(python3 -c "import nvidia.cuda_runtime as m, os; print(os.path.dirname(m.__file__))" 2>/dev/null)
-export LD_LIBRARY_PATH=${_CR:+$_CR/lib:}/usr/local/cuda/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
-SETUP
-  rm -rf .whl
-  python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-    --platform manylinux_2_31_x86_64 --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl \
-    openai jiter distro httpx2 httpcore2 anyio sniffio h11 idna truststore typing-extensions pydantic pydantic-core \
-    typing-inspection annotated-types fastapi starlette uvicorn click prometheus-client annotated-doc \
-    opentelemetry-api httpx==0.28.1 httpcore==1.0.9 certifi "llguidance>=1.9" || return 1
-  du -sh .gpu-rt .whl
-}
 
-setup() {     # device: TVM, mlcc (this checkout, as the package mlcc) and the carried wheels on the path
-  command -v nvidia-smi > /dev/null || { echo "no NVIDIA GPU here: these stages run on the device (header)"; return 2; }
-  if [ -f .gpu/setup.sh ]; then
-    source .gpu/setup.sh || return 1
-  elif [ -f .gpu-rt/setup.sh ]; then
-    source .gpu-rt/setup.sh || return 1
-  else
-    echo "no TVM carried: carry .gpu (full) or .gpu-rt (runtime only), see the header of bench/gpu.sh"; return 2
+setup() {
+  command -v nvidia-smi > /dev/null || { echo "no NVIDIA driver here (nvidia-smi): these stages need a CUDA GPU"; return 2; }
+  python3 -c "import tvm" 2>/dev/null || { echo "python3 cannot import tvm: pip install mlcc (or apache-tvm)"; return 2; }
+  if ! python3 -c "import mlcc" 2>/dev/null; then   # the checkout root is the package itself
+    local pkg
+    pkg=$(mktemp -d)
+    ln -s "$PWD" "$pkg/mlcc"
+    export PYTHONPATH=$pkg${PYTHONPATH:+:$PYTHONPATH}
   fi
-  mkdir -p /tmp/mlccpkg && ln -sfn "$PWD" /tmp/mlccpkg/mlcc
-  export PYTHONPATH=/tmp/mlccpkg:$PYTHONPATH
-  if compgen -G ".whl/*.whl" > /dev/null; then
-    [ -d /tmp/site2 ] || python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site2 .whl/*.whl
-    export PYTHONPATH=$PYTHONPATH:/tmp/site2
-  fi
-  export HF_HUB_OFFLINE=1 NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
-  mkdir -p "$OUT"
+  # NVLink multicast (NVLS) off unless set: the tensor-parallel results were measured without it
+  export HF_HUB_OFFLINE=${HF_HUB_OFFLINE:-1} NCCL_NVLS_ENABLE=${NCCL_NVLS_ENABLE:-0} PYTHONUNBUFFERED=1
+  mkdir -p "$OUT_DIR" || return 1
+  OUT_DIR=$(cd "$OUT_DIR" && pwd)
+  export MLCC_BENCH_OUT=$OUT_DIR
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+  python3 -c "import mlcc, tvm; print('mlcc', mlcc.__file__, '| tvm', tvm.__version__, tvm.__file__)"
 }
 
-full_tvm() { python3 -c "import sys, tvm; sys.exit(0 if hasattr(tvm, 'relax') else 1)" 2>/dev/null; }
+has_compiler() { python3 -c "import sys, tvm; sys.exit(0 if hasattr(tvm, 'relax') else 1)" 2>/dev/null; }
 
-tests() {     # the gpu-marked tests (they compile: full TVM)
-  full_tvm || { echo "tests: the tests compile; carry .gpu (full TVM)"; return 2; }
-  timeout "${TEST_S:-300}" python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_cuda_kernels.py \
-    tests/test_gpu_*.py "$@" 2>&1 | tee "$OUT/gpu-tests.txt"
+tests() {     # the gpu-marked tests; they compile, so they need TVM's compiler, not only its runtime
+  has_compiler || { echo "tests: this TVM is runtime-only, and the tests compile"; return 2; }
+  python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_cuda_*.py tests/test_gpu_*.py tests/test_*_gpu.py \
+    "$@" 2>&1 | tee "$OUT_DIR/gpu-tests.txt"
 }
 
 decode() {    # the decode table: mlcc on the libraries, transformers on the same shapes, the roofline
-  local libs=${LIBS:-.dev/bench}
-  if [ ! -f "$libs/build.json" ]; then
-    full_tvm || { echo "decode: no libraries in $libs and no compiler: build them here (header) or carry .gpu"
-                  return 2; }
-    libs=/tmp/mlcc-bench
-    echo "decode: building the libraries on the device into $libs"
-    [ -f "$libs/reference.npz" ] || { python3 bench/decode.py build --out "$libs" \
-                                      && python3 bench/decode.py reference --out "$libs"; } || return 1
-  fi
-  python3 bench/decode.py mlcc --libs "$libs" --out "$OUT" || return 1
-  python3 bench/decode.py hf --out "$OUT"
-  python3 bench/decode.py table "$OUT/decode_mlcc.json" "$OUT/decode_hf.json"
-  python3 bench/decode.py table --markdown "$OUT/decode_mlcc.json" "$OUT/decode_hf.json" > "$OUT/decode_table.md"
+  local libs=${MLCC_BENCH_LIBS:-.dev/bench} step file
+  # reference: the small shapes' logits from the CPU build, which the CUDA builds are checked against
+  for step in build:build.json reference:reference.npz; do
+    file=${step#*:}; step=${step%%:*}
+    [ -f "$libs/$file" ] && continue
+    has_compiler || { echo "decode: $libs lacks its $step and this TVM is runtime-only: run, where TVM compiles,"
+                      echo "  python bench/decode.py $step --out $libs"; return 2; }
+    echo "decode: $step into $libs"
+    python3 bench/decode.py $step --out "$libs" || return 1
+  done
+  python3 bench/decode.py mlcc --libs "$libs" --out "$OUT_DIR" || return 1
+  python3 bench/decode.py hf --out "$OUT_DIR"
+  python3 bench/decode.py table "$OUT_DIR/decode_mlcc.json" "$OUT_DIR/decode_hf.json"
+  python3 bench/decode.py table --markdown "$OUT_DIR/decode_mlcc.json" "$OUT_DIR/decode_hf.json" \
+    > "$OUT_DIR/decode_table.md"
 }
 
 case "${1:-}" in
-  prepare) prepare ;;
-  run) shift; setup || exit $?; "$@" ;;
+  run)
+    shift
+    [ $# -gt 0 ] || { echo "run: which command?"; exit 2; }
+    setup || exit $?
+    "$@" ;;
+  -h|--help|help) sed -n '2,/^set -uo/p' "$0" | sed '$d; s/^# \{0,1\}//' ;;
   *)
     stages=()
     while [ $# -gt 0 ] && { [ "$1" = tests ] || [ "$1" = decode ]; }; do stages+=("$1"); shift; done
     [ ${#stages[@]} -gt 0 ] || stages=(tests decode)
-    if [ $# -gt 0 ] && [ "${1#-}" = "$1" ]; then echo "unknown stage $1 (tests, decode; or: prepare, run CMD)"; exit 2; fi
+    if [ $# -gt 0 ] && [ "${1#-}" = "$1" ]; then echo "unknown stage $1 (tests, decode; or: run CMD ...)"; exit 2; fi
     setup || exit $?
     rc=0; t0=$(date +%s)
     for s in "${stages[@]}"; do
       if [ "$s" = tests ]; then tests "$@" || rc=$?; else decode || rc=$?; fi
       echo "$s done at $(( $(date +%s) - t0 )) s, rc so far $rc"
     done
+    echo "results: $OUT_DIR"
     exit $rc ;;
 esac

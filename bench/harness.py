@@ -1,14 +1,16 @@
-"""What the benchmark scripts share: their command line (subcommands, the docstring as --help), build metadata,
-and writing results.
+"""What the benchmark scripts share: their command line (subcommands, the docstring as --help), the preset model
+shapes, real models' GGUF files, build metadata and writing results.
 
-The scripts run as `python bench/NAME.py ...` from the checkout root (they import each other and this module by
-bare name, from bench/); mlcc itself comes from the installed (editable) package, or from PYTHONPATH on the device.
+The scripts run as `python bench/NAME.py ...` from the checkout root: they import this module (and each other) by
+bare name, from bench/, and mlcc from wherever Python finds it (the installed package, or PYTHONPATH). Nothing here
+imports from tests/.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import subprocess
 import sys
@@ -16,6 +18,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 REPO = Path(__file__).resolve().parents[1]
+# where real models' GGUF files are looked for (the slow tests download theirs here too)
+WEIGHTS = Path(os.environ.get("MLCC_WEIGHTS_CACHE", Path.home() / ".cache" / "mlcc" / "weights"))
 
 
 def cli(doc: str | None, commands: dict[str, tuple[Callable, Callable[[argparse.ArgumentParser], None] | None]],
@@ -33,8 +37,8 @@ def cli(doc: str | None, commands: dict[str, tuple[Callable, Callable[[argparse.
 
 def presets() -> dict:
     """mlcc.relax_models.presets.PRESETS (name -> Preset: family, HF config). Loaded from its file, not through the
-    mlcc.relax_models package: importing that package builds the model families on TVM's compiler, which the
-    runtime-only TVM of a device run does not have, and the table itself needs nothing."""
+    mlcc.relax_models package: importing that package builds the model families on TVM's compiler, which a
+    runtime-only TVM (enough to run prebuilt libraries) does not have, and the table itself needs nothing."""
     import importlib.util
 
     import mlcc
@@ -45,6 +49,16 @@ def presets() -> dict:
     sys.modules[spec.name] = module  # dataclasses look their module up while the class is built
     spec.loader.exec_module(module)
     return module.PRESETS
+
+
+def cached_gguf(name: str, given: str | None = None) -> Path:
+    """A real model's file: `given` when passed, else WEIGHTS/name. Exits naming both when it is not there, since
+    downloading multi-hundred-MB checkpoints is not a benchmark's business."""
+    path = Path(given) if given else WEIGHTS / name
+    if not path.exists():
+        raise SystemExit(f"{path} is missing: pass the file, or put {name} in {WEIGHTS} (MLCC_WEIGHTS_CACHE; "
+                         "`python -m pytest -m slow tests/test_real_weights.py` downloads the Qwen2.5-Coder-0.5B one)")
+    return path
 
 
 def add_options_argument(p: argparse.ArgumentParser) -> None:
@@ -81,8 +95,6 @@ def build_info(options=None) -> dict[str, Any]:
 
 
 def _cpus() -> int:
-    import os
-
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 

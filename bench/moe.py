@@ -1,16 +1,16 @@
 """Mixture-of-experts decode and prefill speed on CUDA (Qwen3-30B-A3B and Mixtral-8x7B shapes, q4f16_1): mlcc,
-transformers on the same shapes in fp16, and the roofline from the bytes a token actually reads, from one device
-run.
+transformers on the same shapes in fp16, and the roofline from the bytes a token actually reads, from one run.
 
-    # here (CPU): shape-only CUDA libraries (the two shapes and two small checked ones), then the CPU build's
-    # logits of the small ones, which the device run checks the CUDA builds against first
+    # any machine (no GPU needed): shape-only CUDA libraries (the two shapes and two small checked ones), then the
+    # CPU build's logits of the small ones, which the GPU run checks the CUDA builds against first
     python bench/moe.py build --out .dev/moe
     python bench/moe.py reference --out .dev/moe
-    # device (H200): carry .gpu-rt .whl .dev/moe
-    bash bench/gpu.sh run bash -c 'python3 bench/moe.py mlcc --libs .dev/moe --out $OUT;
-        python3 bench/moe.py hf --out $OUT; python3 bench/moe.py table $OUT/moe_mlcc.json $OUT/moe_hf.json'
+    # the CUDA machine
+    python bench/moe.py mlcc --libs .dev/moe --out OUT
+    python bench/moe.py hf --out OUT
+    python bench/moe.py table OUT/moe_mlcc.json OUT/moe_hf.json
 
-Weights are random (seeded, written on the device; speed does not depend on their values, and random routers
+Weights are random (seeded, drawn on the GPU machine; speed does not depend on their values, and random routers
 spread tokens over the experts). Active bytes per token = the k selected experts' weights of every sparse layer
 (k/E of the stacked expert tensors), attention, routers, norms, the LM head and one embedding row, plus the KV
 cache of the context; the roofline divides them by the device-to-device copy bandwidth measured in the same run.

@@ -1,18 +1,18 @@
 """Prefill and batched decode on CUDA: mlcc's tensor-core prefill kernels (CompileOptions.flash_prefill_attention,
 prefill_gemm) against the same library without them (TVM's prefill attention, dlight's GEMM rule), and
-`transformers` fp16 (sdpa) on the same shape, in one device run.
+`transformers` fp16 (sdpa) on the same shape, in one run; then each kernel alone against its peer.
 
-    # here: shape-only CUDA libraries (bench/decode.py builds them): the base, its float32 twins (the reference),
-    # and one folder per variant
-    python bench/decode.py build --out .dev/base8 \\
+    # any machine: shape-only CUDA libraries (bench/decode.py builds them): the base, its float32 twins (the
+    # reference), and one folder per variant
+    python bench/decode.py build --out .dev/base8 \
         --only llama3-8b/q4f16_1,llama3-8b/q0f16,llama3-8b/q4f32_1,llama3-8b/q0f32
-    python bench/decode.py build --out .dev/fa8 --only llama3-8b/q4f16_1,llama3-8b/q0f16 \\
+    python bench/decode.py build --out .dev/fa8 --only llama3-8b/q4f16_1,llama3-8b/q0f16 \
         --option flash_prefill_attention=1
-    python bench/decode.py build --out .dev/fapg8 --only llama3-8b/q4f16_1,llama3-8b/q0f16 \\
+    python bench/decode.py build --out .dev/fapg8 --only llama3-8b/q4f16_1,llama3-8b/q0f16 \
         --option flash_prefill_attention=1 --option prefill_gemm=1
-    # device (H200), carry .gpu-rt .whl .dev/base8 .dev/fa8 .dev/fapg8
-    bash bench/gpu.sh run bash -c 'python3 bench/prefill.py mlcc --base .dev/base8 \\
-        --variants flash=.dev/fa8,flash+gemm=.dev/fapg8 --out $OUT && python3 bench/prefill.py hf --out $OUT'
+    # the CUDA machine
+    python bench/prefill.py mlcc --base .dev/base8 --variants flash=.dev/fa8,flash+gemm=.dev/fapg8 --out OUT
+    python bench/prefill.py hf --out OUT
 
 Weights are random, seeded: every build of a model gets the same values, so logits are compared first (prefill of
 a 512-token prompt, a ragged two-sequence prefill, a decode step of 8 sequences, a 5-token verify): each variant
@@ -25,11 +25,37 @@ serving. Verify: the forward over 5 new tokens with their logits (a speculative 
 context, median ms, beside one decode step's. Rows: {"bench": "prefill"|"batched_decode"|"verify", "model",
 "quant", "variant", "prompt_tokens" | "batch" | "tokens", "tok_per_s" | "ms"}; transformers rows have "engine":
 "transformers".
-"""
 
+The attention kernel alone: mlcc's tensor-core kernel (schedules/cuda_flash_prefill.py) against TVM's ragged
+prefill kernel as a model library builds it (the wide grid of schedules/cuda_prefill_attention.py) and torch's
+scaled_dot_product_attention (its flash backend), causal, on Llama-3-8B's heads (32 query, 8 KV, 128) and
+Qwen2.5-0.5B's (14, 2, 64).
+
+    python bench/prefill.py attention-build --out .dev/attn       # one CUDA library with both kernels per shape
+    python bench/prefill.py attention-run --lib .dev/attn --out OUT            # the CUDA machine
+
+It checks first: a ragged batch of four sequences (1, 100, 700 and 64 tokens) against float32 attention in torch,
+output and log-sum-exp (base 2, what TVM's KV cache merges), for both kernels, causal and not; then times one
+sequence of 512, 2,048 and 8,192 tokens (best of 10 after a warm-up). Rows of OUT/attention.json:
+{"bench": "prefill_attention", "shape", "tokens", "kernel", "ms", "tflops", "ratio_vs_sdpa"}; the FLOP count is
+the causal half, 2 * 2 * L^2 / 2 * heads * head_dim.
+
+The GEMM kernel alone: mlcc's tensor-core kernel (schedules/cuda_gemm.py) against cuBLAS fp16 through torch, on an
+8B model's projection shapes, fp16 and q4f16_1 weights (q4 rows: cuBLAS on the dequantized fp16 weights).
+`gemm-build` compiles every candidate parameter set (nvcc, sm_90a cubin, no GPU needed); `gemm-run` (torch + cupy,
+no TVM) checks each kernel and epilogue against torch first, then times them and prints a table:
+
+    python bench/prefill.py gemm-build --out .dev/gemm
+    python bench/prefill.py gemm-run --lib .dev/gemm --out OUT                 # the CUDA machine
+
+Rows of OUT/gemm.json: {"bench": "gemm", "dtype", "M", "N", "K", "params", "tflops", "cublas_tflops",
+"ratio_vs_cublas", "default_tflops"} (tflops: the best candidate; default_tflops: the untuned table's choice).
+"""
 from __future__ import annotations
 
 import json
+import math
+import subprocess
 import time
 from pathlib import Path
 
@@ -262,6 +288,339 @@ def cmd_hf(a) -> None:
         torch.cuda.empty_cache()
 
 
+# --- the attention kernel alone -------------------------------------------------------------------------------------
+
+ATTN_SHAPES = {"llama3-8b": (8, 32, 128), "qwen2.5-0.5b": (2, 14, 64)}
+ATTN_TOKENS = (512, 2048, 8192)
+ATTN_CHECK_LENS = (1, 100, 700, 64)
+
+
+def cmd_attention_build(a) -> None:
+    import tvm
+    from tvm.relax.frontend.nn.llm import _prefill_kernels as pk
+
+    from mlcc.schedules.cuda_flash_prefill import make_flash_prefill
+    from mlcc.schedules.cuda_prefill_attention import _num_blocks
+    from mlcc.schedules.cuda_source import add_cuda_helpers
+    from mlcc.targets import get_target
+    from mlcc.tvm_compat import cuda_source_postproc, prefill_kernel_blocks
+
+    preset = get_target("cuda")
+    target = preset.tvm_target()
+    funcs = {}
+    for name, (h_kv, h_q, d) in ATTN_SHAPES.items():
+        key = name.replace(".", "_").replace("-", "_")
+        funcs[f"flash_{key}"] = make_flash_prefill(h_kv, h_q, d)
+        with prefill_kernel_blocks(_num_blocks(h_kv)):
+            funcs[f"tvm_{key}"] = pk._attention_prefill_ragged(h_kv, h_q, d, d, "float16", {}, target)
+    mod = tvm.IRModule({n: f.with_attr("global_symbol", n) for n, f in funcs.items()})
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    t = time.time()
+    with target, cuda_source_postproc(add_cuda_helpers):
+        lib = tvm.compile(mod, target)
+    lib.export_library(str(out / "attention.so"))
+    (out / "attention.json").write_text(json.dumps({"arch": str(target.attrs["arch"]), "shapes": ATTN_SHAPES}))
+    print(f"{len(funcs)} kernels in {time.time() - t:.1f} s -> {out}")
+
+
+def _attention_reference(torch, q, k, v, lens, scale, causal):
+    """float32 attention per sequence: output [tokens, h_q, d] and base-2 log-sum-exp [tokens, h_q]."""
+    outs, lses, s0 = [], [], 0
+    group = q.shape[1] // k.shape[1]
+    for n in lens:
+        qs = q[s0:s0 + n].float().transpose(0, 1)                          # [h_q, n, d]
+        ks = k[s0:s0 + n].float().transpose(0, 1).repeat_interleave(group, 0)
+        vs = v[s0:s0 + n].float().transpose(0, 1).repeat_interleave(group, 0)
+        s = qs @ ks.transpose(1, 2) * scale
+        if causal:
+            s = s.masked_fill(torch.ones(n, n, device=q.device, dtype=torch.bool).triu(1), float("-inf"))
+        outs.append((s.softmax(-1) @ vs).transpose(0, 1))
+        lses.append((torch.logsumexp(s, -1) / math.log(2)).transpose(0, 1))
+        s0 += n
+    return torch.cat(outs), torch.cat(lses)
+
+
+def cmd_attention_run(a) -> None:
+    import torch
+    import tvm
+
+    from mlcc import tvm_compat
+
+    lib_dir = Path(a.lib)
+    meta = json.loads((lib_dir / "attention.json").read_text())
+    tvm_compat.load_backend_runtimes("cuda")
+    tvm_compat.register_cuda_jit(meta["arch"])
+    lib = tvm.runtime.load_module(str(lib_dir / "attention.so"))
+    dev = "cuda"
+    torch.manual_seed(0)
+    as_tvm = tvm.runtime.from_dlpack
+
+    def call(fn, q, k, v, lens, causal, scale):
+        ind = torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), dtype=torch.int32, device=dev)
+        pos = torch.zeros(q.shape[0], dtype=torch.int32, device=dev)
+        off = torch.zeros(len(lens), dtype=torch.int32, device=dev)
+        o = torch.empty_like(q)
+        lse = torch.empty(q.shape[:2], dtype=torch.float32, device=dev)
+        args = [as_tvm(t) for t in (q, ind, k, v, ind, pos, off, o, lse)]
+        return lambda: fn(*args, causal, 0, 1.0, 10000.0, scale), o, lse
+
+    checks, rows, ok = [], [], True
+    for shape, (h_kv, h_q, d) in meta["shapes"].items():
+        key = shape.replace(".", "_").replace("-", "_")
+        scale = 1 / math.sqrt(d)
+        total = sum(ATTN_CHECK_LENS)
+        q = torch.randn(total, h_q, d, device=dev).half()
+        k = torch.randn(total, h_kv, d, device=dev).half()
+        v = torch.randn(total, h_kv, d, device=dev).half()
+        for causal in (1, 0):
+            ref_o, ref_lse = _attention_reference(torch, q, k, v, ATTN_CHECK_LENS, scale, causal)
+            for kernel in ("flash", "tvm"):
+                run, o, lse = call(lib[f"{kernel}_{key}"], q, k, v, ATTN_CHECK_LENS, causal, scale)
+                run()
+                torch.cuda.synchronize()
+                err_o = ((o.float() - ref_o).abs().max() / ref_o.abs().max()).item()
+                err_lse = (lse - ref_lse).abs().max().item()
+                good = err_o < 1e-2 and err_lse < 1e-2
+                ok &= good
+                checks.append({"shape": shape, "kernel": kernel, "causal": causal, "max_rel_err_out": err_o,
+                               "max_abs_err_lse": err_lse, "ok": good})
+                print(json.dumps(checks[-1]), flush=True)
+    if ok:
+        for shape, (h_kv, h_q, d) in meta["shapes"].items():
+            key = shape.replace(".", "_").replace("-", "_")
+            for n in ATTN_TOKENS:
+                q = torch.randn(n, h_q, d, device=dev).half()
+                k = torch.randn(n, h_kv, d, device=dev).half()
+                v = torch.randn(n, h_kv, d, device=dev).half()
+                flops = 2 * 2 * n * n / 2 * h_q * d
+                qt, kt, vt = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))
+                fns = {kernel: call(lib[f"{kernel}_{key}"], q, k, v, [n], 1, 1 / math.sqrt(d))[0]
+                       for kernel in ("flash", "tvm")}
+                fns["torch_sdpa"] = lambda: torch.nn.functional.scaled_dot_product_attention(
+                    qt, kt, vt, is_causal=True, enable_gqa=True)
+                ms = {kernel: _best_ms(torch, fn) for kernel, fn in fns.items()}
+                for kernel, t in ms.items():
+                    rows.append({"bench": "prefill_attention", "shape": shape, "tokens": n, "kernel": kernel,
+                                 "ms": round(t, 4), "tflops": round(flops / t / 1e9, 1),
+                                 "ratio_vs_sdpa": round(ms["torch_sdpa"] / t, 3)})
+                    print(json.dumps(rows[-1]), flush=True)
+    write_json(a.out, "attention.json", {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+                                         "checks": checks, "rows": rows})
+
+
+def _best_ms(torch, fn, iters: int = 10) -> float:
+    fn()
+    torch.cuda.synchronize()
+    best = float("inf")
+    for _ in range(iters):
+        t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        t0.record()
+        fn()
+        t1.record()
+        torch.cuda.synchronize()
+        best = min(best, t0.elapsed_time(t1))
+    return best
+
+
+# --- the GEMM kernel alone -----------------------------------------------------------------------------------------
+
+# (name, N = W's rows, K) of Llama-3-8B's projections
+GEMM_SHAPES = [("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 28672, 4096), ("down", 4096, 14336)]
+GEMM_TOKENS = [512, 2048, 8192]
+GEMM_FEW_TOKENS = [1, 5, 16, 64]   # batched decode and speculative verify: the split-K kernel (few_token_params)
+# (bm, bn, wm, wn, stages, bk): GemmParams' fields; shared memory is dynamic (227 KB a block on sm_90)
+GEMM_CANDIDATES = [(128, 128, 2, 4, 3, 32), (128, 128, 2, 4, 5, 32), (128, 128, 2, 4, 3, 64), (128, 128, 2, 4, 4, 64),
+              (128, 256, 2, 4, 4, 32), (128, 256, 2, 4, 3, 64), (128, 256, 2, 4, 4, 64), (256, 128, 4, 2, 3, 64),
+              (256, 128, 4, 2, 4, 64), (128, 256, 2, 4, 5, 32), (128, 128, 2, 4, 6, 32), (64, 128, 2, 2, 4, 64),
+              (128, 64, 2, 2, 4, 64), (64, 128, 2, 2, 4, 32)]
+GEMM_CHECKS = [("float16", "none"), ("float16", "bias"), ("float16", "add"), ("float16", "swiglu"),
+          ("q4f16_1", "none"), ("q4f16_1", "bias"), ("q4f16_1", "add"), ("q4f16_1", "swiglu")]
+
+
+def cmd_gemm_build(a) -> None:
+    from mlcc.schedules.cuda_gemm import (
+        GemmParams,
+        default_params,
+        few_token_params,
+        kernel_name,
+        kernel_source,
+        reduce_source,
+    )
+
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    kernels, src = [], None
+    for w in ("float16", "q4f16_1"):
+        params = {GemmParams(*c) for c in GEMM_CANDIDATES} | {default_params(w), default_params(w, 64)}
+        for p in sorted((p for p in params if p.valid(w == "q4f16_1")), key=lambda p: tuple(p.to_dict().values())):
+            for epi in ("none", "bias", "add", "swiglu") if p in (default_params(w),) else ("none",):
+                kernels.append({"name": kernel_name(w, epi, p), "weights": w, "epilogue": epi, "params": p.to_dict(),
+                                "threads": p.threads, "smem": p.smem_bytes(w == "q4f16_1"),
+                                "default": p == default_params(w)})
+                src = (src or "") + kernel_source(w, epi, p, with_header=src is None)
+    few = {few_token_params(n, k, w) for w in ("float16", "q4f16_1") for _, n, k in GEMM_SHAPES}
+    for w in ("float16", "q4f16_1"):
+        for p in sorted({f for f in few}, key=lambda p: p.split):
+            for epi in ("none", "bias", "add"):
+                kernels.append({"name": kernel_name(w, epi, p), "weights": w, "epilogue": epi, "params": p.to_dict(),
+                                "threads": p.threads, "smem": p.smem_bytes(w == "q4f16_1"), "default": False,
+                                "few": True, "reduce": f"mlcc_reduce_k{p.split}_{epi}"})
+                src += kernel_source(w, epi, p, with_header=False)
+    for p in sorted(few, key=lambda p: p.split):
+        for epi in ("none", "bias", "add"):
+            src += reduce_source(epi, p)
+    (out / "gemm.cu").write_text(src)
+    t = time.time()
+    subprocess.run(["nvcc", "-arch=sm_90a", "-cubin", "-O3", "-o", str(out / "gemm.cubin"), str(out / "gemm.cu")],
+                   check=True)
+    (out / "kernels.json").write_text(json.dumps(kernels, indent=1))
+    print(f"{len(kernels)} kernels, nvcc {time.time() - t:.1f} s -> {out}")
+
+
+def _dequant(torch, wq, s):
+    """q4f16_1 [N, K/8] uint32 (as int32) + [N, K/32] fp16 scales -> [N, K] fp16."""
+    n = wq.shape[0]
+    shifts = torch.arange(0, 32, 4, device=wq.device, dtype=torch.int32)
+    codes = (wq.unsqueeze(-1) >> shifts) & 0xF  # [N, K/8, 8]
+    vals = (codes.reshape(n, -1).to(torch.float16) - 7).reshape(n, -1, 32) * s.unsqueeze(-1)
+    return vals.reshape(n, -1)
+
+
+def cmd_gemm_run(a) -> None:
+    import cupy
+    import torch
+
+    lib = Path(a.lib)
+    kernels = json.loads((lib / "kernels.json").read_text())
+    mod = cupy.RawModule(path=str(lib / "gemm.cubin"))
+    fns = {k["name"]: mod.get_function(k["name"]) for k in kernels}
+    for k in kernels:  # past 48 KB a kernel must opt in to its dynamic shared memory
+        fns[k["name"]].max_dynamic_shared_size_bytes = k["smem"]
+    torch.manual_seed(0)
+    dev = "cuda"
+
+    def weights(n, k, kind):
+        if kind == "float16":
+            w = (torch.randn(n, k, device=dev) * 0.02).half()
+            return w, None, w
+        wq = torch.randint(-2**31, 2**31 - 1, (n, k // 8), device=dev, dtype=torch.int32)
+        s = (torch.rand(n, k // 32, device=dev) * 0.01 + 0.001).half()
+        return wq, s, _dequant(torch, wq, s)
+
+    for k in kernels:
+        if k.get("few"):
+            fns[k["reduce"]] = mod.get_function(k["reduce"])
+    parts = {}
+
+    def launch(kern, x, w, s, e, c, m, n, k):
+        p = kern["params"]
+        args = [cupy.asarray(t) if t is not None else cupy.asarray(x) for t in (x, w, s, e)]
+        if not kern.get("few"):
+            grid = (n // p["bn"], -(-m // p["bm"]))
+            fns[kern["name"]](grid, (kern["threads"],), (*args, cupy.asarray(c), cupy.int32(m), cupy.int32(n),
+                                                           cupy.int32(k)), shared_mem=kern["smem"])
+            return
+        size = p["split"] * m * n
+        if parts.get(size) is None:
+            parts[size] = cupy.empty(size, dtype=cupy.float32)
+        part = parts[size]
+        grid = (n // p["bn"], -(-m // p["bm"]), p["split"])
+        fns[kern["name"]](grid, (kern["threads"],), (*args, cupy.asarray(c), cupy.int32(m), cupy.int32(n),
+                                                       cupy.int32(k), part), shared_mem=kern["smem"])
+        fns[kern["reduce"]]((-(-(m * n // 2) // 256),), (256,), (part, args[3], cupy.asarray(c), cupy.int32(m),
+                                                                 cupy.int32(n)))
+
+    def bench(fn, flops, iters=20):
+        for _ in range(3):
+            fn()
+        t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        t0.record()
+        for _ in range(iters):
+            fn()
+        t1.record()
+        torch.cuda.synchronize()
+        return flops / (t0.elapsed_time(t1) / iters * 1e-3) / 1e12
+
+    # correctness first: every epilogue of the default kernels, an M that is no multiple of the tile
+    checks, ok = [], True
+    for kern in kernels:
+        m, n, k = (37, 512, 14336) if kern.get("few") else (200, 512, 1024)
+        w, s, wf = weights(n, k, kern["weights"])
+        x = torch.randn(m, k, device=dev).half()
+        y = x.float() @ wf.float().T
+        e = None
+        epi = kern["epilogue"]
+        if epi == "bias":
+            e = torch.randn(n, device=dev).half()
+            ref = y + e.float()
+        elif epi == "add":
+            e = torch.randn(m, n, device=dev).half()
+            ref = y + e.float()
+        elif epi == "swiglu":
+            g, u = y[:, : n // 2].half().float(), y[:, n // 2:].half().float()
+            ref = torch.nn.functional.silu(g) * u
+        else:
+            ref = y
+        c = torch.empty(ref.shape, device=dev, dtype=torch.float16)
+        launch(kern, x, w, s, e, c, m, n, k)
+        torch.cuda.synchronize()
+        err = ((c.float() - ref).abs().max() / ref.abs().max()).item()
+        good = err < 2e-2 and bool(torch.isfinite(c).all())
+        ok &= good
+        checks.append({"kernel": kern["name"], "max_rel_err": err, "ok": good})
+        print(f"check {kern['name']:55s} max|err|/max|ref| {err:.2e} {'ok' if good else 'FAIL'}", flush=True)
+    rows = []
+    if ok:
+        for kind in ("float16", "q4f16_1"):
+            for name, n, k in GEMM_SHAPES:
+                w, s, wf = weights(n, k, kind)
+                for m in GEMM_TOKENS:
+                    x = torch.randn(m, k, device=dev).half()
+                    c = torch.empty(m, n, device=dev, dtype=torch.float16)
+                    flops = 2 * m * n * k
+                    cublas = bench(lambda: torch.matmul(x, wf.T), flops)
+                    res = {}
+                    for kern in kernels:
+                        if kern["weights"] != kind or kern["epilogue"] != "none" or n % kern["params"]["bn"] \
+                                or kern.get("few"):
+                            continue
+                        res[kern["name"]] = (bench(lambda: launch(kern, x, w, s, None, c, m, n, k), flops), kern)
+                    best, bk = max(res.values(), key=lambda r: r[0])
+                    dflt = next(t for t, kk in res.values() if kk["default"])
+                    rows.append({"bench": "gemm", "dtype": kind, "proj": name, "M": m, "N": n, "K": k,
+                                 "params": bk["params"], "tflops": round(best, 1), "default_tflops": round(dflt, 1),
+                                 "cublas_tflops": round(cublas, 1), "ratio_vs_cublas": round(best / cublas, 3),
+                                 "all": {kk: round(t, 1) for kk, (t, _) in res.items()}})
+                    print(f"{kind:8s} {name:8s} M={m:5d} N={n:6d} K={k:6d}  best {best:6.1f} "
+                          f"({' '.join(str(v) for v in bk['params'].values())}) default {dflt:6.1f}  "
+                          f"cuBLAS {cublas:6.1f}  ratio {best / cublas:.3f}", flush=True)
+    few_rows = []
+    if ok:  # few tokens: the split-K kernel the build picks for the shape, against cuBLAS and the weights' bytes
+        from mlcc.schedules.cuda_gemm import few_token_params, kernel_name
+
+        for kind in ("float16", "q4f16_1"):
+            for name, n, k in GEMM_SHAPES:
+                w, s, wf = weights(n, k, kind)
+                p = few_token_params(n, k, kind)
+                kern = next(kk for kk in kernels if kk["name"] == kernel_name(kind, "none", p))
+                wbytes = n * k * 2 if kind == "float16" else n * k // 2 + n * k // 32 * 2
+                for m in GEMM_FEW_TOKENS:
+                    x = torch.randn(m, k, device=dev).half()
+                    c = torch.empty(m, n, device=dev, dtype=torch.float16)
+                    us = 1e6 * 2 * m * n * k / 1e12 / bench(lambda: launch(kern, x, w, s, None, c, m, n, k),
+                                                           2 * m * n * k, iters=50)
+                    cub = 1e6 * 2 * m * n * k / 1e12 / bench(lambda: torch.matmul(x, wf.T), 2 * m * n * k, iters=50)
+                    few_rows.append({"bench": "gemm_few_tokens", "dtype": kind, "proj": name, "M": m, "N": n, "K": k,
+                                     "split": p.split, "us": round(us, 2), "cublas_fp16_us": round(cub, 2),
+                                     "weight_GBps": round(wbytes / us / 1e3, 1)})
+                    print(json.dumps(few_rows[-1]), flush=True)
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "gemm.json").write_text(json.dumps({"device": torch.cuda.get_device_name(), "checks": checks,
+                                               "rows": rows, "few_tokens": few_rows}, indent=1))
+
+
 def _mlcc_args(p) -> None:
     p.add_argument("--base", required=True, help="libraries with the default options (+ their float32 twins)")
     p.add_argument("--variants", required=True, help="label=folder,... : the same libraries built otherwise")
@@ -277,5 +636,26 @@ def _hf_args(p) -> None:
     p.add_argument("--out", required=True)
 
 
+def _attention_build_args(p) -> None:
+    p.add_argument("--out", default=".dev/attn")
+
+
+def _attention_run_args(p) -> None:
+    p.add_argument("--lib", default=".dev/attn")
+    p.add_argument("--out", required=True)
+
+
+def _gemm_build_args(p) -> None:
+    p.add_argument("--out", default=".dev/gemm")
+
+
+def _gemm_run_args(p) -> None:
+    p.add_argument("--lib", default=".dev/gemm")
+    p.add_argument("--out", required=True)
+
+
 if __name__ == "__main__":
-    cli(__doc__, {"mlcc": (cmd_mlcc, _mlcc_args), "hf": (cmd_hf, _hf_args)})
+    cli(__doc__, {"mlcc": (cmd_mlcc, _mlcc_args), "hf": (cmd_hf, _hf_args),
+                  "attention-build": (cmd_attention_build, _attention_build_args),
+                  "attention-run": (cmd_attention_run, _attention_run_args),
+                  "gemm-build": (cmd_gemm_build, _gemm_build_args), "gemm-run": (cmd_gemm_run, _gemm_run_args)})

@@ -1,13 +1,12 @@
 """Speculative decoding (runtime.spec.speculative) against plain decoding in the same run, greedy, batch 1: on the CPU
-with real weights, on the H200 with random weights of the real shapes.
+with real weights, on a CUDA GPU with random weights of the real shapes.
 
     python bench/speculative.py cpu --out /tmp/spec                       # both parts below
     python bench/speculative.py cpu --out /tmp/spec --skip-draft          # the n-gram part only
     python bench/speculative.py cpu --out /tmp/spec --skip-ngram          # the draft pair only
     python bench/speculative.py verify-cost --out /tmp/spec DIR ...       # a verify's cost in decode steps
-    python bench/speculative.py build --out .dev/specgpu                  # here: the CUDA libraries (shape only)
-    bash bench/gpu.sh run python3 bench/speculative.py gpu --libs .dev/specgpu --out $OUT   # device
-                                                                          # (carry .gpu-rt .whl .dev/specgpu)
+    python bench/speculative.py build --out .dev/specgpu                  # the CUDA libraries (shape only)
+    python bench/speculative.py gpu --libs .dev/specgpu --out OUT         # the CUDA machine
 
 ngram: the bundled SmolLM2-135M (real weights, llvm) with {"method": "ngram", "num_speculative_tokens": 5,
   "prompt_lookup_max": 4, "prompt_lookup_min": 2} on copy-heavy prompts (edit a piece of code and print it whole,
@@ -41,15 +40,14 @@ import time
 from pathlib import Path
 
 import numpy as np
-from harness import build_info, cli, presets, write_json
+from harness import build_info, cached_gguf, cli, presets, write_json
 
-WEIGHTS = Path(os.environ.get("MLCC_WEIGHTS_CACHE", Path.home() / ".cache" / "mlcc" / "weights"))
 NGRAM = {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
 DRAFT_TOKENS = 4
 _QWEN2 = dict(vocab_size=151936, max_position_embeddings=32768, rms_norm_eps=1e-6, rope_theta=1000000.0,
               tie_word_embeddings=False)   # the GGUFs carry output.weight: mlcc compiles them untied
-# the H200 shapes besides bench/decode.py's 8B preset: the real pair's, as mlcc compiles the GGUFs of weights.md
-# (random weights: the pair's GGUFs are too large to carry to the device)
+# the GPU shapes besides bench/decode.py's 8B preset: the real pair's, as mlcc compiles their GGUFs (random
+# weights: the GPU part times steps, and the real pair's acceptance comes from the cpu part)
 PAIR_SHAPES = {
     "qwen2.5-coder-1.5b": ("qwen2", dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
                                          num_attention_heads=12, num_key_value_heads=2, **_QWEN2)),
@@ -151,16 +149,6 @@ def _compare(plain, spec, prompts: dict[str, str], max_tokens: int, repeats: int
     return out
 
 
-def _coder(path: str | None, name: str) -> str:
-    if path:
-        return path
-    found = WEIGHTS / name
-    if not found.exists():
-        raise SystemExit(f"{found} is missing: fetch it as tests/test_real_weights.py and weights.md describe, or "
-                         "pass --target-model/--draft-model")
-    return str(found)
-
-
 def cmd_cpu(a) -> None:
     from mlcc import Engine
 
@@ -173,8 +161,8 @@ def cmd_cpu(a) -> None:
             res["ngram"] = {"config": NGRAM, "model": plain.model_name, **probe,
                             "prompts": _compare(plain, spec, NGRAM_PROMPTS, a.max_tokens, a.repeats)}
     if not a.skip_draft:
-        target = _coder(a.target_model, "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf")
-        draft = _coder(a.draft_model, "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf")
+        target = str(cached_gguf("qwen2.5-coder-1.5b-instruct-q4_k_m.gguf", a.target_model))
+        draft = str(cached_gguf("qwen2.5-coder-0.5b-instruct-q4_k_m.gguf", a.draft_model))
         config = {"method": "draft", "model": draft, "num_speculative_tokens": DRAFT_TOKENS}
         print("draft: Qwen2.5-Coder-0.5B for 1.5B", flush=True)
         with Engine(target, **kw) as plain, Engine(target, speculative_config=config, **kw) as spec:
@@ -233,7 +221,7 @@ def _build_args(p) -> None:
     p.add_argument("--only", default="", help="comma-separated names: llama3-8b and PAIR_SHAPES'")
 
 
-# -- the H200 (bench/gpu.sh run; random weights) -----------------------------------------------------------------
+# -- a CUDA GPU (random weights) ----------------------------------------------------------------------------------
 
 VERIFY_LENS = (2, 4, 5, 6, 8)   # tokens one verify forward scores: the last token and len - 1 proposals
 CONTEXT = 512                   # tokens of context before timing (decode attention over several chunks)
@@ -297,9 +285,9 @@ def _engine_run(target, prompt: list[int], max_new: int, make_speculator=None) -
     """One greedy request (EOS ignored) through an EngineCore; decode tok/s from its first token to its last."""
     import threading
 
+    from mlcc.options import EngineConfig
     from mlcc.runtime.core.request import Request
     from mlcc.runtime.core.sampler import Sampler, SamplingParams
-    from mlcc.options import EngineConfig
     from mlcc.runtime.engine_core import EngineCore
 
     core = EngineCore(target, Sampler.for_model(target),

@@ -3,9 +3,10 @@ concurrent requests, and the time to the first token mask of a 50-property schem
 
     # the CPU default (the bundled SmolLM2, compiled on first use), here
     python bench/structured.py cpu --out bench/results/tmp [--temperature 1.0]
-    # the H200, the Llama-3-8B shape (random weights) with a real tokenizer's vocabulary: build here, time there
+    # a CUDA GPU, the Llama-3-8B shape (random weights) with a real tokenizer's vocabulary: build on any machine,
+    # time on the CUDA one
     python bench/structured.py build --out .dev/structured [--tokenizer-gguf QWEN.gguf]
-    python3 bench/structured.py gpu --libs .dev/structured --out $OUT      # on the device (bench/gpu.sh run ...)
+    python bench/structured.py gpu --libs .dev/structured --out OUT
     python bench/structured.py table RESULT.json...
 
 Greedy by default (--temperature to sample). Constrained requests answer a schema that forces a fixed-length output

@@ -2,9 +2,8 @@
 chat and `mlcc serve --tensor-parallel 2` (through the openai client) against 1 GPU's answer, and Llama-3-8B-shaped
 batch-1 decode tok/s with 1 and 2 shards.
 
-    python bench/tp_cuda.py build --out .dev/tp      # here: libraries, the small model's weights, the NCCL bridge
-    # device (nvidia-h200-x2; carry .gpu-rt, .whl and .dev/tp: bash bench/gpu.sh prepare writes the first two)
-    source .gpu-rt/setup.sh && python3 bench/tp_cuda.py run --libs .dev/tp --out $OUT
+    python bench/tp_cuda.py build --out .dev/tp      # libraries, the small model's weights, the NCCL bridge
+    python bench/tp_cuda.py run --libs .dev/tp --out OUT      # on a machine with two or more CUDA GPUs
 
 The small model (random Llama, q4f16_1, byte tokenizer) checks the numerics; the 8B shape has random weights
 (speed does not depend on values). NVLink multicast stays off (NCCL_NVLS_ENABLE=0).
@@ -20,20 +19,20 @@ import time
 from pathlib import Path
 
 import numpy as np
-from harness import REPO, cli, presets
+from harness import cli, presets
+
+from mlcc.compiler.byte_tokenizer import VOCAB, write_byte_tokenizer
 
 LLAMA3_8B = presets()["llama3-8b"].config
 
 SMALL = dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=4, num_attention_heads=8,
-             num_key_value_heads=4, vocab_size=320, max_position_embeddings=1024)  # the byte tokenizer's vocab
+             num_key_value_heads=4, vocab_size=VOCAB, max_position_embeddings=1024)
 PROMPT, STEPS = 128, 128
 
 
 def cmd_build(a) -> None:
-    sys.path.insert(0, str(REPO / "tests"))
     import torch
     import transformers as tf
-    from conftest import write_tokenizer
 
     from mlcc.compiler.build import compile_model, compile_shape_only
     from mlcc.runtime.device import nccl_ccl
@@ -44,7 +43,7 @@ def cmd_build(a) -> None:
     if not (src / "config.json").exists():
         torch.manual_seed(0)
         tf.LlamaForCausalLM(tf.LlamaConfig(**SMALL)).eval().save_pretrained(src)
-        write_tokenizer(src)
+        write_byte_tokenizer(src)
     times = {}
     for tp in (1, 2):
         compile_model(src, "cuda", "q4f16_1", out / f"small-tp{tp}", tensor_parallel=tp)
@@ -183,7 +182,7 @@ def _build_args(p) -> None:
 
 def _run_args(p) -> None:
     p.add_argument("--libs", default=".dev/tp")
-    p.add_argument("--out", default=os.environ.get("OUT", "/tmp/out"))
+    p.add_argument("--out", default=os.environ.get("MLCC_BENCH_OUT", "bench/out"))
 
 
 if __name__ == "__main__":

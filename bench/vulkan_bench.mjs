@@ -4,9 +4,11 @@
 // per token; JS time encoding vs time waiting on the GPU; shader time per kernel from timestamp queries).
 //
 //   node bench/vulkan_bench.mjs SITE MODEL_ID JOB.json [--backend vulkan] [--dawn OPT ...]
+//   node bench/vulkan_bench.mjs --probe [--backend vulkan] [--dawn OPT ...]
 //
 // JOB.json: {prompt: [ids], decode: N, prefill: [ids], prefill_repeats: R, check_prompt: [ids],
 //            check_forced: [ids], sample_idx: [vocab indices], profile_tokens: T, variants: [names]}
+// --probe: which adapter Dawn finds (vendor, device, driver, shader-f16, key limits), exit 1 if none.
 // Prints one JSON line (the last line of stdout); progress goes to stderr. Bench code, not the engine: it reaches
 // into the engine's _forward/_nextToken so that prompts are token ids (shape-only builds have no real tokenizer).
 import { createRequire } from "node:module";
@@ -16,9 +18,10 @@ import { pathToFileURL } from "node:url";
 
 const require = createRequire(import.meta.url);
 const argv = process.argv.slice(2);
-const [site, modelId, jobFile] = argv;
+const probeOnly = argv[0] === "--probe";
+const [site, modelId, jobFile] = probeOnly ? [] : argv;
 const dawnOpts = [];
-for (let i = 3; i < argv.length; i++) {
+for (let i = probeOnly ? 1 : 3; i < argv.length; i++) {
   if (argv[i] === "--backend") dawnOpts.push(`backend=${argv[++i]}`);
   else if (argv[i] === "--dawn") dawnOpts.push(argv[++i]);
 }
@@ -138,7 +141,7 @@ async function fileFetch(url) {
 
 async function main() {
   const job = JSON.parse(await readFile(jobFile, "utf8"));
-  // shorter runs where the adapter is a CPU one (bench/vulkan.sh local)
+  // shorter runs where the adapter is a CPU one (bench/vulkan_bench.py run --short)
   if (process.env.VK_DECODE) job.decode = Number(process.env.VK_DECODE);
   if (process.env.VK_PREFILL) job.prefill = job.prefill.slice(0, Number(process.env.VK_PREFILL));
   if (process.env.VK_PREFILL_REPEATS) job.prefill_repeats = Number(process.env.VK_PREFILL_REPEATS);
@@ -148,7 +151,7 @@ async function main() {
   const gpu = create(dawnOpts);
   const adapter = await gpu.requestAdapter({ powerPreference: "high-performance" });
   if (!adapter) {
-    throw new Error("Dawn found no GPU adapter (Vulkan loader or driver missing: see the diagnostics above)");
+    throw new Error("Dawn found no GPU adapter (Vulkan loader or driver missing: `--probe` says more)");
   }
   const info = adapter.info || {};
   out.adapter = { vendor: info.vendor, architecture: info.architecture, device: info.device,
@@ -306,7 +309,24 @@ async function main() {
   console.log(JSON.stringify(out));
 }
 
-main().then(() => process.exit(0), (e) => {
+async function probe() {
+  const opts = dawnOpts.length ? dawnOpts : ["backend=vulkan"];
+  const adapter = await create(opts).requestAdapter({ powerPreference: "high-performance" });
+  if (!adapter) {
+    console.log(`  Dawn (${opts.join(" ")}): no adapter`);
+    process.exit(1);
+  }
+  const i = adapter.info || {};
+  const l = adapter.limits;
+  console.log(`  Dawn adapter: ${i.vendor} | ${i.architecture} | ${i.device} | ${i.description}`);
+  console.log(`  shader-f16: ${adapter.features.has("shader-f16")}, ` +
+    `timestamp-query: ${adapter.features.has("timestamp-query")}, subgroups: ${adapter.features.has("subgroups")}; ` +
+    `maxStorageBufferBindingSize ${l.maxStorageBufferBindingSize}, maxBufferSize ${l.maxBufferSize}, ` +
+    `workgroup storage ${l.maxComputeWorkgroupStorageSize}, invocations ${l.maxComputeInvocationsPerWorkgroup}, ` +
+    `storage buffers/stage ${l.maxStorageBuffersPerShaderStage}`);
+}
+
+(probeOnly ? probe() : main()).then(() => process.exit(0), (e) => {
   console.error(`vulkan_bench: error: ${e && e.stack || e}`);
   process.exit(1);
 });

@@ -1,13 +1,28 @@
-"""mlcc's WebGPU build through Dawn's Vulkan backend against the CUDA build of the same model, one device run.
-bench/vulkan.sh drives it (its header says what runs where); the steps:
+"""mlcc's WebGPU build on a real GPU, run by the web engine in Node.js through Dawn's Vulkan backend (npm `webgpu`),
+against the CUDA build of the same model on the same machine: SmolLM2-135M and the Qwen2.5-0.5B shape, q4f16_1 and
+q4f32_1, seeded random weights.
 
-    python bench/vulkan_bench.py build --out DIR      # here: shape-only webgpu + cuda libraries, the CPU build's
-                                                      # answers, the random weights, a site (mlcc web)
-    python bench/vulkan_bench.py jobs --out DIR       # here: the job files and the site again from DIR's libraries
-    python3 bench/vulkan_bench.py weights MODEL_DIR   # device: the same random weights written again (the carry
-                                                      # has no room for them), checked against prepare's sha256
-    python3 bench/vulkan_bench.py cuda --libs DIR --out OUT   # device: the CUDA builds, same measurements
-    python3 bench/vulkan_bench.py report --expected E --cuda C --web W... --out OUT   # rows + table
+    python bench/vulkan_bench.py build --out .dev/vkbench      # libraries (webgpu, cuda, llvm), the CPU build's
+                                                               # answers, the random weights, a site (mlcc web);
+                                                               # needs emscripten and npm, as `mlcc web` does
+    python bench/vulkan_bench.py run --build .dev/vkbench --out OUT            # the CUDA machine: all of it
+    python bench/vulkan_bench.py run --build .dev/vkbench --out OUT --short    # a CPU Vulkan (lavapipe,
+                                                               # SwiftShader): SmolLM2 only, a few tokens, no CUDA
+
+run: Dawn's adapter first (bench/vulkan_bench.mjs --probe; where it finds none, the Vulkan loader's own account),
+then the CUDA builds (`cuda`), then each WebGPU build in a node process of its own (a crash or hang costs one
+build; the 0.5B shape first, its ratio being the goal), the report after each. Limits: --cuda-timeout, --web-timeout
+(one web build), --web-deadline (no web build starts after it); --builds picks builds; the env vars VK_DECODE,
+VK_PREFILL, VK_PREFILL_REPEATS, VK_PROFILE_TOKENS, VK_VARIANTS shorten the node side's job. Results:
+OUT/vulkan_webgpu.json (rows: target, device, tok_per_s, cuda_tok_per_s, checks, per-token dispatch counts, shader
+time), the raw outputs under OUT/raw, the table on stdout. The steps run alone too:
+
+    python bench/vulkan_bench.py jobs --out DIR       # the job files and the site again from DIR's libraries
+    python bench/vulkan_bench.py weights MODEL_DIR    # the same random weights written again (a folder copied
+                                                      # without them), checked against build's sha256
+    python bench/vulkan_bench.py cuda --libs DIR/cuda --expected DIR/expected.json --out OUT
+    node bench/vulkan_bench.mjs DIR/site BUILD DIR/job-MODEL.json --backend vulkan > OUT/web-BUILD.json
+    python bench/vulkan_bench.py report --expected E --cuda C --web W... --out OUT   # rows + table
 
 Weights are seeded random values (runtime.device.model's weights="random"): the webgpu, cuda and llvm builds of one
 model and quantization take the same parameter list, so every build runs the same model. A shape-only build has no
@@ -15,21 +30,21 @@ tokenizer, so prompts are token ids, and "greedy text identical" is checked as i
 make greedy decoding repeat a few tokens, so the numeric check is the teacher-forced logits: the CPU build's
 argmax and values at sampled vocabulary indices after a prompt and after each of 8 forced tokens).
 """
-
 from __future__ import annotations
 
+import argparse
 import hashlib
 import json
 import os
+import shutil
+import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from harness import build_info, cli, presets, write_json  # noqa: E402
+from harness import build_info, cli, presets, write_json
 
 MODELS = ("smollm2-135m", "qwen2.5-0.5b")
 QUANTS = ("q4f16_1", "q4f32_1")
@@ -109,7 +124,7 @@ def write_random_weights(model_dir: Path, seed: int = 0) -> list[str]:
 
 
 def cmd_weights(a) -> None:
-    """Write the random weights into each MODEL_DIR; where a tensor-cache.json was there (the site prepare made),
+    """Write the random weights into each MODEL_DIR; where a tensor-cache.json was there (the site `build` made),
     its sha256 must come out the same, else this machine's numpy draws other values and the CPU check is void."""
     for d in map(Path, a.model_dirs):
         t = time.perf_counter()
@@ -118,9 +133,9 @@ def cmd_weights(a) -> None:
         got = write_random_weights(d, a.seed)
         same = want is None or want == got
         print(f"weights: {d.name}: {len(got)} shard(s) in {time.perf_counter() - t:.1f}s"
-              + ("" if want is None else f", same as prepare's: {same}"), flush=True)
+              + ("" if want is None else f", same as build's: {same}"), flush=True)
         if not same:
-            (d / "WEIGHTS_DIFFER").write_text("numpy here drew other random weights than where prepare ran\n")
+            (d / "WEIGHTS_DIFFER").write_text("numpy here drew other random weights than where `build` ran\n")
 
 
 def cpu_reference(d: Path, vocab_idx: list[int]) -> dict:
@@ -368,6 +383,77 @@ def cmd_report(a) -> None:
                 print(f"  {k['us_per_token']:9.1f} us  {k['calls_per_token']:5.1f} calls  {k['kernel']}")
 
 
+MJS = Path(__file__).resolve().parent / "vulkan_bench.mjs"
+# the node side's job cut short for a CPU Vulkan, where one 0.5B build's checks alone take over 20 minutes
+SHORT_JOB = {"VK_DECODE": "6", "VK_PREFILL": "64", "VK_PREFILL_REPEATS": "1", "VK_PROFILE_TOKENS": "2"}
+
+
+def probe_adapter(node: str, env: dict[str, str], backend: str) -> bool:
+    """Whether Dawn finds an adapter; where it does not, the Vulkan loader's own account of why."""
+    cmd = [node, str(MJS), "--probe", "--backend", backend]
+    if subprocess.run(cmd, env=env, timeout=60, check=False).returncode == 0:
+        return True
+    print("Dawn found no adapter; the Vulkan loader's own account:", flush=True)
+    r = subprocess.run(cmd, env={**env, "VK_LOADER_DEBUG": "error,warn,driver"}, timeout=60, check=False,
+                       capture_output=True, text=True)
+    print("\n".join([ln for ln in (r.stdout + r.stderr).splitlines() if ln.strip()][-40:]), flush=True)
+    return False
+
+
+def cmd_run(a) -> None:
+    from mlcc.web.npm_deps import node_modules
+
+    build, out = Path(a.build), Path(a.out)
+    raw = out / "raw"
+    raw.mkdir(parents=True, exist_ok=True)
+    want = json.loads((build / "expected.json").read_text())
+    if a.builds:
+        builds = a.builds.split(",")
+    elif a.short:
+        builds = [b for b in want["models"] if b.startswith("smollm2")]
+    else:   # the 0.5B shape first: its ratio is the goal, should the time run out
+        builds = sorted(want["models"], key=lambda b: not b.startswith("qwen"))
+    node = shutil.which("node")
+    if node is None:
+        raise SystemExit("no node here: install Node.js (18 or later), as `mlcc web`'s Node.js chat needs")
+    env = {**os.environ, "NODE_PATH": str(node_modules()), **(SHORT_JOB if a.short else {})}
+    t0 = time.time()
+    dawn_ok = probe_adapter(node, env, a.backend)
+    cuda = raw / "cuda.json"
+    if not a.short and shutil.which("nvidia-smi"):   # CUDA first: a web run cut short still has its ratio
+        print(f"== cuda {time.time() - t0:.0f}s", flush=True)
+        try:
+            subprocess.run([sys.executable, __file__, "cuda", "--libs", str(build / "cuda"), "--expected",
+                            str(build / "expected.json"), "--out", str(raw)], timeout=a.cuda_timeout, check=False)
+        except subprocess.TimeoutExpired:
+            print(f"cuda: stopped after {a.cuda_timeout}s", flush=True)
+    webs: list[Path] = []
+
+    def report() -> None:
+        cmd_report(argparse.Namespace(expected=str(build / "expected.json"), cuda=str(cuda),
+                                      web=[str(w) for w in webs], site=str(build / "site"), out=str(out)))
+
+    for b in builds if dawn_ok else []:
+        gone = time.time() - t0
+        if gone > a.web_deadline:
+            print(f"web {b}: skipped, {gone:.0f}s gone", flush=True)
+            continue
+        print(f"== web {b}", flush=True)
+        model = want["models"][b]["model"]
+        webs.append(raw / f"web-{b}.json")
+        with webs[-1].open("w") as so, webs[-1].with_suffix(".err").open("w") as se:
+            try:
+                rc = subprocess.run([node, str(MJS), str(build / "site"), b, str(build / f"job-{model}.json"),
+                                     "--backend", a.backend], stdout=so, stderr=se, env=env, timeout=a.web_timeout,
+                                    check=False).returncode
+            except subprocess.TimeoutExpired:
+                rc = f"timeout after {a.web_timeout}s"
+        print(f"   rc {rc} in {time.time() - t0 - gone:.0f}s", flush=True)
+        report()   # after each build: a run cut short still has what it measured
+    print(f"== report {time.time() - t0:.0f}s", flush=True)
+    report()
+
+
 def _ratio(x, y):
     return x / y if x and y else None
 
@@ -398,6 +484,17 @@ if __name__ == "__main__":
         p.add_argument("--site", default=None, help="the site the web runs used (its weights' check marks)")
         p.add_argument("--out", required=True)
 
-    cli(__doc__, {"build": (cmd_build, _build), "jobs": (cmd_jobs, lambda p: p.add_argument("--out", required=True)),
+    def _run(p):
+        p.add_argument("--build", required=True, help="the folder `build` wrote")
+        p.add_argument("--out", required=True)
+        p.add_argument("--short", action="store_true", help="SmolLM2 only, a few tokens, no CUDA (a CPU Vulkan)")
+        p.add_argument("--builds", default="", help="comma-separated builds (default: all of --build's)")
+        p.add_argument("--backend", default="vulkan", help="Dawn's backend")
+        p.add_argument("--cuda-timeout", type=float, default=600, help="seconds for the CUDA builds")
+        p.add_argument("--web-timeout", type=float, default=900, help="seconds for one web build")
+        p.add_argument("--web-deadline", type=float, default=3600, help="no web build starts after this (s)")
+
+    cli(__doc__, {"build": (cmd_build, _build), "run": (cmd_run, _run),
+                  "jobs": (cmd_jobs, lambda p: p.add_argument("--out", required=True)),
                   "weights": (cmd_weights, _weights), "cuda": (cmd_cuda, _cuda),
                   "report": (cmd_report, _report)})

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 
 import pytest
+
+# the byte-level tokenizer every test model gets (the benchmarks' random models take it too)
+from mlcc.compiler.byte_tokenizer import CHATML, SPECIALS, VOCAB  # noqa: F401
+from mlcc.compiler.byte_tokenizer import write_byte_tokenizer as write_tokenizer
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -16,31 +19,6 @@ if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1:
 
     os.environ.setdefault("TVM_NUM_THREADS",
                           str(max(1, usable_cores() // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))))
-
-CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
-SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-VOCAB = 320  # 256 byte tokens + specials + unused rows, like real vocabularies padded for alignment
-
-
-def write_tokenizer(folder: Path, bos_token: str | None = None) -> None:
-    """A byte-level BPE tokenizer (no merges) built with `tokenizers`, plus a ChatML template. bos_token: a special
-    token the tokenizer config asks to start every prompt with (add_bos_token), which the template writes first."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from tokenizers.pre_tokenizers import ByteLevel
-
-    alphabet = ByteLevel.alphabet()
-    vocab = {ch: i for i, ch in enumerate(sorted(alphabet))}
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens(SPECIALS + ([bos_token] if bos_token else []))
-    tok.save(str(folder / "tokenizer.json"))
-    config = {"chat_template": CHATML, "eos_token": "<|im_end|>", "bos_token": bos_token}
-    if bos_token:
-        config.update(chat_template="{{ bos_token }}" + CHATML, add_bos_token=True)
-    (folder / "tokenizer_config.json").write_text(json.dumps(config))
-
 
 WINDOW = 8  # the sliding windows of the test models: shorter than the parity prompts
 PROMPT = [5, 77, 12, 300, 41, 9, 250, 3, 18, 64, 200, 7, 99]

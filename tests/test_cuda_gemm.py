@@ -1,8 +1,8 @@
 """The tensor-core prefill GEMM (schedules/cuda_gemm.py, cuda/tc_gemm.cuh) without a GPU: every parameter set the
 benchmark searches compiles through NVRTC for sm_90 (and the 48 KB ones for sm_80), the pass finds a model's
 many-token projections (and leaves batch-1 decode to the GEMVs), and the whole library's source compiles. The
-numerics run on the GPU: bench/gemm.py checks every kernel and epilogue against torch before timing it, and
-bench/prefill.py a model's logits against a float32 build of the same weights."""
+numerics run on the GPU: `bench/prefill.py gemm-run` checks every kernel and epilogue against torch before timing
+it, and `bench/prefill.py mlcc` a model's logits against a float32 build of the same weights."""
 
 from __future__ import annotations
 

@@ -336,7 +336,7 @@ class LoadedModel(PagedModel):
 
     def _ids_to_dev(self, ids: np.ndarray):
         """A decode step's token ids go into a device buffer kept per length: a fresh allocation is a cudaMalloc,
-        0.12 ms of every H200 decode step (bench/profile_decode.py). Only the embedding reads it, before the next
+        0.12 ms of every H200 decode step (bench/decode.py profile). Only the embedding reads it, before the next
         call can overwrite it: TVM copies host→device on the stream its kernels run on and waits for the copy."""
         if ids.size > 256:
             return self.to_device(ids)
