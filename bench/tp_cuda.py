@@ -182,7 +182,7 @@ def _build_args(p) -> None:
 
 def _run_args(p) -> None:
     p.add_argument("--libs", default=".dev/tp")
-    p.add_argument("--out", default=os.environ.get("MLCC_BENCH_OUT", "bench/out"))
+    p.add_argument("--out", default=os.environ.get("MLCC_BENCH_OUT", "out/bench"))
 
 
 if __name__ == "__main__":
