@@ -29,6 +29,7 @@ log = logging.getLogger(__name__)
 # a step, 8B decode on an H200 fell from 500 to 390 tok/s between 200 and 1200 tokens of context). More tokens per
 # step shorten it.
 BLOCKS_WANTED = 128  # chunks x KV heads at batch 1: about one block per SM of an H100/H200 (256 measured slower)
+GRID_BLOCKS = 1024   # chunk blocks past which a growing batch gets fewer chunks a sequence (active_splits)
 MAX_TOKENS_IN_FLIGHT = 16
 MAX_THREADS = 1024   # per block, on every CUDA GPU
 VEC = 4              # head-dim elements per lane, more where the head needs more than a warp (Gemma's 256)
@@ -64,6 +65,17 @@ def splits_for(h_kv: int, splits: int = 0) -> int:
     return splits
 
 
+def active_splits(batch, h_kv: int, splits: int):
+    """Chunks per sequence at run time (batch: the kernel's symbolic batch size): `splits` at batch 1, then fewer,
+    keeping about GRID_BLOCKS chunk blocks. At a large batch every sequence's context in one block avoids writing and
+    merging partial states and launching blocks with a token or two of work each: at batch 256 on an H100, 16 chunks
+    a sequence made the attention half of the decode step."""
+    from tvm import tirx
+
+    per_chunk = batch * h_kv
+    return tirx.min(splits, tirx.max(1, (GRID_BLOCKS + per_chunk - 1) // per_chunk))
+
+
 def split_kv_macros(h_kv: int, h_qo: int, d: int, dtype: str, page_size: int, splits: int, tokens: int,
                      sliding: bool, softcap: float):
     """The two phases as TIR macros, shared by the decode kernel and the few-query paged prefill kernel: `chunk`
@@ -95,7 +107,7 @@ def split_kv_macros(h_kv: int, h_qo: int, d: int, dtype: str, page_size: int, sp
 
     @T.macro
     def chunk(Q, pages, page_table_indptr, page_table_values, length_info, part_o, part_md, sm_scale, row,
-              q_indptr, batch, causal, by, tz, ty, tx):
+              q_indptr, batch, causal, n_splits, by, tz, ty, tx):
         # query `row` (of Q and the partials) against its sequence's KV: sequence `row` (decode, q_indptr None) or
         # the one whose rows in q_indptr hold it, where `causal` hides the KV of the rows after it
         with T.sblock("chunk"):
@@ -128,9 +140,9 @@ def split_kv_macros(h_kv: int, h_qo: int, d: int, dtype: str, page_size: int, sp
             if q_indptr is not None:
                 if causal > 0:
                     n_tok[0] = T.max(n_tok[0] - (q_indptr[seq + 1] - 1 - row), 0)
-            chunk: T.let[T.int32] = (n_tok[0] + splits - 1) // splits
-            kv_head: T.let[T.int32] = by // splits
-            start: T.let[T.int32] = by % splits * chunk
+            chunk: T.let[T.int32] = (n_tok[0] + n_splits - 1) // n_splits
+            kv_head: T.let[T.int32] = by // n_splits
+            start: T.let[T.int32] = by % n_splits * chunk
             for v in lane_loop(vec):
                 q[v] = (T.Cast("float32", Q[row, kv_head * group + ty, tx * vec + v])
                         * sm_scale * log2e)
@@ -176,12 +188,12 @@ def split_kv_macros(h_kv: int, h_qo: int, d: int, dtype: str, page_size: int, sp
                     merge_state(m, den, o, score, rescale, md_sh[j + 1, ty, 0], md_sh[j + 1, ty, 1],
                                 lambda v: o_sh[j + 1, ty, tx * vec + v])
                 for v in lane_loop(vec):
-                    part_o[row, kv_head * group + ty, by % splits, tx * vec + v] = o[v]
-                part_md[row, kv_head * group + ty, by % splits, 0] = m[0]
-                part_md[row, kv_head * group + ty, by % splits, 1] = den[0]
+                    part_o[row, kv_head * group + ty, by % n_splits, tx * vec + v] = o[v]
+                part_md[row, kv_head * group + ty, by % n_splits, 0] = m[0]
+                part_md[row, kv_head * group + ty, by % n_splits, 1] = den[0]
 
     @T.macro
-    def merge(part_o, part_md, output, lse, bx, by, tx):
+    def merge(part_o, part_md, output, lse, n_splits, bx, by, tx):
         with T.sblock("merge"):
             T.reads()
             T.writes()
@@ -194,7 +206,7 @@ def split_kv_macros(h_kv: int, h_qo: int, d: int, dtype: str, page_size: int, sp
             den[0] = T.float32(1)  # TVM's convention: an empty sequence gives 0, not NaN
             for v in lane_loop(vec):
                 o[v] = T.float32(0)
-            for s in T.serial(splits):
+            for s in T.serial(n_splits):
                 merge_state(m, den, o, new_m, w, part_md[bx, by, s, 0], part_md[bx, by, s, 1],
                             lambda v: part_o[bx, by, s, tx * vec + v])
             for v in lane_loop(vec):
@@ -213,7 +225,12 @@ def make_split_decode(h_kv: int, h_qo: int, d: int, dtype: str, page_size: int, 
     from tvm.relax.frontend.nn.llm._kernel_common import _declare_length_info
     from tvm.script import tirx as T
 
+    fixed = splits > 0
     splits = splits_for(h_kv, splits)
+
+    def n_splits(batch):
+        """Chunks per sequence for this batch: `splits` where the options fix it, else active_splits."""
+        return splits if fixed else active_splits(batch, h_kv, splits)
     chunk, merge, (tp, group, lanes) = split_kv_macros(h_kv, h_qo, d, dtype, page_size, splits, tokens, sliding,
                                                          softcap)
 
@@ -253,18 +270,17 @@ def make_split_decode(h_kv: int, h_qo: int, d: int, dtype: str, page_size: int, 
 
         part_o = T.sblock_alloc_buffer((B, h_qo, splits, d), "float32", scope="global")
         part_md = T.sblock_alloc_buffer((B, h_qo, splits, 2), "float32", scope="global")
-
         for bx in T.thread_binding(B, thread="blockIdx.x"):
-            for by in T.thread_binding(h_kv * splits, thread="blockIdx.y"):
+            for by in T.thread_binding(h_kv * n_splits(B), thread="blockIdx.y"):
                 for tz in T.thread_binding(tp, thread="threadIdx.z"):
                     for ty in T.thread_binding(group, thread="threadIdx.y"):
                         for tx in T.thread_binding(lanes, thread="threadIdx.x"):
                             chunk(Q, pages, page_table_indptr, page_table_values, length_info, part_o, part_md,
-                                  sm_scale, bx, None, B, 0, by, tz, ty, tx)
+                                  sm_scale, bx, None, B, 0, n_splits(B), by, tz, ty, tx)
         for bx in T.thread_binding(B, thread="blockIdx.x"):
             for by in T.thread_binding(h_qo, thread="blockIdx.y"):
                 for tx in T.thread_binding(lanes, thread="threadIdx.x"):
-                    merge(part_o, part_md, output, lse, bx, by, tx)
+                    merge(part_o, part_md, output, lse, n_splits(B), bx, by, tx)
 
     return batch_decode_paged_kv_split
 

@@ -77,11 +77,11 @@ def make_few_query_paged_prefill(h_kv: int, h_qo: int, d: int, dtype: str, page_
                     for ty in T.thread_binding(group, thread="threadIdx.y"):
                         for tx in T.thread_binding(lanes, thread="threadIdx.x"):
                             chunk(q, pages, page_indptr, page_values, length_info, part_o, part_md, sm_scale, bx,
-                                  q_indptr, batch_size, causal, by, tz, ty, tx)
+                                  q_indptr, batch_size, causal, splits, by, tz, ty, tx)
         for bx in T.thread_binding(total_len, thread="blockIdx.x"):
             for by in T.thread_binding(h_qo, thread="blockIdx.y"):
                 for tx in T.thread_binding(lanes, thread="threadIdx.x"):
-                    merge(part_o, part_md, output, lse, bx, by, tx)
+                    merge(part_o, part_md, output, lse, splits, bx, by, tx)
 
     return batch_prefill_paged_kv_few
 

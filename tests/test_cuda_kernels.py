@@ -191,8 +191,37 @@ def test_decode_attention_launch_fills_the_gpu_within_block_limits(h_kv, h_qo, d
     if not cda.supported(h_kv, h_qo, d):
         return
     chunks, merge = _launches(cda.make_split_decode(h_kv, h_qo, d, "float16", 16))
-    assert chunks["blockIdx.y"] == h_kv * splits and _threads(chunks) == threads
+    # every chunk at batch 1; fewer a sequence as the batch grows (active_splits)
+    assert _at_batch(chunks["blockIdx.y"], 1) == h_kv * splits and _threads(chunks) == threads
+    assert _at_batch(chunks["blockIdx.y"], 4096) == h_kv
     assert merge["blockIdx.y"] == h_qo and _threads(merge) <= 32  # one warp per query head
+
+
+def _at_batch(extent, batch: int) -> int:
+    """A launch extent that depends on the kernel's batch size, at that batch size."""
+    from tvm.sym.analyzer import Analyzer
+
+    if isinstance(extent, int):
+        return extent
+    analyzer = Analyzer()
+    for var in tvm.tirx.analysis.undefined_vars(extent):
+        analyzer.bind(var, batch)
+    return int(analyzer.simplify(extent))
+
+
+def _active_splits(batch: int, h_kv: int, splits: int) -> int:
+    return _at_batch(cda.active_splits(tvm.tirx.Var("B", "int32"), h_kv, splits), batch)
+
+
+@pytest.mark.parametrize("h_kv", [1, 2, 8, 32])
+def test_decode_attention_chunks_shrink_as_the_batch_fills_the_gpu(h_kv):
+    splits = cda.splits_for(h_kv)
+    counts = [_active_splits(b, h_kv, splits) for b in (1, 2, 4, 16, 64, 256, 1024)]
+    assert counts[0] == splits and counts[-1] == 1 and counts == sorted(counts, reverse=True)
+    for b, s in zip((1, 2, 4, 16, 64, 256, 1024), counts):
+        # enough blocks while chunks remain to be split, and no more than one step's worth past GRID_BLOCKS
+        assert b * h_kv * s >= cda.GRID_BLOCKS or s == splits
+        assert s == 1 or b * h_kv * (s - 1) < cda.GRID_BLOCKS
 
 
 def test_decode_attention_splits_and_tokens_follow_the_options():
@@ -362,7 +391,7 @@ def test_decode_attention_options_change_its_grid(fused_llama):
 
     h_kv = 2  # the tiny model's KV heads
     default, other = chunk_launch(), chunk_launch(decode_attention_splits=8, decode_attention_tokens=4)
-    assert default["blockIdx.y"] == h_kv * cda.splits_for(h_kv) and other["blockIdx.y"] == h_kv * 8
+    assert _at_batch(default["blockIdx.y"], 1) == h_kv * cda.splits_for(h_kv) and other["blockIdx.y"] == h_kv * 8
     assert other["threadIdx.z"] == 4 != default["threadIdx.z"]
 
 
