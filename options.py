@@ -45,6 +45,9 @@ class CompileOptions:
     few_token_gemv: bool = True
     # CUDA: paged prefill attention of up to 32 query rows (a speculative verify's) on the split-KV kernel
     few_query_attention: bool = True
+    # CUDA: float16/bfloat16 projections over more than 16 tokens on cuBLASLt (compiler/vendor_gemm.py), where the
+    # shim builds on the compiling machine (g++, CUDA headers); False: mlcc's tensor-core GEMM
+    vendor_gemm: bool = True
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):

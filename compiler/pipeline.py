@@ -38,10 +38,26 @@ def gemv_fusion_passes(target: tvm.target.Target, options: CompileOptions) -> li
     return [fused_decode_gemv_pass(pdl=pdl_enabled(target, options))]
 
 
+def vendor_gemm_passes(target: tvm.target.Target, options: CompileOptions) -> list[tvm.transform.Pass]:
+    """CUDA: many-token float16/bfloat16 projections on cuBLASLt (compiler/vendor_gemm.py), where asked for and the
+    shim builds here; it keeps each projection as it was for few tokens, for the passes after it."""
+    if target.kind.name != "cuda" or not options.vendor_gemm:
+        return []
+    from mlcc.cache import cache_root
+    from mlcc.native import cublaslt_shim
+
+    if not cublaslt_shim.available(cache_root()):
+        return []
+    from .vendor_gemm import vendor_gemm_pass
+
+    return [vendor_gemm_pass()]
+
+
 def kernel_passes(target: tvm.target.Target, options: CompileOptions) -> list[tvm.transform.Pass]:
     """The fused kernels with mlcc's hand-written ones already in place: what the default rules and tuning records
     schedule, and what tuning extracts its tasks from."""
-    return fusion_passes(target) + gemv_fusion_passes(target, options) + handwritten_kernel_passes(target, options)
+    return (fusion_passes(target) + vendor_gemm_passes(target, options) + gemv_fusion_passes(target, options)
+            + handwritten_kernel_passes(target, options))
 
 
 def relax_passes(target: tvm.target.Target, tuning_db: str | None, options: CompileOptions

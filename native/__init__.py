@@ -1,4 +1,5 @@
-"""Native sources mlcc builds against TVM's own: support headers the apache-tvm wheel lacks (tvm_support/)."""
+"""Native sources mlcc builds against TVM's own: support headers the apache-tvm wheel lacks (tvm_support/), and the
+cuBLASLt shim built on first use (cublaslt/, cublaslt_shim.py)."""
 
 from pathlib import Path
 

@@ -299,6 +299,10 @@ class LoadedModel(PagedModel):
         self.lib = tvm.runtime.load_module(str(lib_path))
         if self.device_kind == "cuda":
             register_graph_attention()  # before the VM resolves the library's external calls
+            if artifact.built_options(self.config).vendor_gemm:
+                from mlcc.runtime.device import cublaslt
+
+                cublaslt.prepare(device_id)  # the library calls mlcc.cublaslt.* by name
         self.vm = VirtualMachine(self.lib, self.dev)
         if not self.vm.module.implements_function("_metadata"):  # a foreign .so
             raise artifact.ArtifactError(f"{lib_path}: not an mlcc library (no ABI stamp); recompile with "

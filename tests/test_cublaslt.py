@@ -1,0 +1,126 @@
+"""cuBLASLt projections (CompileOptions.vendor_gemm): the shim builds with g++ against pip's CUDA packages and
+registers its global functions (loading libcublasLt needs no GPU); a CUDA build of the tiny llama calls it for its
+float16 projections over many tokens and keeps the old kernels for few tokens and for q4f16_1; with the option off
+or the shim unavailable the build is what it was. The shim's numerics on a GPU are marked gpu."""
+
+import numpy as np
+import pytest
+import tvm
+
+from mlcc.cache import cache_root
+from mlcc.compiler.build import export_module
+from mlcc.compiler.pipeline import kernel_passes
+from mlcc.compiler.quantize import get_quantization
+from mlcc.compiler.vendor_gemm import MIN_TOKENS, WORKSPACE_BYTES
+from mlcc.compiler.weights import load_source
+from mlcc.native import cublaslt_shim as cublaslt
+from mlcc.options import CompileOptions
+from mlcc.targets import get_target
+
+
+def _shim_or_skip():
+    try:
+        return cublaslt.load(cache_root())
+    except cublaslt.CublasLtUnavailable as e:
+        pytest.skip(f"the shim cannot be built here ({str(e).splitlines()[0]}); pip install .[test]")
+
+
+def test_the_shim_builds_and_registers_its_functions():
+    import tvm_ffi
+
+    lib = _shim_or_skip()
+    assert lib.exists() and cublaslt.available(cache_root())
+    for name in (*cublaslt.MATMUL.values(), "mlcc.cublaslt.init", "mlcc.cublaslt.cache_size"):
+        assert tvm_ffi.get_global_func(name, allow_missing=True) is not None, name
+    assert cublaslt.library_path(cache_root()) == lib   # cached: built once
+
+
+def _kernels(hf_models, quant: str, options: CompileOptions) -> tvm.IRModule:
+    built = export_module(load_source(hf_models("llama")), get_target("cuda"), get_quantization(quant),
+                          options=options)
+    with built.target:
+        return tvm.transform.Sequential(kernel_passes(built.target, options))(built.mod)
+
+
+def _script_less_stamp(mod: tvm.IRModule) -> str:
+    """The module's text without `_metadata` (the ABI stamp, which records the options)."""
+    return "\n".join(f.script() for gv, f in sorted(mod.functions.items(), key=lambda kv: kv[0].name_hint)
+                     if gv.name_hint != "_metadata")
+
+
+def _calls(mod: tvm.IRModule, fn: str) -> list:
+    found = []
+    tvm.relax.analysis.post_order_visit(
+        mod[fn], lambda e: found.append(e) if isinstance(e, tvm.relax.Call) and e.op.name == "relax.call_tir" else None)
+    return [(c.args[0].name_hint, c.ty_args[0]) for c in found]
+
+
+def test_float16_projections_over_many_tokens_call_cublaslt(hf_models):
+    _shim_or_skip()
+    mod = _kernels(hf_models, "q0f16", CompileOptions())
+    names = {gv.name_hint for gv in mod.functions}
+    # the tiny llama's four projections a layer (qkv, o + residual, gate_up, down + residual), for every function
+    # with a symbolic token count (prefill, batch_prefill, batch_decode, batch_verify ...)
+    calls = [(n, t) for n, t in _calls(mod, "prefill") if n.endswith("_cublaslt")]
+    assert len(calls) == 8   # 2 layers
+    for _, ty in calls:   # (y, the workspace TVM allocates)
+        assert isinstance(ty, tvm.relax.TupleType) and [int(d) for d in ty.fields[1].shape] == [WORKSPACE_BYTES]
+    for name, _ in calls:
+        host = mod[name]
+        assert {f"{name[:-len('_cublaslt')]}_kernel"} <= names and name[:-len("_cublaslt")] not in names
+        text = host.script()
+        assert "mlcc.cublaslt.matmul" in text and f"<= T.int64({MIN_TOKENS})" in text and "call_cpacked" in text
+    assert any("mlcc.cublaslt.matmul_add" in mod[n].script() for n, _ in calls)   # the residual epilogue
+    # batch-1 decode (a static (1, 1, K)) keeps its GEMV kernels
+    assert not [n for n, _ in _calls(mod, "decode") if n.endswith("_cublaslt")]
+
+
+def test_q4_projections_keep_mlccs_kernels(hf_models):
+    _shim_or_skip()
+    mod = _kernels(hf_models, "q4f16_1", CompileOptions())
+    assert not [gv for gv in mod.functions if "cublaslt" in gv.name_hint]
+
+
+def test_option_off_or_shim_unavailable_keeps_the_build(hf_models, monkeypatch):
+    options_off = CompileOptions(vendor_gemm=False)
+    target = get_target("cuda").tvm_target()
+    names = [p.info.name for p in kernel_passes(target, options_off)]
+    assert "mlcc_cuda_vendor_gemm" not in names
+    off = _script_less_stamp(_kernels(hf_models, "q0f16", options_off))
+    monkeypatch.setattr(cublaslt, "available", lambda _cache_dir: False)
+    assert "mlcc_cuda_vendor_gemm" not in [p.info.name for p in kernel_passes(target, CompileOptions())]
+    unavailable = _script_less_stamp(_kernels(hf_models, "q0f16", CompileOptions()))
+    assert "cublaslt" not in off and off == unavailable
+
+
+def _cuda_present() -> bool:
+    return tvm.cuda(0).exist
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _cuda_present(), reason="no CUDA device")
+@pytest.mark.parametrize("epilogue,dtype", [("none", "float16"), ("bias", "float16"), ("add", "float16"),
+                                            ("none", "bfloat16")])
+def test_shim_matches_float32(epilogue, dtype):
+    import ml_dtypes  # noqa: F401 - numpy's bfloat16
+    import tvm_ffi
+
+    _shim_or_skip()
+    dev = tvm.cuda(0)
+    cublaslt.prepare_device(0)
+    rng = np.random.default_rng(0)
+    m, n, k = 300, 512, 1024
+    x = rng.standard_normal((1, m, k)).astype(np.float32)
+    w = (rng.standard_normal((n, k)) / k ** 0.5).astype(np.float32)
+    extra = {"none": None, "bias": rng.standard_normal(n), "add": rng.standard_normal((1, m, n))}[epilogue]
+    np_dtype = "bfloat16" if dtype == "bfloat16" else np.float16
+    cast = [a.astype(np_dtype) for a in (x, w) + ((extra,) if extra is not None else ())]
+    args = [tvm.runtime.tensor(a, dev) for a in cast]
+    ws = tvm.runtime.empty((WORKSPACE_BYTES,), "uint8", dev)
+    out = tvm.runtime.empty((1, m, n), dtype, dev)
+    tvm_ffi.get_global_func(cublaslt.MATMUL[epilogue])(*args[:2], *args[2:], ws, out)
+    ref = cast[0].astype(np.float32) @ cast[1].astype(np.float32).T
+    if extra is not None:
+        ref = ref + cast[2].astype(np.float32)
+    got = out.numpy().astype(np.float32)
+    assert np.abs(got - ref).max() / np.abs(ref).max() < (2e-2 if dtype == "bfloat16" else 3e-3)
