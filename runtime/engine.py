@@ -14,10 +14,9 @@ import queue
 from pathlib import Path
 from typing import Any, AsyncIterator, Iterator
 
-import numpy as np
 
 from mlcc import artifact
-from mlcc.errors import RequestError, SpeculativeConfigError
+from mlcc.errors import EngineConfigError, RequestError, SpeculativeConfigError
 from mlcc.options import EngineConfig
 from mlcc.runtime.api import prepare, protocol, structured, tool_calls
 from mlcc.runtime.api.call import Call
@@ -78,6 +77,12 @@ class Engine:
         self.tokenizer = Tokenizer(self.model_dir, model_cfg["tokenizer"])
         context_window = min(cfg.context_window or self.model.context_window, self.model.context_window)
         cfg = dataclasses.replace(cfg, context_window=context_window)
+        if cfg.kv_cache_tokens is not None and self.model.device_kind != "cpu" and \
+                cfg.kv_cache_tokens > self._kv_budget_tokens(cfg):
+            raise EngineConfigError(
+                f"kv_cache_tokens={cfg.kv_cache_tokens} does not fit: this GPU has room for about "
+                f"{self._kv_budget_tokens(cfg)} at gpu_memory_utilization={cfg.gpu_memory_utilization}; lower it, "
+                "leave it unset (sized from free memory), or raise --gpu-memory-utilization")
         kv_cache_tokens = max(cfg.kv_cache_tokens or self._default_kv_tokens(cfg), 64)
         self.config = cfg = dataclasses.replace(cfg, kv_cache_tokens=kv_cache_tokens,
                                                 prefill_chunk=min(cfg.prefill_chunk, kv_cache_tokens))
@@ -127,17 +132,35 @@ class Engine:
         return make
 
     def _default_kv_tokens(self, cfg: EngineConfig) -> int:
-        """Enough for max_batch full contexts, capped by a memory budget (CPU: 1/4 of free RAM, at most 2 GiB;
-        GPUs: gpu_memory_utilization of the device's memory less the weights and 1 GiB for activations)."""
-        per_token = _kv_bytes_per_token(self.model.config)
+        """Enough for max_batch full contexts, within the memory budget (_kv_budget_tokens)."""
+        return int(min(cfg.context_window * cfg.max_batch, self._kv_budget_tokens(cfg)))
+
+    def _kv_budget_tokens(self, cfg: EngineConfig) -> int:
+        """KV-cache tokens the memory allows. CPU: 1/4 of the free RAM, at most 2 GiB. GPU: what is free once the
+        weights are loaded, less the share of the device gpu_memory_utilization keeps back and an estimate of the
+        activations of the largest step (a prefill chunk through the MLP, max_batch rows of float32 logits); refused
+        in one line where not even one page's worth fits."""
+        model_cfg = self.model.config
+        per_token = _kv_bytes_per_token(model_cfg)
         if self.model.device_kind == "cpu":
             import psutil
 
-            budget = min(psutil.virtual_memory().available // 4, 2 << 30)
-        else:
-            weights = sum(int(np.prod(p["shape"])) * np.dtype(p["dtype"]).itemsize for p in self.model.config["params"])
-            budget = int(self.model.dev.total_global_memory * cfg.gpu_memory_utilization) - weights - (1 << 30)
-        return int(min(cfg.context_window * cfg.max_batch, max(budget // per_token, 256)))
+            return max(min(psutil.virtual_memory().available // 4, 2 << 30) // per_token, 256)
+        m = model_cfg["model_config"]
+        hidden, inter = m["hidden_size"], m.get("intermediate_size") or 4 * m["hidden_size"]
+        activations = (cfg.prefill_chunk * (4 * hidden + 3 * inter) * 4 + 2 * cfg.max_batch * m["vocab_size"] * 4
+                       + (1 << 30))
+        dev = self.model.dev
+        total, free = dev.total_global_memory, dev.available_global_memory
+        budget = free - int(total * (1.0 - cfg.gpu_memory_utilization)) - activations
+        need = max(cfg.page_size, 256) * per_token
+        if budget < need:
+            raise EngineConfigError(
+                f"GPU memory: {free / 2**30:.1f} of {total / 2**30:.1f} GiB free after the weights; keeping "
+                f"{1 - cfg.gpu_memory_utilization:.0%} back and {activations / 2**30:.1f} GiB for activations leaves "
+                f"no room for a KV cache; raise --gpu-memory-utilization, lower --max-batch or --prefill-chunk, or "
+                "use a smaller quantization")
+        return budget // per_token
 
     # -- request plumbing ----------------------------------------------------------------------------------------
     def run_sync(self, call: Call) -> Iterator[tuple[int, Event]]:

@@ -49,3 +49,28 @@ def test_every_flag_has_help():
     for name in ("chat", "serve", "compile"):
         for action in sub.choices[name]._actions:
             assert action.help, f"mlcc {name} {action.option_strings or action.dest} has no help"
+
+
+def _gpu_engine(free_gib: float, total_gib: float = 80.0):
+    """The parts of an Engine its KV-cache sizing reads, for a Llama-3-8B-shaped model on a GPU."""
+    from types import SimpleNamespace
+
+    config = {"model_dtype": "float16",
+              "model_config": {"num_hidden_layers": 32, "num_key_value_heads": 8, "head_dim": 128,
+                               "hidden_size": 4096, "intermediate_size": 14336, "vocab_size": 128256}}
+    dev = SimpleNamespace(total_global_memory=int(total_gib * 2**30), available_global_memory=int(free_gib * 2**30))
+    return SimpleNamespace(model=SimpleNamespace(config=config, device_kind="cuda", dev=dev))
+
+
+def test_gpu_kv_cache_is_sized_from_free_memory():
+    from mlcc.runtime.engine import Engine
+
+    cfg = EngineConfig(max_batch=256, context_window=8192)
+    per_token = 2 * 32 * 8 * 128 * 2
+    roomy, tight = (Engine._kv_budget_tokens(_gpu_engine(free), cfg) for free in (74.0, 20.0))
+    # what is free, less 15% of the device kept back, less the activations estimate (about 1.4 GiB here)
+    assert 74 * 2**30 - 12 * 2**30 - 2 * 2**30 < roomy * per_token < 74 * 2**30 - 12 * 2**30 - 2**30
+    assert tight < roomy and Engine._kv_budget_tokens(_gpu_engine(74.0), EngineConfig.of(
+        cfg, gpu_memory_utilization=0.5)) < roomy
+    with pytest.raises(EngineConfigError, match="no room for a KV cache.*--gpu-memory-utilization"):
+        Engine._kv_budget_tokens(_gpu_engine(12.5), cfg)
