@@ -65,7 +65,7 @@ struct State {
   std::mutex mu;
   std::map<int, cublasLtHandle_t> handles;
   std::map<ShapeKey, Plan> plans;
-  // the algorithm timed for a token-count bucket, reused (after a validity check) by its other counts
+  // the algorithm timed for a token-count bucket (Bucket), reused (after a validity check) by its other counts
   std::map<ShapeKey, std::pair<cublasLtMatmulAlgo_t, size_t>> tuned;
 };
 
@@ -74,10 +74,13 @@ State& state() {
   return *s;
 }
 
+// Token counts share a timed algorithm within a quarter of an octave (257-320, 321-384, ...): a whole octave let
+// the algorithm timed at 300 tokens run 512 at 0.58x of cuBLAS's own choice on an H100.
 int64_t Bucket(int64_t m) {
-  int64_t b = 1;
-  while (b < m) b <<= 1;
-  return b;
+  int64_t p = 1;
+  while (p * 2 <= m) p <<= 1;
+  const int64_t step = p >= 4 ? p / 4 : 1;
+  return (m + step - 1) / step * step;
 }
 
 bool Capturing(cudaStream_t stream) {
