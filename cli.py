@@ -103,7 +103,10 @@ def cmd_export_request_schema(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     from mlcc.options import CompileOptions, EngineConfig
 
+    from mlcc import __version__
+
     p = argparse.ArgumentParser(prog="mlcc", description="Compile and run LLMs with Apache TVM")
+    p.add_argument("--version", action="version", version=f"mlcc {__version__}")
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = p.add_subparsers(dest="command", required=True)
 

@@ -74,3 +74,30 @@ def test_gpu_kv_cache_is_sized_from_free_memory():
         cfg, gpu_memory_utilization=0.5)) < roomy
     with pytest.raises(EngineConfigError, match="no room for a KV cache.*--gpu-memory-utilization"):
         Engine._kv_budget_tokens(_gpu_engine(12.5), cfg)
+
+
+def test_version_flag():
+    import subprocess
+    import sys
+
+    import mlcc
+
+    r = subprocess.run([sys.executable, "-m", "mlcc", "--version"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.strip() == f"mlcc {mlcc.__version__}"
+
+
+def test_serve_refuses_a_busy_port_before_loading_the_model():
+    import socket
+    import subprocess
+    import sys
+    import time
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        t = time.time()
+        r = subprocess.run([sys.executable, "-m", "mlcc", "serve", "no-such-model.gguf", "--port", str(port)],
+                           capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and f"cannot listen on 127.0.0.1:{port}" in r.stderr and "--port" in r.stderr
+    assert "Traceback" not in r.stderr and time.time() - t < 60

@@ -17,12 +17,28 @@ def add_serve_parser(sub) -> None:
     s.set_defaults(func=run_serve)
 
 
+def check_port_free(host: str, port: int) -> None:
+    """Refuses, in one line, a port another process already listens on."""
+    import socket
+
+    from mlcc.errors import EngineConfigError
+
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError as e:
+            raise EngineConfigError(f"cannot listen on {host}:{port} ({e.strerror}): another server holds it; "
+                                    "choose another --port or stop that server") from None
+
+
 def run_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from mlcc.runtime.engine import Engine
     from mlcc.runtime.serve.server import create_app
 
+    check_port_free(args.host, args.port)   # before minutes of loading, not after
     engine = Engine(args.model, config=EngineConfig.from_cli(args))
     app = create_app(engine, api_key=args.api_key, served_name=args.served_model_name)
     try:
