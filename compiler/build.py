@@ -226,6 +226,9 @@ def compile_shape_only(model_type: str, hf_config: dict[str, Any], target: str, 
     seconds = time.time() - t0
     cfg = _config_json(built, lib_name, {}, {"kind": "config", "path": str(out)})
     cfg["weights"] = "none"
+    from .tokenizer_files import write_placeholder_tokenizer
+
+    cfg["tokenizer"] = write_placeholder_tokenizer(out, built.cfg.vocab_size)
     (out / artifact.CONFIG_FILE).write_text(json.dumps(cfg, indent=1))
     return seconds
 

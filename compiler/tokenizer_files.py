@@ -29,6 +29,18 @@ def write_tokenizer(source_kind: str, source_path: Path, out: Path) -> dict[str,
     return tokenizer_info(out)
 
 
+def write_placeholder_tokenizer(out: Path, vocab_size: int) -> dict[str, Any]:
+    """A shape-only build's tokenizer: one word per id ("w0", "w1", ...), no special tokens, no chat template.
+    Benchmarks on random weights feed token ids and read ids back; this lets the engine stream and detokenize them
+    as it would a real model's."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(vocab_size)}, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(out / "tokenizer.json"))
+    return {"eos_token_ids": [], "placeholder": True}
+
+
 def tokenizer_info(out: Path) -> dict[str, Any]:
     cfg = json.loads((out / "tokenizer_config.json").read_text()) if (out / "tokenizer_config.json").exists() else {}
     template = cfg.get("chat_template")

@@ -40,3 +40,15 @@ def test_poisson_arrivals_and_a_too_long_request(compiled):
         assert row["errors"] == 0 and row["output_tokens"] == 16 and row["request_rate"] == 50.0
         with pytest.raises(ValueError, match="exceeds the context window"):
             run_throughput(engine, engine.context_window, 4, 1)
+
+
+def test_a_shape_only_build_runs_with_its_placeholder_tokenizer(hf_models, tmp_path):
+    from mlcc.compiler.build import compile_shape_only
+
+    hf_config = json.loads((hf_models("llama") / "config.json").read_text())
+    out = tmp_path / "shape"
+    compile_shape_only("llama", hf_config, "llvm", "q0f32", out)
+    with Engine(out, target="llvm", weights="random", max_batch=2) as engine:
+        assert engine.model.config["tokenizer"]["placeholder"] is True
+        row = run_throughput(engine, 6, 5, 3, warmup=0)
+        assert row["errors"] == 0 and row["output_tokens"] == 15
