@@ -1,7 +1,9 @@
-"""The nn modules that replace Linear/Embedding for group quantization (schemes and packers: quant_schemes.py).
+"""The nn modules that replace Linear/Embedding for group quantization (schemes: mlcc.quantization; numpy packers:
+quant_schemes.py).
 
 Dequantization lives inside the same TE function as the matmul/take that consumes it, so the compiled kernels
-read packed weights and never write a dequantized copy to memory.
+read packed weights and never write a dequantized copy to memory. A projection's "dequantize" block carries its
+scheme's name (quantization.TAG): the kernels read the layout from that scheme.
 """
 
 from __future__ import annotations
@@ -10,7 +12,9 @@ from tvm import te, tirx
 from tvm.relax.frontend import nn
 from tvm.relax.frontend.nn import Tensor, op
 
-# re-exported: the scheme table and the numpy packing live in quant_schemes (no TVM needed there)
+from mlcc.quantization import TAG
+
+# re-exported: the scheme table (mlcc.quantization) and the numpy packing (quant_schemes), neither needing TVM
 from .quant_schemes import QUANTIZATIONS, Quantization, get_quantization, group_dequantize, group_quantize  # noqa: F401
 
 # -- TE: dequantize fused into its consumer --------------------------------------------------------------------
@@ -21,9 +25,10 @@ _MAGIC = {"float16": ("uint16", 0x6400, 1024.0), "float32": ("uint32", 0x4B00000
 
 
 def _dequant_value(qw: te.Tensor, qs: te.Tensor, row, j, q: Quantization):
-    """Element (row, j) of the dequantized weight: (code - 7) · scale of its group."""
-    code = tirx.bitwise_and(tirx.shift_right(qw[row, j // q.per_word], (j % q.per_word * q.bits).astype("uint32")),
-                            tirx.const((1 << q.bits) - 1, "uint32"))
+    """Element (row, j) of the dequantized weight: (code - max_int) · scale of its group."""
+    code = tirx.bitwise_and(tirx.shift_right(qw[row, j // q.per_word],
+                                             (j % q.per_word * q.bits).astype(q.storage_dtype)),
+                            tirx.const(q.code_mask, q.storage_dtype))
     if not q.magic_int_to_float:
         return (code.astype(qs.dtype) - tirx.const(q.max_int, qs.dtype)) * qs[row, j // q.group_size]
     bits_dtype, magic, base = _MAGIC[str(qs.dtype)]
@@ -34,10 +39,10 @@ def _dequant_value(qw: te.Tensor, qs: te.Tensor, row, j, q: Quantization):
 def _dequant_matmul(x: Tensor, q_weight: nn.Parameter, q_scale: nn.Parameter, q: Quantization, k: int, n: int
                     ) -> Tensor:
     """x[..., k] @ W[n, k]^T with W unpacked inside the same PrimFunc: a block named "dequantize" (dlight
-    inlines blocks by that name into the consumer) feeding the "matmul" block."""
+    inlines blocks by that name into the consumer), tagged with the scheme, feeding the "matmul" block."""
 
     def compute(x: te.Tensor, qw: te.Tensor, qs: te.Tensor) -> te.Tensor:
-        w = te.compute((n, k), lambda i, j: _dequant_value(qw, qs, i, j, q), name="dequantize")
+        w = te.compute((n, k), lambda i, j: _dequant_value(qw, qs, i, j, q), name="dequantize", attrs={TAG: q.name})
         r = te.reduce_axis((0, k), name="k")
         return te.compute(list(x.shape[:-1]) + [n], lambda *idx: te.sum(x[(*idx[:-1], r)] * w[idx[-1], r], axis=r),
                           name="matmul")
@@ -48,8 +53,8 @@ def _dequant_matmul(x: Tensor, q_weight: nn.Parameter, q_scale: nn.Parameter, q:
 class GroupQuantLinear(nn.Module):
     def __init__(self, in_features: int, out_features: int, bias: bool, q: Quantization):
         self.in_features, self.out_features, self.q = in_features, out_features, q
-        self.q_weight = nn.Parameter((out_features, in_features // q.per_word), "uint32")
-        self.q_scale = nn.Parameter((out_features, in_features // q.group_size), q.model_dtype)
+        self.q_weight = nn.Parameter((out_features, in_features // q.per_word), q.storage_dtype)
+        self.q_scale = nn.Parameter((out_features, in_features // q.group_size), q.scale_dtype)
         self.bias = nn.Parameter((out_features,), q.model_dtype) if bias else None
 
     def forward(self, x: Tensor) -> Tensor:
@@ -64,8 +69,8 @@ class GroupQuantLinear(nn.Module):
 class GroupQuantEmbedding(nn.Module):
     def __init__(self, num: int, dim: int, q: Quantization):
         self.num, self.dim, self.q = num, dim, q
-        self.q_weight = nn.Parameter((num, dim // q.per_word), "uint32")
-        self.q_scale = nn.Parameter((num, dim // q.group_size), q.model_dtype)
+        self.q_weight = nn.Parameter((num, dim // q.per_word), q.storage_dtype)
+        self.q_scale = nn.Parameter((num, dim // q.group_size), q.scale_dtype)
 
     def forward(self, ids: Tensor) -> Tensor:
         q, dim = self.q, self.dim

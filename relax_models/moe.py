@@ -17,6 +17,8 @@ from tvm.relax.frontend import nn
 from tvm.relax.frontend.nn import Tensor, op
 from tvm.target import Target
 
+from mlcc.quantization import Quantization
+
 from .blocks import ACTIVATIONS, MLP, DecoderConfig, DecoderForCausalLM, _allreduce_across_shards
 from .moe_gemm import expert_gemv, grouped_gemm
 from .moe_kernels import ExpertFormat, _gpu, expert_gemv_warp, sort_by_expert, topk_softmax, weighted_sum
@@ -76,8 +78,7 @@ class Router(nn.Module):
 class ExpertWeights(nn.Module):
     """One projection of every expert, stacked: [experts, out, in] in the model dtype."""
 
-    bits = 0
-    group_size = 32
+    scheme = None  # plain weights
 
     def __init__(self, experts: int, out_features: int, in_features: int):
         self.experts, self.out_features, self.in_features = experts, out_features, in_features
@@ -86,7 +87,7 @@ class ExpertWeights(nn.Module):
     def tensors(self) -> list[Tensor]:
         return [self.weight]
 
-    def group_quantized(self, q: Any) -> "QuantExpertWeights":
+    def group_quantized(self, q: Quantization) -> "QuantExpertWeights":
         """The same projection in group quantization `q` (compiler/quantize.py swaps it in)."""
         if self.in_features % q.group_size:
             from mlcc.errors import UnsupportedConfigError
@@ -98,13 +99,14 @@ class ExpertWeights(nn.Module):
 
 
 class QuantExpertWeights(nn.Module):
-    """Stacked expert weights in MLC's q4 layout per expert: uint32[E, out, in/8] codes, scale[E, out, in/32]."""
+    """Stacked expert weights in group scheme `q`'s layout per expert: codes [E, out, in/per_word], scales
+    [E, out, in/group_size]."""
 
-    def __init__(self, experts: int, out_features: int, in_features: int, q: Any):
+    def __init__(self, experts: int, out_features: int, in_features: int, q: Quantization):
         self.experts, self.out_features, self.in_features = experts, out_features, in_features
-        self.bits, self.group_size = q.bits, q.group_size
-        self.q_weight = nn.Parameter((experts, out_features, in_features // q.per_word), "uint32")
-        self.q_scale = nn.Parameter((experts, out_features, in_features // q.group_size), q.model_dtype)
+        self.scheme = q
+        self.q_weight = nn.Parameter((experts, out_features, in_features // q.per_word), q.storage_dtype)
+        self.q_scale = nn.Parameter((experts, out_features, in_features // q.group_size), q.scale_dtype)
 
     def tensors(self) -> list[Tensor]:
         return [self.q_weight, self.q_scale]
@@ -133,7 +135,7 @@ class SparseMoE(nn.Module):
         flat = op.reshape(x, (b * s, h))
         logits = self.gate(flat)
         weights, ids = topk_softmax(logits, self.num_experts, self.k, self.normalize, self.target)
-        fmt = ExpertFormat(x.dtype, self.experts.gate_up_proj.bits, self.experts.gate_up_proj.group_size)
+        fmt = ExpertFormat(x.dtype, self.experts.gate_up_proj.scheme)
         if isinstance(b * s, int) and b * s == 1:  # decode: one token, a GEMV over its k experts
             out = self.experts.one_token(flat, op.reshape(ids, (self.k,)), weights, fmt, self.target)
         else:

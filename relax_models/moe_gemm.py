@@ -7,7 +7,7 @@ from __future__ import annotations
 from tvm.relax.frontend.nn import Tensor, op
 from tvm.script import tirx as T
 
-from .moe_kernels import _OPAQUE, LANES, THREADS, ExpertFormat, _gpu, _loader, _tile, _weight_shapes
+from .moe_kernels import _OPAQUE, LANES, THREADS, ExpertFormat, _gpu, _loader, _tagged, _tile, _weight_shapes
 
 
 def expert_gemv(x: Tensor, ids: Tensor, weights: list[Tensor], fmt: ExpertFormat, n: int, target) -> Tensor:
@@ -73,8 +73,9 @@ def expert_gemv(x: Tensor, ids: Tensor, weights: list[Tensor], fmt: ExpertFormat
                             acc[0] = acc[0] + acc[lane + 1]
                         out[task // (n // tile), task % (n // tile) * tile + i] = T.Cast(dtype, acc[0])
 
-    scale = weights[1] if fmt.bits else op.zeros([1], dtype)
-    return op.tensor_ir_op(func, "moe_expert_gemv", [x, ids, weights[0], scale], Tensor.placeholder([k, n], dtype))
+    scale = weights[1] if fmt.scheme is not None else op.zeros([1], dtype)
+    return op.tensor_ir_op(_tagged(func, fmt), "moe_expert_gemv", [x, ids, weights[0], scale],
+                           Tensor.placeholder([k, n], dtype))
 
 
 def grouped_gemm(x: Tensor, row_slot: Tensor, ids: Tensor, indptr: Tensor, weights: list[Tensor], fmt: ExpertFormat,
@@ -155,6 +156,6 @@ def grouped_gemm(x: Tensor, row_slot: Tensor, ids: Tensor, indptr: Tensor, weigh
                     T.writes()
                     expert_tile(xb, rs, ip, _loader(fmt, wb, sb), out, task // col_tiles, task % col_tiles * tile)
 
-    scale = weights[1] if fmt.bits else op.zeros([1], dtype)
-    return op.tensor_ir_op(func, "moe_grouped_gemm", [x, row_slot, ids, indptr, weights[0], scale],
+    scale = weights[1] if fmt.scheme is not None else op.zeros([1], dtype)
+    return op.tensor_ir_op(_tagged(func, fmt), "moe_grouped_gemm", [x, row_slot, ids, indptr, weights[0], scale],
                            Tensor.placeholder([rows, n], dtype))

@@ -14,15 +14,19 @@ the weighted sum back to tokens. Expert ids never leave the device, and only the
 
 The kernels are written already scheduled, in two launch shapes: CPU (parallel loops, 16-lane vector dots) and GPU
 (one thread per output element, 64 threads a block, within WGSL's and Metal's limits). Weights are [E, N, K] in the
-model dtype or MLC's q4 layout (uint32[E, N, K/8] codes and scale[E, N, K/32]); accumulation is in float32.
+model dtype or in a group scheme's layout (mlcc.quantization: codes [E, N, K/per_word], scales
+[E, N, K/group_size]); accumulation is in float32.
 """
 
 from __future__ import annotations
 
 import dataclasses
 
+from tvm import tirx
 from tvm.relax.frontend.nn import Tensor, op
 from tvm.script import tirx as T
+
+from mlcc.quantization import TAG, Quantization
 
 LANES = 16   # float32 lanes of a vector dot on the CPU (one AVX-512 register, two AVX2 ones)
 THREADS = 64  # threads per GPU block
@@ -31,39 +35,38 @@ _OPAQUE = {"op_pattern": 8, "tirx.is_scheduled": True, "tirx.noalias": True}  # 
 
 @dataclasses.dataclass(frozen=True)
 class ExpertFormat:
-    """How stacked expert weights are stored: `bits` 0 for plain model-dtype weights, else group quantization."""
+    """How stacked expert weights are stored: plain `dtype` weights, or group-quantized in `scheme`."""
 
-    dtype: str            # the model dtype (activations, scales)
-    bits: int = 0
-    group_size: int = 32
-
-    @property
-    def per_word(self) -> int:
-        return 32 // self.bits
-
-    @property
-    def max_int(self) -> int:
-        return (1 << (self.bits - 1)) - 1
+    dtype: str                          # the model dtype (activations, scales)
+    scheme: Quantization | None = None  # None: plain weights
 
 
 def _loader(fmt: ExpertFormat, w, s):
     """W[e, n, k] as float32, from its buffers (s: the scales, unused for plain weights)."""
-    if not fmt.bits:
+    q = fmt.scheme
+    if q is None:
         return lambda e, n, k: T.Cast("float32", w[e, n, k])
 
     def load(e, n, k):
-        word = w[e, n, k // fmt.per_word]
-        code = T.bitwise_and(T.shift_right(word, T.Cast("uint32", k % fmt.per_word * fmt.bits)),
-                             T.uint32((1 << fmt.bits) - 1))
-        return (T.Cast("float32", code) - T.float32(fmt.max_int)) * T.Cast("float32", s[e, n, k // fmt.group_size])
+        word = w[e, n, k // q.per_word]
+        code = T.bitwise_and(T.shift_right(word, T.Cast(q.storage_dtype, k % q.per_word * q.bits)),
+                             tirx.const(q.code_mask, q.storage_dtype))
+        return (T.Cast("float32", code) - T.float32(q.max_int)) * T.Cast("float32", s[e, n, k // q.group_size])
 
     return load
 
 
+def _tagged(func, fmt: ExpertFormat):
+    """An expert projection's PrimFunc named with its scheme (quantization.TAG), as the dense ones are: these
+    kernels are opaque to fusion, so a function attribute lasts."""
+    return func.with_attr(TAG, fmt.scheme.name) if fmt.scheme is not None else func
+
+
 def _weight_shapes(fmt: ExpertFormat, e: int, n: int, k: int) -> tuple[tuple, str, tuple]:
-    if not fmt.bits:
+    q = fmt.scheme
+    if q is None:
         return (e, n, k), fmt.dtype, (1,)
-    return (e, n, k // fmt.per_word), "uint32", (e, n, k // fmt.group_size)
+    return (e, n, k // q.per_word), q.storage_dtype, (e, n, k // q.group_size)
 
 
 def _gpu(target) -> bool:
@@ -376,7 +379,7 @@ def weighted_sum(y: Tensor, weights: Tensor, slot_row: Tensor | None, target, se
 
 WARP = 32      # lanes splitting one dot product
 WARP_ROWS = 8  # output elements (warps) per block
-EXPERT_GEMV_ATTR = "mlcc.moe_expert_gemv"  # func attr marking expert_gemv_warp's PrimFunc, with its format
+EXPERT_GEMV_ATTR = "mlcc.moe_expert_gemv"  # func attr marking expert_gemv_warp's PrimFunc (its scheme: TAG)
 
 
 def expert_gemv_warp(x: Tensor, ids: Tensor, weights: list[Tensor], fmt: ExpertFormat, n: int,
@@ -390,11 +393,12 @@ def expert_gemv_warp(x: Tensor, ids: Tensor, weights: list[Tensor], fmt: ExpertF
     num_experts, w_rows = int(weights[0].shape[0]), int(weights[0].shape[1])
     dtype = fmt.dtype
     w_shape, w_dtype, s_shape = _weight_shapes(fmt, num_experts, w_rows, kdim)
-    per = fmt.per_word if fmt.bits else 1
+    q = fmt.scheme
+    per = q.per_word if q is not None else 1
     words = kdim // per
     vec = next(v for v in (4, 2, 1) if words % (WARP * v) == 0 or v == 1)
     iters = (words + WARP * vec - 1) // (WARP * vec)
-    quantized = fmt.bits > 0
+    quantized = q is not None
     halves = 2 if swiglu else 1
     bind, shared = _threads(serial), "global" if serial else "shared"
 
@@ -407,10 +411,11 @@ def expert_gemv_warp(x: Tensor, ids: Tensor, weights: list[Tensor], fmt: ExpertF
             part = T.sblock_alloc_buffer((1,), "float32", scope="local")
             part[0] = T.float32(0)
             for i in T.unroll(per):
-                code = T.bitwise_and(T.shift_right(wl[v], T.uint32(i * fmt.bits)), T.uint32((1 << fmt.bits) - 1))
+                code = T.bitwise_and(T.shift_right(wl[v], T.Cast(q.storage_dtype, i * q.bits)),
+                                     tirx.const(q.code_mask, q.storage_dtype))
                 part[0] = part[0] + T.Cast("float32", xb[xr, w * per + i]) * (
-                    T.Cast("float32", code) - T.float32(fmt.max_int))
-            acc[0] = acc[0] + part[0] * T.Cast("float32", sb[e, row, w * per // fmt.group_size])
+                    T.Cast("float32", code) - T.float32(q.max_int))
+            acc[0] = acc[0] + part[0] * T.Cast("float32", sb[e, row, w * per // q.group_size])
         else:
             acc[0] = acc[0] + T.Cast("float32", xb[xr, w]) * T.Cast("float32", wl[v])
 
@@ -465,8 +470,8 @@ def expert_gemv_warp(x: Tensor, ids: Tensor, weights: list[Tensor], fmt: ExpertF
                                     out[(bx * WARP_ROWS + ty) // n, (bx * WARP_ROWS + ty) % n] = T.Cast(
                                         dtype, tot[0])
 
-    # (what CUDA's hand-written kernel pass, schedules/cuda_moe_gemv, reads to find and replace this kernel)
-    func = func.with_attr(EXPERT_GEMV_ATTR, {"swiglu": swiglu, "bits": fmt.bits, "group_size": fmt.group_size,
-                                             "dtype": dtype})
-    scale = weights[1] if fmt.bits else op.zeros([1], dtype)
+    # (what CUDA's hand-written kernel pass, schedules/cuda_moe_gemv, reads to find and replace this kernel; the
+    # kernel is opaque to fusion, so its attributes last)
+    func = _tagged(func.with_attr(EXPERT_GEMV_ATTR, {"swiglu": swiglu, "dtype": dtype}), fmt)
+    scale = weights[1] if q is not None else op.zeros([1], dtype)
     return op.tensor_ir_op(func, "moe_expert_gemv", [x, ids, weights[0], scale], Tensor.placeholder([k, n], dtype))

@@ -1,5 +1,6 @@
-"""CPU GEMM for the projections of a many-token call (prefill, batched decode): q4f32_1 or float32 weights against
-float32 activations, written by hand in TIR and put in place of TVM's fused PrimFunc.
+"""CPU GEMM for the projections of a many-token call (prefill, batched decode): group-quantized (a scheme with float32
+scales, q4f32_1) or float32 weights against float32 activations, written by hand in TIR and put in place of TVM's
+fused PrimFunc.
 
 The batch-1 rule in schedules/cpu.py dequantizes each weight row once per output element, so a prompt of M tokens
 dequantizes the whole matrix M times and keeps nothing in registers. Here each thread owns a tile of `nc` output
@@ -21,10 +22,11 @@ import logging
 from tvm import tirx
 from tvm.script import tirx as T
 
+from mlcc.quantization import Quantization, weight_scheme
+
 log = logging.getLogger(__name__)
 
 VEC = 16  # float32 lanes of one AVX-512 register (two AVX2 ones)
-GROUP = 32  # q4f32_1: one scale per 32 codes along K, 8 codes per uint32
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,7 +49,7 @@ class GemmShape:
     n: int                    # output features (rows of W)
     k: int                    # input features
     x_shape: tuple            # (1, m, k) or (m, 1, k): m symbolic
-    weights: str              # "q4f32_1" | "float32"
+    weights: str              # a group scheme this kernel decodes (decodes) | "float32"
     epilogue: str = "none"    # "none" | "add" (a residual shaped like y) | "bias" (one value per output feature)
 
 
@@ -67,13 +69,16 @@ def make_gemm(shape: GemmShape, tiles: GemmTiles | None = None) -> tirx.PrimFunc
     if t is None:
         raise ValueError(f"no GEMM tiling for {shape}")
     n, k, mr, nc = shape.n, shape.k, t.mr, t.nc
-    q4 = shape.weights == "q4f32_1"
+    q = weight_scheme(shape.weights)
+    q4 = q is not None
     m = next(d for d in shape.x_shape if not isinstance(d, (int, tirx.IntImm)))
     x_shape = tuple(shape.x_shape)
     y_shape = x_shape[:-1] + (T.int64(n),)
-    w_shape = (T.int64(n), T.int64(k // 8)) if q4 else (T.int64(n), T.int64(k))
-    w_dtype = "uint32" if q4 else "float32"
-    s_shape = (T.int64(n), T.int64(k // GROUP))
+    w_shape = (T.int64(n), T.int64(k // q.per_word)) if q4 else (T.int64(n), T.int64(k))
+    w_dtype = q.storage_dtype if q4 else "float32"
+    s_shape = (T.int64(n), T.int64(k // q.group_size)) if q4 else None
+    per, bits, mask, zero = (q.per_word, q.bits, q.code_mask, q.max_int) if q4 else (1, 0, 0, 0)
+    words_per_group = q.words_per_group if q4 else 1
     add = shape.epilogue in ("add", "bias")
     bias = shape.epilogue == "bias"
     r_shape = (T.int64(n),) if bias else y_shape
@@ -81,19 +86,19 @@ def make_gemm(shape: GemmShape, tiles: GemmTiles | None = None) -> tirx.PrimFunc
     def epilogue(r, rf, row, col):
         return r[col] if bias else rf[row, col]
 
-    # One word of each of the tile's nc rows at a time (a strided gather, once per 8 codes), unpacked into 8 rows
-    # of the transposed tile with vector shifts: the gather is the transposition.
+    # One word of each of the tile's nc rows at a time (a strided gather, once per `per` codes), unpacked into `per`
+    # rows of the transposed tile with vector shifts: the gather is the transposition.
     @T.macro
     def dequantize(w, s, wt, wv, sv, no):
         if q4:
-            for kw in T.serial(T.int64(k // 8)):
+            for kw in T.serial(T.int64(k // per)):
                 for c in T.vectorized(T.int64(nc)):
                     wv[c] = w[no * nc + c, kw]
-                    sv[c] = s[no * nc + c, kw // 4]
-                for b in T.unroll(8):
+                    sv[c] = s[no * nc + c, kw // words_per_group]
+                for b in T.unroll(per):
                     for c in T.vectorized(T.int64(nc)):
-                        wt[kw * 8 + b, c] = (T.Cast("float32", (wv[c] >> T.uint32(4 * b)) & T.uint32(15))
-                                             - T.float32(7)) * sv[c]
+                        wt[kw * per + b, c] = (T.Cast("float32", (wv[c] >> T.uint32(bits * b)) & T.uint32(mask))
+                                               - T.float32(zero)) * sv[c]
         else:
             for kk in T.serial(T.int64(k)):
                 for c in T.vectorized(T.int64(nc)):
@@ -187,13 +192,26 @@ def make_gemm(shape: GemmShape, tiles: GemmTiles | None = None) -> tirx.PrimFunc
 
 
 def match_gemm(func: tirx.PrimFunc) -> GemmShape | None:
-    """The shape of a many-token projection — q4f32_1 dequantize→matmul or float32 NT_matmul, [→ + residual or
-    bias], over activations (1, m, K) or (m, 1, K) with m symbolic — or None for anything else (batch-1 GEMVs
-    included)."""
+    """The shape of a many-token projection — dequantize→matmul in a scheme this kernel decodes or float32 NT_matmul,
+    [→ + residual or bias], over activations (1, m, K) or (m, 1, K) with m symbolic — or None for anything else
+    (batch-1 GEMVs included)."""
     from .gemv_match import match_many_token_projection
 
     found = match_many_token_projection(func, "float32")
-    return GemmShape(*found) if found is not None and found[1] % GROUP == 0 else None
+    if found is None:
+        return None
+    q = weight_scheme(found[3])
+    if q is not None and not decodes(q):
+        return None
+    # (float32 weights keep the K multiple of 32 they always had here; the kernel itself needs none)
+    return GemmShape(*found) if found[1] % (q.group_size if q is not None else 32) == 0 else None
+
+
+def decodes(q: Quantization) -> bool:
+    """Whether the dequantizing tile decodes scheme `q`: symmetric codes in uint32 words, whole words to a scale
+    group, float32 scales."""
+    return (q.storage_dtype, q.symmetric, q.scale_dtype) == ("uint32", True, "float32") and \
+        q.group_size % q.per_word == 0
 
 
 def gemm_for(func: tirx.PrimFunc, tiles: GemmTiles | None = None) -> tirx.PrimFunc | None:

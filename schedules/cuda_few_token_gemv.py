@@ -15,6 +15,9 @@ import logging
 
 import tvm
 
+from mlcc.quantization import weight_scheme
+
+from .cuda_source import decodes_q4, q4_scheme
 from .gemv_match import is_unscheduled_prim_func, match_many_token_projection, token_dim
 from .host_dispatch import host_dispatch
 
@@ -29,7 +32,7 @@ WARPS_WANTED = 4096     # as the decode GEMV: enough loads in flight for an H100
 
 def rows_per_warp(n: int, k: int) -> int:
     """Two rows a warp where that still leaves WARPS_WANTED warps and a lane's loads stay few (registers)."""
-    iters = -(-(k // 32) // 32)
+    iters = -(-(k // q4_scheme().group_size) // 32)  # a lane's 16-byte loads (one scale group each) of a row
     return 2 if n // 2 >= WARPS_WANTED and iters <= 4 else 1
 
 
@@ -42,23 +45,25 @@ def blocks(n: int, k: int) -> int:
 
 
 def supported(n: int, k: int, weights: str) -> bool:
-    return weights == "q4f16_1" and k % 32 == 0 and n > 0
+    q = weight_scheme(weights)
+    return decodes_q4(q) and k % q.group_size == 0 and n > 0
 
 
-def _signature(x_shape, n: int, k: int, epilogue: str):
-    """(x, W, scales[, bias or residual], y) buffer shapes of a many-token q4 projection."""
+def _signature(x_shape, n: int, k: int, epilogue: str, weights: str | None = None):
+    """(x, W, scales[, bias or residual], y) buffer shapes of a many-token projection in q4 scheme `weights`."""
     from tvm.script import tirx as T
 
+    q = q4_scheme(weights)
     y_shape = tuple(x_shape[:-1]) + (T.int64(n),)
-    shapes = [(tuple(x_shape), "float16"), ((T.int64(n), T.int64(k // 8)), "uint32"),
-              ((T.int64(n), T.int64(k // 32)), "float16")]
+    shapes = [(tuple(x_shape), "float16"), ((T.int64(n), T.int64(k // q.per_word)), q.storage_dtype),
+              ((T.int64(n), T.int64(k // q.group_size)), q.scale_dtype)]
     if epilogue in ("bias", "add"):
         shapes.append(((T.int64(n),) if epilogue == "bias" else y_shape, "float16"))
     return shapes + [(y_shape, "float32" if epilogue == "cast" else "float16")]
 
 
-def make_few_token_gemv(x_shape, n: int, k: int, epilogue: str) -> tvm.tirx.PrimFunc:
-    """The kernel for up to FEW_TOKENS tokens, with the projection's parameters."""
+def make_few_token_gemv(x_shape, n: int, k: int, epilogue: str, weights: str | None = None) -> tvm.tirx.PrimFunc:
+    """The kernel for up to FEW_TOKENS tokens, with the projection's parameters (weights: its q4 scheme)."""
     from tvm.script import tirx as T
 
     m = token_dim(x_shape)
@@ -75,14 +80,14 @@ def make_few_token_gemv(x_shape, n: int, k: int, epilogue: str) -> tvm.tirx.Prim
                     T.evaluate(T.call_extern("void", call, x.data, w.data, s.data, r.data, y.data,
                                              T.Cast("int32", m), T.int32(n)))
 
-    (xs, _), (ws, _), (ss, _), *rest = _signature(x_shape, n, k, epilogue)
+    (xs, _), (ws, wt), (ss, st), *rest = _signature(x_shape, n, k, epilogue, weights)
     ys, yt = rest[-1]
     has_r = len(rest) == 2
     rs = rest[0][0] if has_r else (T.int64(1),)
 
     # TVMScript has no optional parameters: the kernel is written with all five, then keeps those the shape has
     @T.prim_func(private=True, s_tir=True)
-    def full(x: T.Buffer(xs, "float16"), w: T.Buffer(ws, "uint32"), s: T.Buffer(ss, "float16"),
+    def full(x: T.Buffer(xs, "float16"), w: T.Buffer(ws, wt), s: T.Buffer(ss, st),
              r: T.Buffer(rs, "float16"), y: T.Buffer(ys, yt)):
         T.func_attr(attrs)
         body(x, w, s, r if has_r else x, y)
@@ -92,7 +97,7 @@ def make_few_token_gemv(x_shape, n: int, k: int, epilogue: str) -> tvm.tirx.Prim
 
 
 def few_token_gemv_pass() -> tvm.transform.Pass:
-    """Every many-token q4f16_1 projection behind a dispatch to the few-token GEMV (before the GEMM pass)."""
+    """Every many-token q4 projection behind a dispatch to the few-token GEMV (before the GEMM pass)."""
 
     @tvm.transform.module_pass(opt_level=0, name="mlcc_cuda_few_token_gemv")
     def _pass(mod: tvm.ir.IRModule, _ctx) -> tvm.ir.IRModule:
@@ -108,7 +113,8 @@ def few_token_gemv_pass() -> tvm.transform.Pass:
                 continue
             name = gv.name_hint
             few, many = f"{name}_few_tokens", f"{name}_many_tokens"
-            mod[tvm.ir.GlobalVar(few)] = make_few_token_gemv(x_shape, n, k, epilogue).with_attr("global_symbol", few)
+            kernel = make_few_token_gemv(x_shape, n, k, epilogue, weights)
+            mod[tvm.ir.GlobalVar(few)] = kernel.with_attr("global_symbol", few)
             mod[tvm.ir.GlobalVar(many)] = func.with_attr("global_symbol", many)
             attrs = {a: v for a, v in func.attrs.items()} if func.attrs is not None else {}
             mod[gv] = host_dispatch(func, token_dim(x_shape), FEW_TOKENS, few, many, {**attrs, "global_symbol": name})

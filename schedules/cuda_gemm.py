@@ -13,6 +13,10 @@ from __future__ import annotations
 
 import dataclasses
 
+from mlcc.quantization import weight_scheme
+
+from .cuda_source import decodes_q4, q4_scheme
+
 EPILOGUES = {"none": 0, "bias": 1, "add": 2, "swiglu": 3}
 HELPER = "mlcc_tc_gemm"
 # dynamic shared memory a block may have, by SM version (CUDA's "maximum shared memory per block, opt-in")
@@ -57,21 +61,36 @@ class GemmParams:
 # Before sm_90 (no measurements there): 128 x 128 tiles of 8 warps, 3 stages of 32, which fit 48 KB. On an H200
 # (bench/gemm.py over an 8B model's projections at 512-8,192 tokens) 256 x 128 tiles with 4 stages of 64 won most
 # shapes (192 KB of shared memory a block): 300-380 TFLOP/s fp16, 300-320 q4f16_1 from 2,048 tokens up.
-_DEFAULTS = {  # (weights, tokens, sm_90+)
-    ("float16", "large", True): GemmParams(256, 128, 4, 2, 4, 64),
-    ("q4f16_1", "large", True): GemmParams(256, 128, 4, 2, 4, 64),
-    ("float16", "large", False): GemmParams(128, 128, 2, 4, 3),
-    ("q4f16_1", "large", False): GemmParams(128, 128, 2, 4, 3),
-    ("float16", "small", False): GemmParams(64, 128, 2, 2, 4),
-    ("q4f16_1", "small", False): GemmParams(64, 128, 2, 2, 4),
+_DEFAULTS = {  # (q4 weights, tokens, sm_90+)
+    (False, "large", True): GemmParams(256, 128, 4, 2, 4, 64),
+    (True, "large", True): GemmParams(256, 128, 4, 2, 4, 64),
+    (False, "large", False): GemmParams(128, 128, 2, 4, 3),
+    (True, "large", False): GemmParams(128, 128, 2, 4, 3),
+    (False, "small", False): GemmParams(64, 128, 2, 2, 4),
+    (True, "small", False): GemmParams(64, 128, 2, 2, 4),
 }
 
 
+def reads(weights: str) -> bool:
+    """Whether the kernel takes `weights`: "float16", or a scheme its q4 path decodes."""
+    return weights == "float16" or decodes_q4(weight_scheme(weights))
+
+
+def is_q4(weights: str) -> bool:
+    """`weights` names a group scheme (which the kernel's q4 path must decode: cuda_source.decodes_q4), not
+    "float16"."""
+    if weight_scheme(weights) is None:
+        return False
+    q4_scheme(weights)  # (refuses a scheme the q4 path does not decode)
+    return True
+
+
 def default_params(weights: str, m_hint: int | None = None, sm: int = 90) -> GemmParams:
-    """The untuned choice for `weights` ("float16" | "q4f16_1") on SM version `sm`; `m_hint`: expected tokens
+    """The untuned choice for `weights` ("float16" or a q4 scheme) on SM version `sm`; `m_hint`: expected tokens
     (None: a long prompt)."""
     size = "small" if m_hint is not None and m_hint < 256 else "large"
-    return _DEFAULTS.get((weights, size, sm >= 90), _DEFAULTS[(weights, size, False)])
+    q4 = is_q4(weights)
+    return _DEFAULTS.get((q4, size, sm >= 90), _DEFAULTS[(q4, size, False)])
 
 
 def supported(n: int, k: int, params: GemmParams, epilogue: str = "none") -> bool:
@@ -96,7 +115,7 @@ BLOCKS_WANTED = 528    # 4 blocks for each of an H100/H200's 132 SMs
 def few_token_params(n: int, k: int, weights: str, sm: int = 90) -> GemmParams:
     """32-row tiles, K split until the grid has BLOCKS_WANTED blocks (each split keeps >= 4 k-tiles of 64)."""
     p = GemmParams(32, 128, 2, 4, 4, 64)
-    if not p.valid(weights == "q4f16_1", sm):
+    if not p.valid(is_q4(weights), sm):
         p = GemmParams(32, 128, 2, 4, 3, 32)
     split = 1
     while (n // p.bn) * split < BLOCKS_WANTED and k % (split * 2 * 256) == 0 and split < 16:
@@ -106,7 +125,7 @@ def few_token_params(n: int, k: int, weights: str, sm: int = 90) -> GemmParams:
 
 def template_call(weights: str, epilogue: str, params: GemmParams) -> str:
     p = params
-    q4 = "true" if weights == "q4f16_1" else "false"
+    q4 = "true" if is_q4(weights) else "false"
     if p.split > 1:  # (the partials take the epilogue in the reduction)
         return f"{HELPER}<{p.bm}, {p.bn}, {p.bk}, {p.wm}, {p.wn}, {p.stages}, {q4}, 0, {p.split}>"
     return f"{HELPER}<{p.bm}, {p.bn}, {p.bk}, {p.wm}, {p.wn}, {p.stages}, {q4}, {EPILOGUES[epilogue]}>"

@@ -22,11 +22,14 @@ from .cuda_gemm import (
     GemmParams,
     default_params,
     few_token_params,
+    is_q4,
     mid_params,
+    reads,
     reduce_call,
     supported,
     template_call,
 )
+from .cuda_source import q4_scheme
 
 log = logging.getLogger(__name__)
 
@@ -36,7 +39,7 @@ class PrefillGemm:
     n: int              # output features (rows of W)
     k: int              # input features
     x_shape: tuple      # (1, m, K) or (m, 1, K), m symbolic
-    weights: str        # "q4f16_1" | "float16"
+    weights: str        # a scheme the q4 path decodes (cuda_source.decodes_q4) | "float16"
     epilogue: str       # "none" | "bias" | "add"
 
     @property
@@ -51,7 +54,7 @@ def match_prefill_gemm(func: tirx.PrimFunc) -> PrefillGemm | None:
     from .gemv_match import match_many_token_projection
 
     found = match_many_token_projection(func, "float16")
-    return PrefillGemm(*found) if found is not None else None
+    return PrefillGemm(*found) if found is not None and reads(found[3]) else None
 
 
 def make_prefill_gemm(shape: PrefillGemm, params: GemmParams, few: GemmParams | None = None,
@@ -63,11 +66,13 @@ def make_prefill_gemm(shape: PrefillGemm, params: GemmParams, few: GemmParams | 
     from tvm.script import tirx as T
 
     n, k, p, m = shape.n, shape.k, params, shape.m
-    q4 = shape.weights == "q4f16_1"
+    q4 = is_q4(shape.weights)
+    q = q4_scheme(shape.weights) if q4 else None
     x_shape = tuple(shape.x_shape)
     y_shape = x_shape[:-1] + (T.int64(n),)
-    w_shape, w_dtype = ((T.int64(n), T.int64(k // 8)), "uint32") if q4 else ((T.int64(n), T.int64(k)), "float16")
-    s_shape = (T.int64(n), T.int64(k // 32))
+    w_shape, w_dtype = ((T.int64(n), T.int64(k // q.per_word)), q.storage_dtype) if q4 else \
+        ((T.int64(n), T.int64(k)), "float16")
+    s_shape = (T.int64(n), T.int64(k // q.group_size if q4 else 1))  # (float16: no scales)
     r_shape = (T.int64(n),) if shape.epilogue == "bias" else y_shape
     m_blocks = (m + (p.bm - 1)) // p.bm
 
@@ -158,7 +163,7 @@ MIN_SIDE = 2048
 
 def params_for(shape: PrefillGemm, sm: int, params: GemmParams | None = None) -> GemmParams | None:
     """The parameters to build `shape` with on SM version `sm` (None: the kernel does not apply)."""
-    q4 = shape.weights == "q4f16_1"
+    q4 = is_q4(shape.weights)
     if params is None and min(shape.n, shape.k) < MIN_SIDE:
         return None
     # N not a multiple of the default tile: the 64-column tile

@@ -31,7 +31,10 @@ import logging
 
 import tvm
 
+from mlcc.quantization import weight_scheme
+
 from . import cuda_pdl
+from .cuda_source import q4_scheme
 from .gemv_match import GATED, GemvShape, is_unscheduled_prim_func, match_gemv
 
 log = logging.getLogger(__name__)
@@ -235,13 +238,15 @@ def make_gemv(shape: GemvShape, pdl: bool = False) -> tvm.tirx.PrimFunc:
 
     lay = _Layout.of(shape)
     n, k, epi = shape.n, shape.k, shape.epilogue
-    q4 = shape.weights == "q4f16_1"
+    # (a scheme's sizes are those q4_gemv.cuh is compiled for: q4_scheme refuses any other)
+    q = q4_scheme(shape.weights) if weight_scheme(shape.weights) is not None else None
+    q4 = q is not None
     swiglu, add = epi in GATED, epi == "add"
     act = _silu_times if epi == "swiglu" else _gelu_tanh_times
     n_w, units, rows, rows_w, lanes, ksplit = shape.weight_rows, lay.units, lay.rows, lay.rows_w, lay.lanes, lay.ksplit
     warps, slots, iters = lay.warps, lay.slots, lay.iters
     x_words = shape.unit // 2  # 32-bit words of x per unit
-    groups = k // 32
+    groups = k // q.group_size if q4 else 1
     norm = shape.norm_eps is not None
     eps = float(shape.norm_eps or 0.0)
     # The RMSNorm prologue differs by weight format. float16 weights multiply in fp32, so they take x * g
@@ -256,7 +261,8 @@ def make_gemv(shape: GemvShape, pdl: bool = False) -> tvm.tirx.PrimFunc:
     stage_words = -(-(k // 2) // (warps * 32)) if staged else 1  # 32-bit words of x a thread stages
     accumulate = _q4_accumulate(lay, groups) if q4 else _f16_accumulate(lay)
     stage_normalized_x = _stage_normalized_x(k, eps, warps, stage_words) if staged else None
-    out_of_range = 0x77777777 if q4 else 0  # the weights a thread loads past the last row: all codes 7 (zero) or 0
+    # the weights a thread loads past the last row: every code max_int (zero), or 0
+    out_of_range = sum(q.max_int << (i * q.bits) for i in range(q.per_word)) if q4 else 0
     row_of, wrow_of, unit_of = lay.row_of, lay.wrow_of, lay.unit_of
     out_dtype = shape.out_dtype
 
@@ -359,7 +365,7 @@ def make_gemv(shape: GemvShape, pdl: bool = False) -> tvm.tirx.PrimFunc:
 
     # TVMScript has no optional parameters: write the kernel with all six, then keep only those this shape reads
     # (the body is given an alias, x or W or out, for each one it does not read)
-    w_shape, w_dtype = ((n_w, k // 8), "uint32") if q4 else ((n_w, k), "float16")
+    w_shape, w_dtype = ((n_w, k // q.per_word), q.storage_dtype) if q4 else ((n_w, k), "float16")
     x_shape, g_shape, s_shape, r_shape = (1, 1, k), (k,), (n_w, groups), shape.residual_shape or (1, 1, n)
 
     @T.prim_func(private=True, s_tir=True)

@@ -1,4 +1,4 @@
-"""The mixture-of-experts decode GEMV for CUDA on q4f16_1 experts (cuda/moe_gemv.cuh), in place of the portable TIR
+"""The mixture-of-experts decode GEMV for CUDA on q4 experts (cuda/moe_gemv.cuh), in place of the portable TIR
 kernel (relax_models/moe_kernels.expert_gemv_warp) that Metal, WebGPU and ROCm keep.
 
 The TIR kernel unpacks one nibble at a time (~7 ALU ops per 4-bit code) and sums a row's lanes through shared
@@ -20,10 +20,15 @@ import logging
 
 import tvm
 
+from mlcc.quantization import TAG, Quantization
+
+from .cuda_source import decodes_q4, q4_scheme
+from .gemv_match import tagged_scheme
+
 log = logging.getLogger(__name__)
 
 HELPER = "mlcc_moe_gemv"
-ATTR = "mlcc.moe_expert_gemv"  # = moe_kernels.EXPERT_GEMV_ATTR (schedules import no model code)
+ATTR = "mlcc.moe_expert_gemv"  # = moe_kernels.EXPERT_GEMV_ATTR (schedules import no model code); the scheme: TAG
 WARPS = 4                      # warps per block (MLCC_MOE_WARPS in the header)
 MAX_LOADS = 16                 # 16-byte weight loads a lane has in flight (64 registers)
 MIN_WARPS = 2048               # more rows a thread only while the grid keeps this many warps
@@ -41,9 +46,14 @@ class MoeGemv:
     experts: int
 
     @property
+    def scheme(self) -> Quantization:
+        """The layout read: every scheme the q4 code decodes has the same (cuda_source.decodes_q4)."""
+        return q4_scheme()
+
+    @property
     def units(self) -> int:
-        """16-byte units (32-code scale groups) per weight row."""
-        return self.kdim // 32
+        """16-byte units (scale groups) per weight row."""
+        return self.kdim // self.scheme.group_size
 
     @property
     def w_rows(self) -> int:
@@ -102,7 +112,8 @@ def make_moe_gemv(shape: MoeGemv, lay: MoeLayout | None = None) -> tvm.tirx.Prim
 
     lay = lay or launch_layout(shape)
     call = template_call(shape, lay)
-    x_shape, w_shape = (shape.rows_x, shape.kdim), (shape.experts, shape.w_rows, shape.kdim // 8)
+    q = shape.scheme
+    x_shape, w_shape = (shape.rows_x, shape.kdim), (shape.experts, shape.w_rows, shape.kdim // q.per_word)
     s_shape, out_shape = (shape.experts, shape.w_rows, shape.units), (shape.k, shape.n)
     blocks, k = lay.blocks(shape), shape.k
 
@@ -111,8 +122,8 @@ def make_moe_gemv(shape: MoeGemv, lay: MoeLayout | None = None) -> tvm.tirx.Prim
         T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True})
         x = T.match_buffer(x_h, x_shape, "float16")
         ids = T.match_buffer(ids_h, (k,), "int32")
-        w = T.match_buffer(w_h, w_shape, "uint32")
-        s = T.match_buffer(s_h, s_shape, "float16")
+        w = T.match_buffer(w_h, w_shape, q.storage_dtype)
+        s = T.match_buffer(s_h, s_shape, q.scale_dtype)
         out = T.match_buffer(out_h, out_shape, "float16")
         for bx in T.thread_binding(blocks, thread="blockIdx.x"):
             for tx in T.thread_binding(WARPS * 32, thread="threadIdx.x"):
@@ -125,11 +136,12 @@ def make_moe_gemv(shape: MoeGemv, lay: MoeLayout | None = None) -> tvm.tirx.Prim
 
 
 def match_expert_gemv(func) -> MoeGemv | None:
-    """The shape of an expert GEMV PrimFunc that takes this kernel (q4f16_1 experts), else None."""
+    """The shape of an expert GEMV PrimFunc that takes this kernel (experts in a scheme the q4 code decodes, float16
+    activations), else None."""
     if not isinstance(func, tvm.tirx.PrimFunc) or func.attrs is None or ATTR not in func.attrs:
         return None
-    info = func.attrs[ATTR]
-    if int(info["bits"]) != 4 or int(info["group_size"]) != 32 or str(info["dtype"]) != "float16":
+    info, q = func.attrs[ATTR], tagged_scheme(func)
+    if not decodes_q4(q) or str(info["dtype"]) != "float16":
         return None
     if len(func.params) != 5:
         return None
@@ -138,13 +150,13 @@ def match_expert_gemv(func) -> MoeGemv | None:
     experts, w_rows = int(w.shape[0]), int(w.shape[1])
     (k,), (_, n) = (int(d) for d in ids.shape), (int(d) for d in out.shape)
     swiglu = bool(info["swiglu"])
-    if kdim % 32 or w_rows != (2 * n if swiglu else n) or rows_x not in (1, k):
+    if kdim % q.group_size or w_rows != (2 * n if swiglu else n) or rows_x not in (1, k):
         return None
     return MoeGemv(kdim, n, k, rows_x, swiglu, experts)
 
 
 def moe_expert_gemv_pass() -> tvm.transform.Pass:
-    """Swap every q4f16_1 expert GEMV (the decode MoE) for the hand-written kernel."""
+    """Swap every q4 expert GEMV (the decode MoE) for the hand-written kernel."""
 
     @tvm.transform.module_pass(opt_level=0, name="mlcc_cuda_moe_expert_gemv")
     def _pass(mod: tvm.ir.IRModule, _ctx) -> tvm.ir.IRModule:
@@ -154,7 +166,7 @@ def moe_expert_gemv_pass() -> tvm.transform.Pass:
             if shape is None:
                 continue
             # (the marker dropped: the replacement is not matched again)
-            attrs = {k: v for k, v in func.attrs.items() if k != ATTR}
+            attrs = {k: v for k, v in func.attrs.items() if k not in (ATTR, TAG)}
             mod[gv] = make_moe_gemv(shape).with_attrs(attrs)
             replaced += 1
         log.debug("MoE expert GEMV kernels: %d", replaced)

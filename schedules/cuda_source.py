@@ -10,6 +10,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+from mlcc.quantization import QUANTIZATIONS, Quantization, weight_scheme
+
 _DEFINED = re.compile(r"__device__\s+__forceinline__\s+[\w\s*]+?\b(\w+)\s*\(")
 
 # In dependency order: a group may call the groups listed before it (moe_gemv calls q4_gemv's).
@@ -18,6 +20,23 @@ HELPER_FILES = ("q4_gemv.cuh", "q4_gemv_tokens.cuh", "f16_gemv.cuh", "rms_norm.c
 HELPER_DIR = Path(__file__).with_name("cuda")
 # Each group is added whole where the code, or another group added, calls any function it defines.
 HELPER_GROUPS = tuple((HELPER_DIR / name).read_text() for name in HELPER_FILES)
+
+
+def decodes_q4(q: Quantization | None) -> bool:
+    """Whether the q4 device code (q4_gemv*.cuh, tc_gemm.cuh, moe_gemv.cuh) decodes scheme `q`: symmetric 4-bit
+    codes centred on 7, 8 a uint32 word low code first, one float16 scale per 32 codes (one 16-byte load of a
+    row); those sizes are compiled into the helpers."""
+    return q is not None and (q.kind, q.bits, q.storage_dtype, q.group_size, q.scale_dtype, q.symmetric) == \
+        ("group", 4, "uint32", 32, "float16", True)
+
+
+def q4_scheme(weights: str | None = None) -> Quantization:
+    """The scheme named `weights`, which the q4 device code must decode (by default the first scheme it does)."""
+    q = weight_scheme(weights) if weights is not None else \
+        next(q for q in QUANTIZATIONS.values() if decodes_q4(q))
+    if not decodes_q4(q):
+        raise ValueError(f"the CUDA q4 kernels do not decode '{weights}' weights")
+    return q
 
 
 def _marker(name: str) -> str:

@@ -1,7 +1,8 @@
 """Which of TVM's fused PrimFuncs are batch-1 decode projections, and the RMSNorm and SwiGLU kernels around them.
 
 The matchers read the block structure TVM's legalization gives these operators (block names such as "dequantize",
-"matmul", "NT_matmul", "T_add", "T_rms_norm") and the buffers' shapes and dtypes; anything else returns None and
+"matmul", "NT_matmul", "T_add", "T_rms_norm"), the buffers' shapes and dtypes, and a quantized projection's scheme
+from the tag the quantizer puts on its "dequantize" block (mlcc.quantization.TAG); anything else returns None and
 keeps its default schedule. `GemvShape` is what the CUDA GEMV generator (cuda_gemv.make_gemv) builds a kernel for.
 """
 
@@ -10,6 +11,10 @@ from __future__ import annotations
 import dataclasses
 
 import tvm
+
+from mlcc.quantization import TAG, Quantization, weight_scheme
+
+from .cuda_source import decodes_q4
 
 GATED = ("swiglu", "geglu")  # silu / tanh-approximated GELU of the gate half, times the up half
 
@@ -21,7 +26,7 @@ class GemvShape:
     epilogue: str          # "none" | "add" | "cast" | "swiglu" | "geglu" (GATED: act(gate rows) * up rows)
     residual_shape: tuple[int, ...] = ()
     out_dtype: str = "float16"
-    weights: str = "q4f16_1"  # | "float16"
+    weights: str = "q4f16_1"  # a scheme CUDA's q4 code decodes (cuda_source.decodes_q4), or "float16"
     norm_eps: float | None = None  # RMSNorm prologue: x is the un-normalized input, with the norm weight after it
 
     @property
@@ -32,7 +37,8 @@ class GemvShape:
     @property
     def unit(self) -> int:
         """Weights per 16-byte load of one row."""
-        return 32 if self.weights == "q4f16_1" else 8
+        q = weight_scheme(self.weights)
+        return 128 // (q.bits if q is not None else tvm.DataType(self.weights).bits)
 
 
 def _static_ints(shape) -> tuple[int, ...] | None:
@@ -52,24 +58,37 @@ def _blocks(func) -> dict | None:
         return None
 
 
+def tagged_scheme(func, block=None) -> Quantization | None:
+    """The scheme a quantized projection is tagged with: on `block` (a dense projection's "dequantize", which
+    fusion keeps) or on the function (the opaque expert kernels); None where untagged or unknown."""
+    for attrs in ((block.annotations if block is not None else None), func.attrs):
+        if attrs is not None and TAG in attrs:
+            return weight_scheme(str(attrs[TAG]))
+    return None
+
+
 def is_unscheduled_prim_func(func) -> bool:
     return isinstance(func, tvm.tirx.PrimFunc) and not (func.attrs is not None and "tirx.is_scheduled" in func.attrs)
 
 
 def match_gemv(func) -> GemvShape | None:
-    """The shape of a batch-1 decode projection PrimFunc — q4f16_1 dequantize→matmul or float16 NT_matmul,
-    [→add|cast] — or None if it is anything else."""
+    """The shape of a batch-1 decode projection PrimFunc — dequantize→matmul in a scheme CUDA's q4 code decodes, or
+    float16 NT_matmul, [→add|cast] — or None if it is anything else."""
     blocks = _blocks(func)
     if blocks is None:
         return None
+    q = None
     if {"dequantize", "matmul"} <= set(blocks):
-        core, weights = {"dequantize", "matmul"}, "q4f16_1"
         deq, mm = blocks["dequantize"], blocks["matmul"]
+        q = tagged_scheme(func, deq)
+        if not decodes_q4(q):
+            return None
+        core, weights = {"dequantize", "matmul"}, q.name
         if len(deq.reads) != 2 or len(mm.reads) != 2:
             return None
         w, s = (r.source for r in deq.reads)
         x = next((r.source for r in mm.reads if not r.source.same_as(deq.writes[0].source)), None)
-        if x is None or w.dtype != "uint32" or s.dtype != "float16":
+        if x is None or w.dtype != q.storage_dtype or s.dtype != q.scale_dtype:
             return None
     elif "NT_matmul" in blocks:
         core, weights = {"NT_matmul"}, "float16"
@@ -88,10 +107,10 @@ def match_gemv(func) -> GemvShape | None:
     ws, xs, ys = (_static_ints(b.shape) for b in (w, x, mm.writes[0].source))
     if None in (ws, xs, ys) or x.dtype != "float16" or len(ws) != 2:
         return None
-    n, k = (ws[0], ws[1] * 8) if weights == "q4f16_1" else ws
-    if xs != (1, 1, k) or ys != (1, 1, n) or k % 32:
+    n, k = (ws[0], ws[1] * q.per_word) if q is not None else ws
+    if xs != (1, 1, k) or ys != (1, 1, n) or k % 32:  # (K whole warps of 16-byte loads, for both kernels)
         return None
-    if s is not None and _static_ints(s.shape) != (n, k // 32):
+    if q is not None and _static_ints(s.shape) != (n, k // q.group_size):
         return None
     if not extra:
         epilogue, res, out = "none", None, mm.writes[0].source
@@ -142,9 +161,6 @@ _GATED_OP = {"swiglu": "tirx.sigmoid", "geglu": "tirx.tanh"}
 
 
 
-Q4_FOR = {"float16": "q4f16_1", "float32": "q4f32_1"}   # the q4 format whose activations and scales are `dtype`
-
-
 def static_dim(d) -> int | None:
     return int(d) if isinstance(d, (int, tvm.tirx.IntImm)) else None
 
@@ -160,21 +176,26 @@ def same_shape(a, b) -> bool:
 
 
 def match_many_token_projection(func, dtype: str, cast: bool = False) -> tuple[int, int, tuple, str, str] | None:
-    """(n, k, x shape, weights, epilogue) of a projection over several tokens with `dtype` activations: Q4_FOR[dtype]
-    dequantize→matmul or `dtype` NT_matmul weights [→ + residual or bias], activations (1, m, K) or (m, 1, K) with
-    m symbolic; None for anything else (batch-1 GEMVs included). Epilogue: "none" | "add" | "bias", and with `cast`
-    also "cast" (the output cast to float32: an LM head over several positions)."""
+    """(n, k, x shape, weights, epilogue) of a projection over several tokens with `dtype` activations: dequantize→
+    matmul in a tagged group scheme with `dtype` scales (weights: the scheme's name) or `dtype` NT_matmul weights
+    [→ + residual or bias], activations (1, m, K) or (m, 1, K) with m symbolic; None for anything else (batch-1
+    GEMVs included). Epilogue: "none" | "add" | "bias", and with `cast` also "cast" (the output cast to float32:
+    an LM head over several positions). Which schemes a kernel decodes is the caller's to check."""
     blocks = _blocks(func)
     if blocks is None:
         return None
+    q = None
     if {"dequantize", "matmul"} <= set(blocks):
-        core, weights = {"dequantize", "matmul"}, Q4_FOR[dtype]
         deq, mm = blocks["dequantize"], blocks["matmul"]
+        q = tagged_scheme(func, deq)
+        if q is None or q.scale_dtype != dtype:
+            return None
+        core, weights = {"dequantize", "matmul"}, q.name
         if len(deq.reads) != 2 or len(mm.reads) != 2:
             return None
         w, s = (r.source for r in deq.reads)
         x = next((r.source for r in mm.reads if not r.source.same_as(deq.writes[0].source)), None)
-        if x is None or w.dtype != "uint32" or s.dtype != dtype:
+        if x is None or w.dtype != q.storage_dtype or s.dtype != q.scale_dtype:
             return None
     elif "NT_matmul" in blocks:
         core, weights, s = {"NT_matmul"}, dtype, None
@@ -192,11 +213,11 @@ def match_many_token_projection(func, dtype: str, cast: bool = False) -> tuple[i
     ws = [static_dim(d) for d in w.shape]
     if len(ws) != 2 or None in ws or len(x.shape) != 3 or x.dtype != dtype:
         return None
-    n, k = (ws[0], ws[1] * 8) if s is not None else tuple(ws)
+    n, k = (ws[0], ws[1] * q.per_word) if q is not None else tuple(ws)
     lead = [static_dim(d) for d in x.shape[:2]]
     if static_dim(x.shape[2]) != k or sorted(lead, key=lambda v: v is None) != [1, None]:
         return None
-    if s is not None and [static_dim(d) for d in s.shape] != [n, k // 32]:
+    if q is not None and [static_dim(d) for d in s.shape] != [n, k // q.group_size]:
         return None
     y = mm.writes[0].source
     res, bias = None, False

@@ -8,6 +8,7 @@ import pytest
 import tvm
 from tvm import te, tirx
 
+from mlcc.quantization import TAG
 from mlcc.schedules.cpu import ApplyCPUMatmulSchedule
 from mlcc.schedules.cpu_gemm import GemmTiles, gemm_for, match_gemm
 
@@ -22,7 +23,8 @@ def _projection(n: int, k: int, weights: str, add: bool | str, lead: int) -> tir
         w = te.placeholder((n, k // 8), "uint32", "w")
         s = te.placeholder((n, k // 32), "float32", "s")
         deq = te.compute((n, k), lambda i, j: ((w[i, j // 8] >> tirx.Cast("uint32", j % 8 * 4)) & tirx.const(
-            15, "uint32")).astype("float32") * s[i, j // 32] - s[i, j // 32] * 7.0, name="dequantize")
+            15, "uint32")).astype("float32") * s[i, j // 32] - s[i, j // 32] * 7.0, name="dequantize",
+            attrs={TAG: weights})  # (as the quantizer tags it)
         mm = te.compute((*shape, n), lambda a, b, c: te.sum(x[a, b, r] * deq[c, r], axis=r), name="matmul")
         args = [x, w, s]
     else:

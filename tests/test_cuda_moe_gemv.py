@@ -86,7 +86,7 @@ def _expert_gemv_func(fmt, rows_x: int, kdim: int, n: int, swiglu: bool, k: int 
     from mlcc.relax_models.moe_kernels import expert_gemv_warp
 
     w_rows = 2 * n if swiglu else n
-    q = fmt.bits > 0
+    q = fmt.scheme is not None
     w_spec = ((experts, w_rows, kdim // 8), "uint32") if q else ((experts, w_rows, kdim), fmt.dtype)
 
     class Kernel(nn.Module):
@@ -103,17 +103,19 @@ def _expert_gemv_func(fmt, rows_x: int, kdim: int, n: int, swiglu: bool, k: int 
 def test_the_pass_matches_q4_float16_experts_only():
     import tvm
 
+    from mlcc.quantization import get_quantization
     from mlcc.relax_models.moe_kernels import EXPERT_GEMV_ATTR, ExpertFormat
     from mlcc.schedules import handwritten_kernel_passes
     from mlcc.schedules.cuda_moe_gemv import moe_expert_gemv_pass
 
     assert ATTR == EXPERT_GEMV_ATTR
-    q4 = _expert_gemv_func(ExpertFormat("float16", 4, 32), 8, 256, 40, False)
+    f16_q4 = ExpertFormat("float16", get_quantization("q4f16_1"))
+    q4 = _expert_gemv_func(f16_q4, 8, 256, 40, False)
     assert match_expert_gemv(q4) == MoeGemv(256, 40, 8, 8, False, 16)
-    assert match_expert_gemv(_expert_gemv_func(ExpertFormat("float16", 4, 32), 1, 512, 24, True)) == \
-        MoeGemv(512, 24, 8, 1, True, 16)
+    assert match_expert_gemv(_expert_gemv_func(f16_q4, 1, 512, 24, True)) == MoeGemv(512, 24, 8, 1, True, 16)
     assert match_expert_gemv(_expert_gemv_func(ExpertFormat("float16"), 1, 256, 40, False)) is None
-    assert match_expert_gemv(_expert_gemv_func(ExpertFormat("float32", 4, 32), 1, 256, 40, False)) is None
+    f32_q4 = ExpertFormat("float32", get_quantization("q4f32_1"))
+    assert match_expert_gemv(_expert_gemv_func(f32_q4, 1, 256, 40, False)) is None
     # in place: the same parameters and buffer shapes, the marker dropped (the replacement is not matched again)
     new = moe_expert_gemv_pass()(tvm.IRModule({"f": q4}))["f"]
     assert [([int(d) for d in p.shape], p.dtype) for p in new.params] == \
@@ -144,6 +146,7 @@ def moe_gemv_reference(x: np.ndarray, ids: np.ndarray, w: np.ndarray, n: int, sw
 def test_semantics_against_the_tir_kernel(swiglu, rows_x, kdim, n):
     """The numpy reference of what the CUDA kernel computes agrees with the TIR kernel it replaces (float16
     activations and scales, its thread loops run serially on the CPU)."""
+    from mlcc.quantization import get_quantization
     from mlcc.relax_models.moe_kernels import ExpertFormat, expert_gemv_warp
 
     rng = np.random.default_rng(3)
@@ -154,7 +157,7 @@ def test_semantics_against_the_tir_kernel(swiglu, rows_x, kdim, n):
     w = (codes.reshape(e, -1, kdim).astype(np.float32) - 7) * np.repeat(scale.astype(np.float32), 32, axis=2)
     x = rng.standard_normal((rows_x, kdim)).astype(np.float16)
     ids = np.array([11, 2, 15, 7], np.int32)
-    fmt = ExpertFormat("float16", 4, 32)
+    fmt = ExpertFormat("float16", get_quantization("q4f16_1"))
     (got,) = _run_on_cpu(lambda xs, i, ws, ss: expert_gemv_warp(xs, i, [ws, ss], fmt, n, swiglu=swiglu, serial=True),
                          {"xs": (x.shape, "float16"), "i": ((k,), "int32"), "ws": (words.shape, "uint32"),
                           "ss": (scale.shape, "float16")}, x, ids, words, scale)

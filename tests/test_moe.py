@@ -245,7 +245,7 @@ def test_gpu_expert_gemv_index_math(swiglu, rows_x, kdim, n):
     words, scale, w = _q4_experts(rng, e, 2 * n if swiglu else n, kdim)
     x = rng.standard_normal((rows_x, kdim)).astype(np.float32)
     ids = np.array([11, 2, 15, 7], np.int32)
-    fmt = ExpertFormat("float32", 4, 32)
+    fmt = ExpertFormat("float32", get_quantization("q4f32_1"))
     (got,) = _run_on_cpu(lambda xs, i, ws, ss: expert_gemv_warp(xs, i, [ws, ss], fmt, n, swiglu=swiglu, serial=True),
                          {"xs": (x.shape, "float32"), "i": ((k,), "int32"), "ws": (words.shape, "uint32"),
                           "ss": (scale.shape, "float32")}, x, ids, words, scale)

@@ -1,0 +1,82 @@
+"""The quantization schemes: one description of each weight layout, read by the quantizer, the numpy packers and
+every kernel that decodes quantized weights. No TVM import here, so runtime-only tools can use it.
+
+A group scheme stores each weight row as `bits`-bit codes packed low code first into `storage_dtype` words, with
+one scale (in `scale_dtype`) per `group_size` consecutive codes along K. Symmetric schemes decode a code as
+(code - max_int) · scale; a zero-point scheme would carry a second per-group tensor and no kernel decodes one yet.
+q4f16_1 / q4f32_1 are bit-compatible with MLC-LLM: uint32[out, in/8] of 8 nibbles, scale[out, in/32] in the model
+dtype, q = clamp(round(w/scale) + 7, 0, 14).
+
+The quantizer tags every quantized projection with its scheme's name (TAG): an annotation on the "dequantize"
+block of a dense projection (fusion rewrites functions and drops their attributes, but keeps blocks) and a
+function attribute on the opaque expert kernels. Kernels look the scheme up by that name instead of assuming one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from mlcc.errors import UnknownQuantizationError
+
+TAG = "mlcc.quant"  # annotation / attribute naming a quantized projection's scheme
+
+
+@dataclasses.dataclass(frozen=True)
+class Quantization:
+    name: str
+    model_dtype: str          # activations and unquantized parameters
+    kind: str                 # "none" | "group"
+    group_size: int = 32      # codes along K sharing one scale
+    bits: int = 4             # per code
+    storage_dtype: str = "uint32"  # the words codes are packed into
+    symmetric: bool = True    # codes centred on max_int; False: a per-group zero point (no kernel decodes it yet)
+    # int -> float by OR-ing the code into a float's mantissa (exact, and cheaper than a convert on GPUs);
+    # off for WGSL, which has no 16-bit integers to build the f16 bit pattern from
+    magic_int_to_float: bool = True
+
+    @property
+    def scale_dtype(self) -> str:
+        return self.model_dtype
+
+    @property
+    def max_int(self) -> int:
+        """The code that decodes to zero (symmetric schemes), and the largest magnitude a code stands for."""
+        return (1 << (self.bits - 1)) - 1
+
+    @property
+    def code_mask(self) -> int:
+        return (1 << self.bits) - 1
+
+    @property
+    def storage_bits(self) -> int:
+        return int(self.storage_dtype.removeprefix("uint"))
+
+    @property
+    def per_word(self) -> int:
+        """Codes per storage word."""
+        return self.storage_bits // self.bits
+
+    @property
+    def words_per_group(self) -> int:
+        return self.group_size // self.per_word
+
+
+QUANTIZATIONS: dict[str, Quantization] = {
+    "q0f32": Quantization("q0f32", "float32", "none"),
+    "q0f16": Quantization("q0f16", "float16", "none"),
+    "q4f16_1": Quantization("q4f16_1", "float16", "group"),
+    "q4f32_1": Quantization("q4f32_1", "float32", "group"),
+}
+
+
+def get_quantization(name: str) -> Quantization:
+    if name not in QUANTIZATIONS:
+        raise UnknownQuantizationError(
+            f"unknown quantization '{name}'; choose one of: {', '.join(QUANTIZATIONS)}")
+    return QUANTIZATIONS[name]
+
+
+def weight_scheme(weights: str) -> Quantization | None:
+    """The group scheme a kernel's `weights` names, or None where it names a plain dtype ("float16")."""
+    q = QUANTIZATIONS.get(weights)
+    return q if q is not None and q.kind == "group" else None

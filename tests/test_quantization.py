@@ -1,0 +1,137 @@
+"""The one description of each quantization scheme (mlcc.quantization): the quantizer tags every quantized
+projection with its scheme, and the kernels take the layout from that scheme rather than assuming one."""
+
+from __future__ import annotations
+
+import dataclasses
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from mlcc.errors import UnknownQuantizationError
+from mlcc.quantization import QUANTIZATIONS, TAG, Quantization, get_quantization, weight_scheme
+
+
+def test_each_scheme_describes_its_layout():
+    for name, q in QUANTIZATIONS.items():
+        assert q.name == name and q.scale_dtype == q.model_dtype
+        if q.kind == "group":
+            assert q.per_word * q.bits == q.storage_bits and q.group_size % q.per_word == 0
+            assert weight_scheme(name) is q
+        else:
+            assert weight_scheme(name) is None
+    q4 = get_quantization("q4f16_1")
+    assert (q4.bits, q4.group_size, q4.storage_dtype, q4.symmetric, q4.per_word, q4.max_int) == \
+        (4, 32, "uint32", True, 8, 7)
+    assert weight_scheme("float16") is None
+    with pytest.raises(UnknownQuantizationError, match="unknown quantization 'q3f7'; choose one of: q0f32"):
+        get_quantization("q3f7")
+
+
+def test_the_description_and_packers_import_without_tvm():
+    code = "import sys, mlcc.quantization, mlcc.compiler.quant_schemes; assert 'tvm' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def _quantized_kernels(kind: str, target: str, quant: str, hf_models) -> dict:
+    """The model's PrimFuncs after TVM's fusion (the form the kernel passes see): name -> (func, dequantize block)."""
+    import tvm
+    from tvm import s_tir
+
+    from mlcc.compiler.build import export_module
+    from mlcc.compiler.pipeline import fusion_passes
+    from mlcc.compiler.weights import load_source
+    from mlcc.targets import get_target
+
+    built = export_module(load_source(hf_models(kind)), get_target(target), get_quantization(quant))
+    with built.target:
+        mod = tvm.transform.Sequential(fusion_passes(built.target))(built.mod)
+    found = {}
+    for gv, f in mod.functions.items():
+        if not isinstance(f, tvm.tirx.PrimFunc):
+            continue
+        try:
+            sch = s_tir.Schedule(f)
+            blocks = {sch.get(b).name_hint: sch.get(b) for b in sch.get_child_blocks(sch.get_sblock("root"))}
+        except Exception:  # noqa: BLE001 - written already scheduled (the MoE kernels)
+            blocks = {}
+        found[gv.name_hint] = (f, blocks.get("dequantize"))
+    return found
+
+
+@pytest.mark.parametrize("kind,target,quant", [("llama", "cuda", "q4f16_1"), ("llama", "llvm", "q4f32_1"),
+                                               ("mixtral", "cuda", "q4f16_1")])
+def test_every_quantized_projection_carries_its_scheme(kind, target, quant, hf_models):
+    from mlcc.schedules.gemv_match import tagged_scheme
+
+    funcs = _quantized_kernels(kind, target, quant, hf_models)
+    dense = {n: (f, b) for n, (f, b) in funcs.items() if b is not None}
+    assert len(dense) >= 5, sorted(funcs)
+    for name, (f, block) in dense.items():  # fused or not, the dequantize block keeps the tag
+        assert str(block.annotations[TAG]) == quant, name
+        assert tagged_scheme(f, block) is get_quantization(quant)
+    experts = [f for n, (f, _) in funcs.items() if n.startswith(("moe_expert_gemv", "moe_grouped_gemm"))]
+    assert len(experts) == (4 if kind == "mixtral" else 0), sorted(funcs)  # gate_up and down, decode and prefill
+    for f in experts:
+        assert str(f.attrs[TAG]) == quant
+
+
+def _tagged_projection(n: int, k: int, q: Quantization, tokens: int | None = None):
+    """A projection shaped as the quantizer writes it, in scheme `q`, over `tokens` (None: a symbolic count)."""
+    from tvm import te, tirx
+
+    m = tirx.Var("seq_len", "int64") if tokens is None else tokens
+    x = te.placeholder((1, m, k), q.model_dtype, "x")
+    w = te.placeholder((n, k // q.per_word), q.storage_dtype, "w")
+    s = te.placeholder((n, k // q.group_size), q.scale_dtype, "s")
+    r = te.reduce_axis((0, k), "k")
+
+    def code(i, j):
+        return (w[i, j // q.per_word] >> tirx.Cast(q.storage_dtype, j % q.per_word * q.bits)) & \
+            tirx.const(q.code_mask, q.storage_dtype)
+
+    deq = te.compute((n, k), lambda i, j: (code(i, j).astype(q.scale_dtype) - tirx.const(q.max_int, q.scale_dtype))
+                     * s[i, j // q.group_size], name="dequantize", attrs={TAG: q.name})
+    mm = te.compute((1, m, n), lambda a, b, c: te.sum(x[a, b, r] * deq[c, r], axis=r), name="matmul")
+    return te.create_prim_func([x, w, s, mm])
+
+
+def test_a_new_scheme_reaches_the_kernels_through_the_description(monkeypatch):
+    """A scheme added to the table alone (groups of 64 here) is matched, and the CPU GEMM sizes its scales and
+    unpacks its codes from it; the CUDA GEMV, which decodes only 32-code groups, leaves it alone."""
+    import tvm
+
+    from mlcc.compiler.quant_schemes import group_dequantize, group_quantize
+    from mlcc.schedules.cpu_gemm import gemm_for, match_gemm
+    from mlcc.schedules.cuda_source import decodes_q4
+    from mlcc.schedules.gemv_match import GemvShape, match_gemv, match_many_token_projection
+
+    q = dataclasses.replace(get_quantization("q4f32_1"), name="q4f32_g64", group_size=64)
+    monkeypatch.setitem(QUANTIZATIONS, q.name, q)
+    n, k, m = 64, 256, 5
+    func = _tagged_projection(n, k, q)
+    shape = match_gemm(func)
+    assert shape is not None and (shape.n, shape.k, shape.weights) == (n, k, q.name)
+    gemm = gemm_for(func)
+    assert match_many_token_projection(func, "float16") is None  # (float32 scales: not a float16 projection)
+
+    f16 = dataclasses.replace(q, name="q4f16_g64", model_dtype="float16")
+    monkeypatch.setitem(QUANTIZATIONS, f16.name, f16)
+    assert not decodes_q4(f16) and decodes_q4(get_quantization("q4f16_1"))
+    assert match_gemv(_tagged_projection(n, k, f16, tokens=1)) is None
+    assert match_gemv(_tagged_projection(n, k, get_quantization("q4f16_1"), tokens=1)) == \
+        GemvShape(n, k, "none", weights="q4f16_1")
+
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((n, k)).astype("float32")
+    packed, scale = group_quantize(w, q)
+    assert scale.shape == (n, k // 64)
+    x = rng.standard_normal((1, m, k)).astype("float32")
+    lib = tvm.compile(tvm.IRModule({"main": gemm.with_attr("global_symbol", "main")}), "llvm")
+    dev = tvm.cpu()
+    y = tvm.runtime.tensor(np.zeros((1, m, n), "float32"), dev)
+    lib["main"](*[tvm.runtime.tensor(a, dev) for a in (x, packed, scale)], y)
+    ref = x.astype("float64") @ group_dequantize(packed, scale, q).T.astype("float64")
+    np.testing.assert_allclose(y.numpy(), ref, rtol=1e-4, atol=1e-4 * np.abs(ref).max())
