@@ -1,7 +1,12 @@
 """Serving under load. http: `mlcc serve` under load, one server per run: TTFT and inter-token latency percentiles
 over a request-rate sweep, then a soak with client disconnects, then (optionally) batched throughput against
 transformers. prefix-cpu / prefix-load: automatic prefix caching (runtime.core.prefix_cache) in one process, time to
-first token with a shared prefix, cache on vs off.
+first token with a shared prefix, cache on vs off. throughput: `mlcc bench throughput` (trtllm-bench style: fixed
+input/output lengths, all requests at once, greedy, EOS ignored) on shape-only CUDA builds with random weights,
+beside transformers' `generate_batch` (fp16) on the same shape and prompts, same device, same run.
+
+    python bench/decode.py build --out LIBS --only llama3-8b/q4f16_1,llama3-8b/q0f16    # here
+    python bench/serve.py throughput --libs LIBS --out OUT                              # the CUDA machine
 
     python bench/serve.py http --model DIR --target cuda --out OUT                  # the CUDA machine
     python bench/serve.py http --target llvm --rates 0.5,1 --num-prompts 8 --output-len 16 --soak-seconds 20 \
@@ -399,6 +404,84 @@ def _prefix_load_args(p) -> None:
     p.add_argument("--out", required=True)
 
 
+def _hf_generate_batch(model: str, input_len: int, output_len: int, requests: int) -> dict:
+    """transformers' continuous batching (`generate_batch`, fp16, sdpa) on the preset's shape with random weights,
+    the same synthetic prompts as mlcc's rows; output tok/s (or the error)."""
+    try:
+        import torch
+        import transformers as tf
+
+        from mlcc.runtime.serve.throughput import synthetic_prompts
+
+        cfg = presets()[model].hf_config()
+        with torch.device("cuda"):
+            hf = tf.LlamaForCausalLM(tf.LlamaConfig(**cfg)).to(torch.float16).eval()
+        prompts = synthetic_prompts(cfg["vocab_size"], requests, input_len)
+        gc = tf.GenerationConfig(max_new_tokens=output_len, min_new_tokens=output_len, do_sample=False,
+                                 eos_token_id=None, pad_token_id=0)
+        with torch.no_grad():
+            hf.generate_batch(inputs=prompts[:4], generation_config=gc)
+            t = time.perf_counter()
+            r = hf.generate_batch(inputs=prompts, generation_config=gc)
+            dt = time.perf_counter() - t
+        del hf
+        torch.cuda.empty_cache()
+        return {"transformers_tok_s": round(sum(len(v.generated_tokens) for v in r.values()) / dt, 1),
+                "transformers": tf.__version__}
+    except Exception as e:  # noqa: BLE001 - the comparison is reported as missing, not silently dropped
+        return {"transformers_tok_s": None, "transformers_error": f"{type(e).__name__}: {e}"[:300]}
+
+
+def cmd_throughput(a) -> None:
+    """`mlcc bench throughput` for each --quants build in --libs and each --shapes input/output pair, one process a
+    row (an engine keeps its GPU memory until its process ends), then transformers generate_batch on --hf-shapes;
+    rows appended to OUT/throughput.json as they come."""
+    device = _device_name()
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    rows_file = out / "throughput_rows.json"
+    shapes = [tuple(int(x) for x in s.split("/")) for s in a.shapes.split(",")]
+    for quant in a.quants.split(","):
+        for input_len, output_len in shapes:
+            requests = a.requests if input_len + output_len <= 1024 else a.long_requests
+            cmd = [sys.executable, "-m", "mlcc", "bench", "throughput", str(Path(a.libs) / f"{a.model}-{quant}"),
+                   "--target", "cuda", "--weights", "random", "--max-batch", str(a.max_batch), "--no-prefix-cache",
+                   "--input-len", str(input_len), "--output-len", str(output_len), "--num-requests", str(requests),
+                   "--context-window", str(input_len + output_len + 16), "--json", str(rows_file)]
+            r = subprocess.run(cmd, capture_output=True, text=True)
+            print(r.stdout.strip()[-600:] or r.stderr.strip()[-1500:], flush=True)
+    rows = json.loads(rows_file.read_text()) if rows_file.exists() else []
+    hf = {}
+    for spec in filter(None, a.hf_shapes.split(",")):
+        input_len, output_len = (int(x) for x in spec.split("/"))
+        hf[spec] = _hf_generate_batch(a.model, input_len, output_len, a.requests)
+        print(spec, hf[spec], flush=True)
+    for row in rows:
+        row.update({"bench": "throughput", "device": device, "model": a.model, "mlcc_tok_s": row["output_tok_s"]})
+        row.update(hf.get(f"{row['input_len']}/{row['output_len']}", {"transformers_tok_s": None}))
+    print(write_json(a.out, "throughput.json", {"build": build_info(), "rows": rows}))
+
+
+def _device_name() -> str:
+    import subprocess
+
+    r = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True, text=True)
+    return r.stdout.strip().splitlines()[0] if r.returncode == 0 and r.stdout.strip() else "unknown"
+
+
+def _throughput_args(p) -> None:
+    p.add_argument("--libs", required=True, help="folder of shape-only CUDA builds (bench/decode.py build)")
+    p.add_argument("--model", default="llama3-8b")
+    p.add_argument("--quants", default="q4f16_1,q0f16")
+    p.add_argument("--shapes", default="128/128,1000/1000", help="input/output token pairs")
+    p.add_argument("--requests", type=int, default=512)
+    p.add_argument("--long-requests", type=int, default=256, help="requests of shapes over 1,024 tokens")
+    p.add_argument("--max-batch", type=int, default=256)
+    p.add_argument("--hf-shapes", default="128/128", help="shapes transformers generate_batch runs too")
+    p.add_argument("--out", required=True)
+
+
 if __name__ == "__main__":
     cli(__doc__, {"http": (cmd_http, _http_args), "prefix-cpu": (cmd_prefix_cpu, _prefix_cpu_args),
-                  "prefix-load": (cmd_prefix_load, _prefix_load_args)})
+                  "prefix-load": (cmd_prefix_load, _prefix_load_args),
+                  "throughput": (cmd_throughput, _throughput_args)})
