@@ -164,6 +164,11 @@ def available(cache_dir: Path) -> bool:
         return False
 
 
+def failure() -> str:
+    """Why the shim did not build or load here (empty where it did, or was not tried)."""
+    return _failed or ""
+
+
 def prepare_device(device_id: int) -> None:
     """Create the cuBLASLt handle for a device before any CUDA-graph capture (the shim refuses to create one then)."""
     import tvm_ffi

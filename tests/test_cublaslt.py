@@ -124,3 +124,17 @@ def test_shim_matches_float32(epilogue, dtype):
         ref = ref + cast[2].astype(np.float32)
     got = out.numpy().astype(np.float32)
     assert np.abs(got - ref).max() / np.abs(ref).max() < (2e-2 if dtype == "bfloat16" else 3e-3)
+
+
+def test_a_library_calling_cublaslt_is_refused_in_one_line_where_the_shim_cannot_build(tmp_path, monkeypatch):
+    from mlcc.artifact import ArtifactError
+    from mlcc.native import cublaslt_shim
+    from mlcc.runtime.device import cublaslt
+
+    monkeypatch.setattr(cublaslt_shim, "available", lambda _cache: False)
+    plain, calling = tmp_path / "plain.so", tmp_path / "calling.so"
+    plain.write_bytes(b"\x7fELF host code without vendor calls")
+    calling.write_bytes(b"\x7fELF ... mlcc.cublaslt.matmul_bias ...")
+    cublaslt.prepare_for(plain, 0)   # nothing to prepare, nothing refused
+    with pytest.raises(ArtifactError, match="calls cuBLASLt.*vendor_gemm=0"):
+        cublaslt.prepare_for(calling, 0)

@@ -26,8 +26,8 @@ def load_shard_params(model_dir: str, specs_json: str, weights: str):
 
 
 def register_worker_functions() -> None:
-    """mlcc.tp.load_params (this rank's weights) and mlcc.tp.register_cuda_jit(arch) (CUDA source in the library
-    compiled at load for the arch recorded at build time), in this process; the controller calls them on all
+    """mlcc.tp.load_params (this rank's weights), mlcc.tp.register_cuda_jit(arch) (CUDA source in the library
+    compiled at load for the arch recorded at build time) and mlcc.tp.prepare_cublaslt(library), in this process; the controller calls them on all
     workers through the session."""
     import tvm
 
@@ -35,6 +35,17 @@ def register_worker_functions() -> None:
 
     tvm.register_global_func("mlcc.tp.load_params", load_shard_params, override=True)
     tvm.register_global_func("mlcc.tp.register_cuda_jit", tvm_compat.register_cuda_jit, override=True)
+    tvm.register_global_func("mlcc.tp.prepare_cublaslt", prepare_cublaslt, override=True)
+
+
+def prepare_cublaslt(library: str) -> None:
+    """Runs on each disco worker before the library loads: the cuBLASLt shim for this rank's GPU where the library
+    calls it (runtime.device.cublaslt)."""
+    import tvm
+
+    from mlcc.runtime.device import cublaslt
+
+    cublaslt.prepare_for(Path(library), int(tvm.get_global_func("runtime.disco.worker_id")()[0]))
 
 
 def main() -> None:

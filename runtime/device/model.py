@@ -302,7 +302,7 @@ class LoadedModel(PagedModel):
             if artifact.built_options(self.config).vendor_gemm:
                 from mlcc.runtime.device import cublaslt
 
-                cublaslt.prepare(device_id)  # the library calls mlcc.cublaslt.* by name
+                cublaslt.prepare_for(lib_path, device_id)  # the library calls mlcc.cublaslt.* by name
         self.vm = VirtualMachine(self.lib, self.dev)
         if not self.vm.module.implements_function("_metadata"):  # a foreign .so
             raise artifact.ArtifactError(f"{lib_path}: not an mlcc library (no ABI stamp); recompile with "

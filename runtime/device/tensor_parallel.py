@@ -87,6 +87,7 @@ class TensorParallelModel(PagedModel):
         if self.config.get("cuda_arch"):  # before the library is loaded: its CUDA source is compiled at load
             self.sess.get_global_func("mlcc.tp.register_cuda_jit")(self.config["cuda_arch"])
         self.sess.init_ccl("nccl", *range(self.shards))
+        self.sess.get_global_func("mlcc.tp.prepare_cublaslt")(str(self.dir / self.config["library"]))
         self.mod = self.sess.load_vm_module(str(self.dir / self.config["library"]))
         # the library was built for this job: every function the spec lists is there (a missing one fails on call);
         # the logit functions are not offered yet (their results would have to be gathered from worker 0)
