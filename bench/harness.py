@@ -98,6 +98,17 @@ def _cpus() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
+def device_name() -> str:
+    """The first GPU's name as nvidia-smi gives it ("unknown" without one)."""
+    import subprocess
+
+    try:
+        return subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
+                              text=True, check=False).stdout.strip().splitlines()[0]
+    except (OSError, IndexError):
+        return "unknown"
+
+
 def write_json(out: str | Path, name: str, obj: Any) -> Path:
     d = Path(out)
     d.mkdir(parents=True, exist_ok=True)

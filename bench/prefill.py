@@ -60,7 +60,7 @@ import time
 from pathlib import Path
 
 import numpy as np
-from harness import cli, presets, write_json
+from harness import cli, device_name, presets, write_json
 
 PROMPTS = (512, 2048, 8192)
 BATCHES = (16, 64)
@@ -621,6 +621,10 @@ def cmd_gemm_run(a) -> None:
                                                "rows": rows, "few_tokens": few_rows}, indent=1))
 
 
+def _out_args(p) -> None:
+    p.add_argument("--out", required=True)
+
+
 def _mlcc_args(p) -> None:
     p.add_argument("--base", required=True, help="libraries with the default options (+ their float32 twins)")
     p.add_argument("--variants", required=True, help="label=folder,... : the same libraries built otherwise")
@@ -654,8 +658,82 @@ def _gemm_run_args(p) -> None:
     p.add_argument("--out", required=True)
 
 
+# (N, K) of Llama-3-8B's projections (qkv, o, gate_up, down) and the token counts cublaslt-gemm times
+SHIM_SHAPES = ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336))
+SHIM_TOKENS = (16, 64, 128, 256, 512, 2048, 8192)
+
+
+def _shim():
+    import tvm_ffi
+
+    from mlcc.cache import cache_root
+    from mlcc.native import cublaslt_shim
+
+    cublaslt_shim.load(cache_root())
+    cublaslt_shim.prepare_device(0)
+    return {name: tvm_ffi.get_global_func(f) for name, f in cublaslt_shim.MATMUL.items()}
+
+
+def _check_gemm(fns, torch) -> list[dict]:
+    """Relative max errors against float32 (and torch's cuBLAS beside them)."""
+    rows = []
+    ws = torch.empty(32 << 20, dtype=torch.uint8, device="cuda")
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for dtype, x_shape, n, epi in ((torch.float16, (300, 4096), 6144, "none"), (torch.float16, (1, 77, 512), 256, "bias"),
+                                   (torch.float16, (33, 1, 1024), 2048, "add"), (torch.bfloat16, (129, 4096), 4096, "none"),
+                                   (torch.float16, (8192, 4096), 4096, "add")):
+        k = x_shape[-1]
+        x = torch.randn(x_shape, generator=g, device="cuda").to(dtype)
+        w = (torch.randn((n, k), generator=g, device="cuda") / k ** 0.5).to(dtype)
+        extra = {"none": None, "bias": torch.randn((n,), generator=g, device="cuda").to(dtype),
+                 "add": torch.randn(x_shape[:-1] + (n,), generator=g, device="cuda").to(dtype)}[epi]
+        out = torch.empty(x_shape[:-1] + (n,), dtype=dtype, device="cuda")
+        args = [x, w] + ([extra] if extra is not None else []) + [ws, out]
+        fns[epi](*args)
+        torch.cuda.synchronize()
+        ref = x.float() @ w.float().T + (extra.float() if extra is not None else 0)
+        tor = (x @ w.T + (extra if extra is not None else 0)).float()
+        scale = ref.abs().max().item()
+        row = {"bench": "gemm_check", "dtype": str(dtype), "x": list(x_shape), "n": n, "epilogue": epi,
+               "shim_vs_f32": (out.float() - ref).abs().max().item() / scale,
+               "torch_vs_f32": (tor - ref).abs().max().item() / scale}
+        row["ok"] = row["shim_vs_f32"] <= 2 * row["torch_vs_f32"] + 1e-3
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    return rows
+
+
+def cmd_cublaslt_gemm(a) -> None:
+    """cuBLASLt through mlcc's shim (CompileOptions.vendor_gemm): checked against float32 and torch (plain, + bias,
+    + residual, bf16, (m, 1, K) activations), then timed beside torch's `a @ w.T` on the Llama-3-8B projections."""
+    import torch
+
+    fns = _shim()
+    dev = device_name()
+    rows = _check_gemm(fns, torch)
+    if not all(r["ok"] for r in rows):
+        print("the shim's results differ: not timed", flush=True)
+        write_json(a.out, "cublaslt_gemm.json", rows)
+        return
+    ws = torch.empty(32 << 20, dtype=torch.uint8, device="cuda")
+    for n, k in SHIM_SHAPES:
+        w = torch.randn((n, k), device="cuda", dtype=torch.float16) / k ** 0.5
+        for m in SHIM_TOKENS:
+            x = torch.randn((m, k), device="cuda", dtype=torch.float16)
+            out = torch.empty((m, n), device="cuda", dtype=torch.float16)
+            shim = _best_ms(torch, lambda x=x, w=w, out=out: fns["none"](x, w, ws, out))
+            tor = _best_ms(torch, lambda x=x, w=w, out=out: torch.matmul(x, w.T, out=out))
+            flop = 2 * m * n * k
+            rows.append({"bench": "gemm", "device": dev, "dtype": "float16", "m": m, "n": n, "k": k,
+                         "shim_ms": round(shim, 4), "torch_ms": round(tor, 4),
+                         "shim_tflops": round(flop / shim / 1e9, 1), "torch_tflops": round(flop / tor / 1e9, 1)})
+            print(json.dumps(rows[-1]), flush=True)
+    write_json(a.out, "cublaslt_gemm.json", rows)
+
+
 if __name__ == "__main__":
     cli(__doc__, {"mlcc": (cmd_mlcc, _mlcc_args), "hf": (cmd_hf, _hf_args),
                   "attention-build": (cmd_attention_build, _attention_build_args),
                   "attention-run": (cmd_attention_run, _attention_run_args),
-                  "gemm-build": (cmd_gemm_build, _gemm_build_args), "gemm-run": (cmd_gemm_run, _gemm_run_args)})
+                  "gemm-build": (cmd_gemm_build, _gemm_build_args), "gemm-run": (cmd_gemm_run, _gemm_run_args),
+                  "cublaslt-gemm": (cmd_cublaslt_gemm, _out_args)})

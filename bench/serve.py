@@ -61,7 +61,7 @@ import time
 from pathlib import Path
 
 import numpy as np
-from harness import build_info, cli, presets, write_json
+from harness import build_info, cli, device_name, presets, write_json
 
 WORDS = "the quick brown fox jumps over a lazy dog while seven wizards quietly judge boxing matches".split()
 
@@ -436,7 +436,7 @@ def cmd_throughput(a) -> None:
     """`mlcc bench throughput` for each --quants build in --libs and each --shapes input/output pair, one process a
     row (an engine keeps its GPU memory until its process ends), then transformers generate_batch on --hf-shapes;
     rows appended to OUT/throughput.json as they come."""
-    device = _device_name()
+    device = device_name()
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     rows_file = out / "throughput_rows.json"
@@ -460,13 +460,6 @@ def cmd_throughput(a) -> None:
         row.update({"bench": "throughput", "device": device, "model": a.model, "mlcc_tok_s": row["output_tok_s"]})
         row.update(hf.get(f"{row['input_len']}/{row['output_len']}", {"transformers_tok_s": None}))
     print(write_json(a.out, "throughput.json", {"build": build_info(), "rows": rows}))
-
-
-def _device_name() -> str:
-    import subprocess
-
-    r = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True, text=True)
-    return r.stdout.strip().splitlines()[0] if r.returncode == 0 and r.stdout.strip() else "unknown"
 
 
 def _throughput_args(p) -> None:
