@@ -59,7 +59,7 @@ class GemmParams:
 
 
 # Before sm_90 (no measurements there): 128 x 128 tiles of 8 warps, 3 stages of 32, which fit 48 KB. On an H200
-# (bench/gemm.py over an 8B model's projections at 512-8,192 tokens) 256 x 128 tiles with 4 stages of 64 won most
+# (bench/prefill.py gemm-run over an 8B model's projections at 512-8,192 tokens) 256 x 128 tiles with 4 stages of 64 won most
 # shapes (192 KB of shared memory a block): 300-380 TFLOP/s fp16, 300-320 q4f16_1 from 2,048 tokens up.
 _DEFAULTS = {  # (q4 weights, tokens, sm_90+)
     (False, "large", True): GemmParams(256, 128, 4, 2, 4, 64),
