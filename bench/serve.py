@@ -168,23 +168,11 @@ def batched_throughput(a, n_prompts: int = 256, new_tokens: int = 128) -> dict:
         dt = time.perf_counter() - t
         ids = [e.encode_prompt(p) for p in prompts]
     out["mlcc_tok_s"] = sum(r.usage.completion_tokens for r in res) / dt
-    try:
-        import torch
-        import transformers as tf
-
-        with torch.device("cuda"):
-            hf = tf.LlamaForCausalLM(tf.LlamaConfig(**presets()["smollm2-135m"].config)).to(torch.float16).eval()
-        gc = tf.GenerationConfig(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
-                                 eos_token_id=None, pad_token_id=0)
-        with torch.no_grad():
-            hf.generate_batch(inputs=ids[:4], generation_config=gc)
-            t = time.perf_counter()
-            r = hf.generate_batch(inputs=ids, generation_config=gc)
-            dt = time.perf_counter() - t
-        out["hf_generate_batch_tok_s"] = sum(len(v.generated_tokens) for v in r.values()) / dt
-        out["transformers"] = tf.__version__
-    except Exception as e:  # noqa: BLE001 - the comparison is reported as missing, not silently dropped
-        out["hf_error"] = f"{type(e).__name__}: {e}"[:300]
+    hf = _hf_generate_batch("smollm2-135m", ids, new_tokens)
+    if hf["transformers_tok_s"] is None:
+        out["hf_error"] = hf["transformers_error"]
+    else:
+        out["hf_generate_batch_tok_s"], out["transformers"] = hf["transformers_tok_s"], hf["transformers"]
     return out
 
 
@@ -404,19 +392,15 @@ def _prefix_load_args(p) -> None:
     p.add_argument("--out", required=True)
 
 
-def _hf_generate_batch(model: str, input_len: int, output_len: int, requests: int) -> dict:
-    """transformers' continuous batching (`generate_batch`, fp16, sdpa) on the preset's shape with random weights,
-    the same synthetic prompts as mlcc's rows; output tok/s (or the error)."""
+def _hf_generate_batch(model: str, prompts: list[list[int]], output_len: int) -> dict:
+    """transformers' continuous batching (`generate_batch`, fp16, sdpa) on the preset's shape with random weights:
+    output tok/s over `prompts` (token ids), or the error."""
     try:
         import torch
         import transformers as tf
 
-        from mlcc.runtime.serve.throughput import synthetic_prompts
-
-        cfg = presets()[model].hf_config()
         with torch.device("cuda"):
-            hf = tf.LlamaForCausalLM(tf.LlamaConfig(**cfg)).to(torch.float16).eval()
-        prompts = synthetic_prompts(cfg["vocab_size"], requests, input_len)
+            hf = tf.LlamaForCausalLM(tf.LlamaConfig(**presets()[model].hf_config())).to(torch.float16).eval()
         gc = tf.GenerationConfig(max_new_tokens=output_len, min_new_tokens=output_len, do_sample=False,
                                  eos_token_id=None, pad_token_id=0)
         with torch.no_grad():
@@ -454,7 +438,10 @@ def cmd_throughput(a) -> None:
     hf = {}
     for spec in filter(None, a.hf_shapes.split(",")):
         input_len, output_len = (int(x) for x in spec.split("/"))
-        hf[spec] = _hf_generate_batch(a.model, input_len, output_len, a.requests)
+        from mlcc.runtime.serve.throughput import synthetic_prompts
+
+        vocab = presets()[a.model].hf_config()["vocab_size"]
+        hf[spec] = _hf_generate_batch(a.model, synthetic_prompts(vocab, a.requests, input_len), output_len)
         print(spec, hf[spec], flush=True)
     for row in rows:
         row.update({"bench": "throughput", "device": device, "model": a.model, "mlcc_tok_s": row["output_tok_s"]})
