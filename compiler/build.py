@@ -270,6 +270,10 @@ def compile_model(model: str | Path, target: str, quant: str, output: str | Path
     from .tokenizer_files import write_tokenizer
 
     tok = write_tokenizer(source.kind, source.path, tmp)
+    if not tok.get("chat_template") and (tmp / "tokenizer.json").exists():
+        from .chat_templates import fallback_chat_template
+
+        tok["chat_template"] = fallback_chat_template(str(tmp / "tokenizer.json"), source.path.name)
     config = _config_json(built, lib_name, tok, {"kind": source.kind, "path": str(source.path)})
     (tmp / artifact.CONFIG_FILE).write_text(json.dumps(config, indent=1))
     # Replace the output only once everything is written: an interrupted compile leaves the old folder intact.
