@@ -62,8 +62,9 @@ def cmd_chat(args: argparse.Namespace) -> int:
     from mlcc.options import EngineConfig
     from mlcc.runtime.serve.chat_cli import run_chat
 
+    sampling = {k: getattr(args, k) for k in ("temperature", "top_p", "top_k", "repetition_penalty")}
     return run_chat(args.model, EngineConfig.from_cli(args), prompt=args.prompt, max_tokens=args.max_tokens,
-                    temperature=args.temperature)
+                    sampling=sampling)
 
 
 def cmd_web(args: argparse.Namespace) -> int:
@@ -139,7 +140,13 @@ def build_parser() -> argparse.ArgumentParser:
     EngineConfig.add_cli_arguments(ch, max_batch=1)
     ch.add_argument("--prompt", default=None, help="answer one prompt and exit")
     ch.add_argument("--max-tokens", type=int, default=256, help="most tokens an answer may have (default: %(default)s)")
-    ch.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (0: greedy; default: %(default)s)")
+    ch.add_argument("--temperature", type=float, default=None,
+                    help="sampling temperature, 0 for greedy (default: the model's generation_config, else 0.8 with "
+                         "top-p 0.9, top-k 40 and repetition penalty 1.1; any sampling flag given replaces them all)")
+    ch.add_argument("--top-p", type=float, default=None, help="nucleus sampling (default: as --temperature says)")
+    ch.add_argument("--top-k", type=int, default=None, help="top-k sampling (default: as --temperature says)")
+    ch.add_argument("--repetition-penalty", type=float, default=None,
+                    help="HF's repetition penalty (default: as --temperature says)")
     ch.set_defaults(func=cmd_chat)
 
     w = sub.add_parser("web", help="write a static chat site (browser + Node.js) for WebGPU builds")

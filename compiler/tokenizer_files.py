@@ -58,7 +58,22 @@ def tokenizer_info(out: Path) -> dict[str, Any]:
         "eos_token": tok_str(cfg.get("eos_token")),
         "eos_token_ids": _as_list(gen.get("eos_token_id")),
         "add_bos_token": bool(cfg.get("add_bos_token", False)),
+        "generation_defaults": generation_defaults(gen),
     }
+
+
+SAMPLING_KEYS = ("temperature", "top_p", "top_k", "repetition_penalty")
+
+
+def generation_defaults(gen: dict[str, Any]) -> dict[str, float] | None:
+    """The sampling a model's generation_config.json asks for (what `mlcc chat` uses when no flag says otherwise,
+    as vLLM does): its temperature / top_p / top_k / repetition_penalty, greedy where do_sample is false; None where
+    it says nothing."""
+    found = {k: gen[k] for k in SAMPLING_KEYS if isinstance(gen.get(k), (int, float)) and not isinstance(gen[k], bool)}
+    if gen.get("do_sample") is False:
+        found = {"temperature": 0.0, **({"repetition_penalty": found["repetition_penalty"]}
+                                        if "repetition_penalty" in found else {})}
+    return found or None
 
 
 def _as_list(v: Any) -> list[int]:
