@@ -126,6 +126,28 @@ def _gguf_field(reader, key: str) -> Any:
     return field.contents()
 
 
+def _gguf_expected_size(path: Path) -> int | None:
+    """The size a GGUF file's header says it has (the end of its last tensor's data), read without touching the
+    data; None where even the header is unreadable."""
+    import gguf
+
+    class HeaderOnly(gguf.GGUFReader):
+        end = 0
+
+        def _build_tensors(self, start_offs: int, fields: list) -> None:
+            for field in fields:
+                _, _, _, dims, raw_dtype, offset = field.parts
+                block, type_size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(int(raw_dtype[0]))]
+                n_bytes = int(np.prod(dims)) * type_size // block
+                self.end = max(self.end, int(start_offs + offset[0]) + n_bytes)
+            self.tensors = []
+
+    try:
+        return HeaderOnly(str(path)).end
+    except Exception:  # noqa: BLE001 - a header cut short too: the caller reports the file as unreadable
+        return None
+
+
 def load_gguf(path: Path) -> ModelSource:
     import gguf
 
@@ -134,6 +156,10 @@ def load_gguf(path: Path) -> ModelSource:
     try:
         reader = gguf.GGUFReader(str(path))
     except Exception as e:  # noqa: BLE001 - gguf raises bare ValueErrors on bad magic
+        expected, found = _gguf_expected_size(path), Path(path).stat().st_size
+        if expected is not None and found < expected:
+            raise ModelSourceError(f"{path}: truncated or incomplete file (expected {expected} bytes, found {found}); "
+                                   "download it again") from None
         raise ModelSourceError(f"{path}: not a readable GGUF file ({e})") from e
     arch = _gguf_field(reader, "general.architecture")
     fields = {k: _gguf_field(reader, k) for k in reader.fields if not k.startswith("tokenizer.ggml.")}

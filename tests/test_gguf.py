@@ -183,3 +183,17 @@ def test_gguf_tokenizer_and_template_come_from_the_metadata(hf_models, tmp_path)
         ids = e.encode_chat([{"role": "user", "content": "hi"}])
         assert e.tokenizer.decode(ids) == "user\nhi\nassistant\n"
         assert e.chat.completions.create(messages=[{"role": "user", "content": "hi"}], max_tokens=3).choices
+
+
+def test_a_truncated_gguf_says_how_much_is_missing(hf_models, tmp_path):
+    from mlcc.compiler.weights import load_source
+    from mlcc.errors import ModelSourceError
+
+    whole = tmp_path / "whole.gguf"
+    write_gguf(hf_models("llama"), "llama", whole)
+    size = whole.stat().st_size
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(whole.read_bytes()[: size // 2])
+    with pytest.raises(ModelSourceError, match=rf"truncated or incomplete file \(expected {size} bytes, found "
+                                               rf"{size // 2}\)"):
+        load_source(cut)
