@@ -20,6 +20,11 @@ def _user_errors() -> tuple[type[BaseException], ...]:
 def cmd_compile(args: argparse.Namespace) -> int:
     from mlcc.compiler.build import compile_model
     from mlcc.options import CompileOptions
+    from mlcc.targets import get_target
+
+    preset = get_target(args.target)
+    if preset.lib_ext != ".wasm" and not preset.can_run_here():
+        log.warning("no %s device here: %s will run on another machine, not this one", preset.device, args.output)
 
     r = compile_model(args.model, args.target, args.quant, args.output, context_window=args.context_window,
                       tuning_db=args.tuning_db, tensor_parallel=args.tensor_parallel,

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from mlcc import artifact
 from mlcc.cache import cache_lock, cache_root
+from mlcc.errors import UnsupportedTargetError
 from mlcc.options import CompileOptions
 from mlcc.runtime.device.interface import ModelFunctions
 
@@ -70,6 +71,11 @@ def resolve_model(model: str | Path | None, target: str, quant: str | None, tens
     from mlcc.targets import get_target
 
     preset = get_target(target)
+    if not preset.can_run_here():   # said before minutes of compiling, not after
+        raise UnsupportedTargetError(
+            f"--target {preset.name}: this machine cannot run it (no {preset.device} device here); leave --target "
+            f"out to run on this machine, or build for the other one with `mlcc compile {path} --target "
+            f"{preset.name} --output DIR`")
     quant = quant or DEFAULT_QUANT.get(preset.device, "q4f16_1")
     options = options or CompileOptions()
     out = build_dir(path, preset.name, quant, tensor_parallel, options)

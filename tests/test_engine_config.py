@@ -101,3 +101,23 @@ def test_serve_refuses_a_busy_port_before_loading_the_model():
                            capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and f"cannot listen on 127.0.0.1:{port}" in r.stderr and "--port" in r.stderr
     assert "Traceback" not in r.stderr and time.time() - t < 60
+
+
+def test_a_target_this_machine_cannot_run_is_refused_before_compiling(tmp_path):
+    import subprocess
+    import sys
+
+    from mlcc.errors import UnsupportedTargetError
+    from mlcc.runtime.jit import resolve_model
+    from mlcc.targets import get_target
+
+    if get_target("cuda").can_run_here():
+        pytest.skip("this machine runs CUDA: nothing to refuse")
+    source = tmp_path / "model.gguf"
+    source.write_bytes(b"not compiled: the refusal comes first")
+    with pytest.raises(UnsupportedTargetError, match="--target cuda: this machine cannot run it.*mlcc compile"):
+        resolve_model(source, "cuda", None)
+    # compiling for it stays allowed (for another machine), with a warning before the work starts
+    r = subprocess.run([sys.executable, "-m", "mlcc", "compile", str(tmp_path / "missing"), "--target", "cuda",
+                        "--output", str(tmp_path / "out")], capture_output=True, text=True, timeout=120)
+    assert "no cuda device here" in r.stderr and "will run on another machine" in r.stderr
