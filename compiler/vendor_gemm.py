@@ -20,6 +20,7 @@ from tvm import relax, tirx
 
 from mlcc.native.cublaslt_shim import MATMUL
 from mlcc.schedules.gemv_match import is_unscheduled_prim_func, match_many_token_projection, token_dim
+from mlcc.schedules.host_dispatch import size_dispatch
 
 log = logging.getLogger(__name__)
 
@@ -50,11 +51,9 @@ def make_dispatch(func: tirx.PrimFunc, kernel: str, epilogue: str, x_shape: tupl
     workspace = tirx.decl_buffer((tvm.tirx.IntImm("int64", WORKSPACE_BYTES),), "uint8", name="workspace")
     x, w, *rest = params
     *extra, y = rest
-    vendor = tirx.call_packed(MATMUL[epilogue], x, w, *extra, workspace, y)
-    few = tirx.call_cpacked(kernel, *params)
-    body = tirx.IfThenElse(token_dim(x_shape) <= min_tokens, tirx.Evaluate(few), tirx.Evaluate(vendor))
-    return tirx.PrimFunc(params + [workspace], body, func.ret_type).with_attrs(
-        {**attrs, "tirx.is_scheduled": True})
+    return size_dispatch(params + [workspace], func.ret_type, token_dim(x_shape), min_tokens,
+                         tirx.call_cpacked(kernel, *params),
+                         tirx.call_packed(MATMUL[epilogue], x, w, *extra, workspace, y), attrs)
 
 
 def vendor_gemm_pass(min_tokens: int = MIN_TOKENS) -> tvm.transform.Pass:

@@ -14,9 +14,13 @@ def host_dispatch(signature: tirx.PrimFunc, size: tirx.PrimExpr, limit: int, sma
     """A PrimFunc with `signature`'s parameters (and the shape variables they bind) calling the library function
     `small` with all of them where `size` (an expression of those variables) is at most `limit`, else `large`."""
     params = list(signature.params)
+    return size_dispatch(params, signature.ret_type, size, limit, tirx.call_cpacked(small, *params),
+                         tirx.call_cpacked(large, *params), attrs)
 
-    def call(name: str) -> tirx.Stmt:
-        return tirx.Evaluate(tirx.call_cpacked(name, *params))
 
-    body = tirx.IfThenElse(size <= limit, call(small), call(large))
-    return tirx.PrimFunc(params, body, signature.ret_type).with_attrs({"tirx.is_scheduled": True, **(attrs or {})})
+def size_dispatch(params: list, ret_type, size: tirx.PrimExpr, limit: int, small: tirx.PrimExpr,
+                  large: tirx.PrimExpr, attrs: dict | None = None) -> tirx.PrimFunc:
+    """A scheduled host PrimFunc over `params` evaluating the call `small` where `size` is at most `limit`, else
+    `large` (a library function's direct call, or a global function's packed call)."""
+    body = tirx.IfThenElse(size <= limit, tirx.Evaluate(small), tirx.Evaluate(large))
+    return tirx.PrimFunc(params, body, ret_type).with_attrs({"tirx.is_scheduled": True, **(attrs or {})})
