@@ -19,6 +19,10 @@ class ModelSourceError(MlccError, ValueError):
     """A model folder or GGUF file that cannot be read or converted."""
 
 
+class ModelDownloadError(MlccError, RuntimeError):
+    """A model named by its Hugging Face repo that cannot be found, reached or downloaded."""
+
+
 class UnsupportedTokenizerError(ModelSourceError):
     """A GGUF file whose tokenizer kind mlcc cannot rebuild."""
 
