@@ -42,13 +42,14 @@ def write_gguf_tokenizer(gguf_path: Path, out: Path) -> None:
     else:
         tok = _sentencepiece_bpe(tokens, field("tokenizer.ggml.scores"), bool(field("tokenizer.ggml.add_space_prefix",
                                                                                      True)))
-    # SentencePiece's user-defined pieces (Gemma's runs of spaces and newlines) are text: matched whole, decoded
-    specials = [AddedToken(t, special=True, normalized=False) for t, k in zip(tokens, types)
-                if k == _CONTROL or (k == _USER_DEFINED and kind == "gpt2")]
-    tok.add_special_tokens(specials)
-    if kind == "llama":
-        tok.add_tokens([AddedToken(t, special=False, normalized=False) for t, k in zip(tokens, types)
-                        if k == _USER_DEFINED])
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t, k in zip(tokens, types)
+                            if k == _CONTROL])
+    # USER_DEFINED tokens (Qwen's <tool_call>, </tool_call>, <think>; Gemma's runs of spaces) are text that is
+    # matched whole, as llama.cpp, transformers' GGUF loader and the models' own tokenizer.json treat them: decoded
+    # even where special tokens are skipped, and to a grammar the same bytes as their spelling, so a model writing
+    # `</tool_call>` as its one token satisfies a grammar that asks for that text.
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t, k in zip(tokens, types)
+                    if k == _USER_DEFINED])
 
     def name(key: str) -> str | None:
         i = field(key)

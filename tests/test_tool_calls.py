@@ -118,7 +118,8 @@ def test_required_makes_valid_calls(gc, texts, fmt, parallel):
         assert content is None, text
         check_calls(calls)
         counts.add(len(calls))
-        assert text.startswith(f.open) and text.endswith(f.close)
+        # Hermes: the tagged section, or the untagged calls small Qwens write (the parser reads both)
+        assert (text.startswith(f.open) and text.endswith(f.close)) or (f.lead and text.startswith('{"name": '))
     assert counts == {1} if not parallel else max(counts) >= 1
 
 
@@ -171,30 +172,86 @@ def test_auto_single_call_allows_only_one(gc, texts):
     assert allowed(mask[0]).tolist() == [EOS]
 
 
-def test_special_token_trigger(tmp_path):
-    """Where the tag is one special token (Qwen-style tokenizers), the grammar matches that token."""
-    from tokenizers import Tokenizer
+def _tagged_tokenizer(tmp_path, special: bool):
+    """The byte-level test tokenizer plus Qwen's <tool_call> and </tool_call> as added tokens."""
+    from tokenizers import AddedToken, Tokenizer
 
     write_tokenizer(tmp_path)
     tok = Tokenizer.from_file(str(tmp_path / "tokenizer.json"))
-    tok.add_special_tokens(["<tool_call>"])
+    tok.add_tokens([AddedToken(t, special=special, normalized=False) for t in ("<tool_call>", "</tool_call>")])
     tok.save(str(tmp_path / "tokenizer.json"))
-    special = tok.token_to_id("<tool_call>")
+    return tok
+
+
+@pytest.mark.parametrize("special", [True, False])
+def test_tags_that_are_tokens_are_matched_as_tokens(tmp_path, special):
+    """Qwen's <tool_call> and </tool_call> are one token each (llguidance counts every added <...> token as
+    special, whatever tokenizer.json says). A model writing `</tool_call>` as its token must satisfy the grammar:
+    matching the tag as text made llguidance's mask allow the token and then refuse it (an HTTP 500)."""
+    tok = _tagged_tokenizer(tmp_path, special)
+    open_, close = tok.token_to_id("<tool_call>"), tok.token_to_id("</tool_call>")
     eos = tok.token_to_id("<|im_end|>")
     gc = GrammarCompiler(tmp_path / "tokenizer.json", 320, {eos})
-    assert gc.special_token_id("<tool_call>") == special
+    assert (gc.special_token_id("<tool_call>"), gc.special_token_id("</tool_call>")) == (open_, close)
     f = FORMATS["hermes"]
-    for choice in ("auto", "required"):
-        m = gc.matcher(gc.compile(tool_grammar(TOOLS, choice, False, f)))
-        ids = tok.encode("Hi " if choice == "auto" else "", add_special_tokens=False).ids + [special]
-        ids += tok.encode('\n{"name": "now", "arguments": {}}\n</tool_call>', add_special_tokens=False).ids
+    call = '\n{"name": "now", "arguments": {}}\n'
+    for choice, parallel in (("auto", False), ("auto", True), ("required", True),
+                             ({"type": "function", "function": {"name": "now"}}, False)):
+        m = gc.matcher(gc.compile(tool_grammar(TOOLS, choice, parallel, f)))
+        ids = tok.encode("Hi " if choice == "auto" else "", add_special_tokens=False).ids
+        ids += [open_] + tok.encode(call, add_special_tokens=False).ids + [close]
         mask = gc.allocate_mask(1)
         for t in ids:
             m.fill_mask(mask, 0)
             assert mask[0, t >> 5] >> (t & 31) & 1, tok.decode([t])
             m.accept(t)
         m.fill_mask(mask, 0)
-        assert allowed(mask[0]).tolist() == [eos]
+        # the tags are never spelled out in characters: `<` is no way into or out of a section
+        lt = tok.encode("<", add_special_tokens=False).ids[0]
+        assert not mask[0, lt >> 5] >> (lt & 31) & 1
+        if parallel:
+            assert open_ not in allowed(mask[0]) and eos in allowed(mask[0])  # `\n` first, then the next tag
+        else:
+            assert allowed(mask[0]).tolist() == [eos]
+        # the parser reads the same tokens decoded (specials kept where a parser is attached)
+        (content, calls), _ = parse(f, tok.decode(ids, skip_special_tokens=False))
+        assert [c["function"]["name"] for c in calls] == ["now"] and content == ("Hi" if choice == "auto" else None)
+
+
+def test_gguf_user_defined_tokens_are_text_matched_whole(tmp_path):
+    """A GGUF's USER_DEFINED tokens (Qwen's <tool_call>, </tool_call>, <think>) become added tokens that are not
+    special, as transformers' GGUF loader and the models' own tokenizer.json have them: one token each in a prompt,
+    and kept when a reply is decoded without special tokens (a reasoning or tool-call parser reads them)."""
+    import gguf
+    from tokenizers import Tokenizer
+    from transformers import AutoTokenizer
+
+    from mlcc.compiler.gguf_tokenizer import write_gguf_tokenizer
+
+    write_tokenizer(tmp_path)
+    base = Tokenizer.from_file(str(tmp_path / "tokenizer.json"))
+    tokens = [t for t, _ in sorted(base.get_vocab().items(), key=lambda kv: kv[1])]
+    tags = ["<tool_call>", "</tool_call>", "<think>", "</think>"]
+    w = gguf.GGUFWriter(str(tmp_path / "tok.gguf"), "qwen2")
+    w.add_tokenizer_model("gpt2")
+    w.add_token_list(tokens + tags)
+    w.add_token_types([3 if t.startswith("<|") else 1 for t in tokens] + [4] * len(tags))
+    w.add_token_merges([])
+    w.add_token_scores([0.0] * (len(tokens) + len(tags)))  # transformers derives the (no) merges from them
+    w.add_eos_token_id(tokens.index("<|im_end|>"))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    write_gguf_tokenizer(tmp_path / "tok.gguf", tmp_path / "ours")
+    ours = Tokenizer.from_file(str(tmp_path / "ours" / "tokenizer.json"))
+    theirs = AutoTokenizer.from_pretrained(str(tmp_path), gguf_file="tok.gguf")
+    text = "<think>\nhm</think>\n<tool_call>\n{}\n</tool_call><|im_end|>"
+    ids = ours.encode(text, add_special_tokens=False).ids
+    assert [ours.id_to_token(i) for i in ids if i >= len(tokens) - 3] == [
+        "<think>", "</think>", "<tool_call>", "</tool_call>", "<|im_end|>"]
+    assert ids == theirs(text, add_special_tokens=False)["input_ids"]
+    assert ours.decode(ids, skip_special_tokens=True) == theirs.decode(ids, skip_special_tokens=True) == text[:-10]
 
 
 @pytest.mark.parametrize(("tools", "choice", "param"), [
@@ -297,6 +354,16 @@ def test_parser_streams_arguments_as_they_come():
     ("hermes", "Cut off <tool_call>\n{\"name\": \"sea", "Cut off <tool_call>\n{\"name\": \"sea", 0),
     ("hermes", "<tool_call>\n{\"name\": \"search\", \"arguments\": {\"query\": \"x", None, 1),  # max_tokens
     ("hermes", "<tool_call>\n{\"name\": \"now\", \"arguments\": {}}\n</tool_call>\n\nDone.", "Done.", 1),
+    # untagged calls opening the message (Qwen2.5-Coder-0.5B's answer to `auto`), bare or in a ```json fence
+    ("hermes", '{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}', None, 1),
+    ("hermes", '```json\n{\n  "name": "now",\n  "arguments": {}\n}\n```', None, 1),
+    ("hermes", '{"name": "now", "arguments": {}}\n{"name": "now", "arguments": {}}\nDone.', "Done.", 2),
+    # ... only there, only naming a tool, only with arguments
+    ("hermes", 'Like this: {"name": "now", "arguments": {}}', 'Like this: {"name": "now", "arguments": {}}', 0),
+    ("hermes", '{"name": "unknown", "arguments": {}}', '{"name": "unknown", "arguments": {}}', 0),
+    ("hermes", '{"name": "now"}', '{"name": "now"}', 0),
+    ("hermes", '```json\n{"a": [1, {"b": 2}]}\n```', '```json\n{"a": [1, {"b": 2}]}\n```', 0),
+    ("hermes", '```python\nprint({1: 2})\n```', '```python\nprint({1: 2})\n```', 0),
     ("llama3_json", "The answer is {not a call}.", "The answer is {not a call}.", 0),
     ("llama3_json", "<|python_tag|>{\"name\": \"now\", \"parameters\": {}}", None, 1),
 ])

@@ -36,8 +36,9 @@ JSON_OPTIONS: dict[str, Any] = {"whitespace_flexible": True, "whitespace_pattern
 _LIMITS = {"initial_lexer_fuel": 300_000, "step_lexer_fuel": 200_000, "max_lexer_states": 50_000,
            "max_grammar_size": 200_000}
 _CACHE_SIZE = 256
-# Marks the trigger in GrammarSpec.special_text; a NUL never survives json.dumps, so it cannot come from a schema.
-TRIGGER_MARK = "\x00"
+# Brackets a tag's index in a Lark text (GrammarSpec.tags); a NUL never survives json.dumps, so it cannot come from
+# a schema.
+TAG_MARK = "\x00"
 GRAMMAR_KINDS = ("json_schema", "regex", "choice", "lark")
 
 
@@ -51,9 +52,11 @@ class GrammarSpec:
 
     kind: one of GRAMMAR_KINDS; text: the schema as JSON text, the regex, the choices as a JSON list, or a Lark
     grammar (GBNF is converted when the spec is built); param: the request field an error names.
-    trigger / special_text: for tool calls whose opening tag may be one special token in some tokenizers
-    (`<tool_call>`, `[TOOL_CALLS]`): where `trigger` is a special token of the engine's tokenizer, the grammar is
-    special_text with TRIGGER_MARK replaced by that token; otherwise `text`, which matches the tag as characters.
+    tags: the tool-call tags (`<tool_call>`, `</tool_call>`, `[TOOL_CALLS]`) the Lark text writes as tag_ref(i).
+    Each becomes its token where it is one special token of the engine's tokenizer (a model writes that token, and
+    llguidance never matches a special token against text, `</tool_call>` spelled out included), else its text.
+    trigger / special_text: the lazy grammar's opening tag, and the grammar to use where it is a special token
+    (free text then ends at that token instead of at a lazy lexeme); otherwise `text`.
     parts: (param, schema JSON) pairs checked one by one when the whole grammar fails, so the error names the tool.
     lazy: free text is allowed until the trigger appears (tool_choice "auto").
     """
@@ -65,14 +68,20 @@ class GrammarSpec:
     special_text: str | None = None
     parts: tuple[tuple[str, str], ...] = ()
     lazy: bool = False
+    tags: tuple[str, ...] = ()
 
     @property
     def key(self) -> str:
         h = hashlib.sha256()
-        for v in (self.kind, self.text, self.trigger or "", self.special_text or ""):
+        for v in (self.kind, self.text, self.trigger or "", self.special_text or "", *self.tags):
             h.update(v.encode("utf-8", "surrogatepass"))
             h.update(b"\x01")
         return h.hexdigest()
+
+
+def tag_ref(i: int) -> str:
+    """Where GrammarSpec.tags[i] stands in a Lark text."""
+    return f"{TAG_MARK}{i}{TAG_MARK}"
 
 
 def _schema_text(schema: Any, param: str) -> str:
@@ -310,10 +319,11 @@ class GrammarCompiler:
 
     def _build(self, spec: GrammarSpec) -> Grammar:
         text = spec.text
-        if spec.trigger is not None and spec.special_text is not None:
-            tid = self.special_token_id(spec.trigger)
-            if tid is not None:
-                text = spec.special_text.replace(TRIGGER_MARK, f"<[{tid}]>")
+        if spec.trigger is not None and spec.special_text is not None and self.special_token_id(spec.trigger) is not None:
+            text = spec.special_text
+        for i, tag in enumerate(spec.tags):
+            tid = self.special_token_id(tag)
+            text = text.replace(tag_ref(i), f"<[{tid}]>" if tid is not None else json.dumps(tag, ensure_ascii=True))
         try:
             grammar = _llg_grammar(spec.kind, text)
         except ValueError as e:

@@ -10,8 +10,13 @@ Formats (the section a model writes, N calls):
 - json (a template that takes tools in a syntax not recognised here): `[{"name": "f", "arguments": {...}}, ...]`.
 
 The grammar for `required` / a named tool starts with the section at once; for `auto` it is lazy: free text until
-the format's trigger (`<tool_call>`), then the section is constrained and nothing but EOS may follow it. Where the
-trigger is one special token of the engine's tokenizer the grammar matches that token (GrammarSpec.special_text).
+the format's trigger (`<tool_call>`), then the section is constrained and nothing but EOS may follow it. Each tag
+that is one special token of the engine's tokenizer is matched as that token (GrammarSpec.tags): llguidance counts
+every added `<...>` token as special, so Qwen's `</tool_call>` is one even where tokenizer.json says otherwise.
+
+Small Qwen2.5 models (Qwen2.5-Coder-0.5B puts `<tool_call>` at logprob -23) answer `auto` with the bare object
+`{"name": ..., "arguments": ...}`, often in a ```json fence; as llama.cpp does for Hermes, the parser takes that as
+a call when it opens the message and names one of the request's tools (ToolFormat.lead).
 """
 
 from __future__ import annotations
@@ -24,14 +29,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mlcc.errors import RequestError
-from mlcc.runtime.api.structured import JSON_OPTIONS, TRIGGER_MARK, GrammarSpec
+from mlcc.runtime.api.structured import JSON_OPTIONS, GrammarSpec, tag_ref
 
 
 @dataclass(frozen=True)
 class ToolFormat:
     """open + call + (sep + call)* + close, each call `{"name": <name>, "<args_key>": <arguments>}`.
     triggers: where a section starts in free text (the grammar uses the first); noise: what may stand between
-    calls and around a section besides whitespace."""
+    calls and around a section besides whitespace; tags: the markers that may be single special tokens; lead:
+    what starts an untagged call at the very start of a message (the noise around it included)."""
 
     name: str
     open: str
@@ -40,15 +46,18 @@ class ToolFormat:
     args_key: str
     triggers: tuple[str, ...]
     noise: tuple[str, ...]
+    tags: tuple[str, ...] = ()
+    lead: tuple[str, ...] = ()
 
 
 FORMATS: dict[str, ToolFormat] = {
     "hermes": ToolFormat("hermes", "<tool_call>\n", "\n</tool_call>\n<tool_call>\n", "\n</tool_call>", "arguments",
-                         ("<tool_call>",), ("<tool_call>", "</tool_call>")),
+                         ("<tool_call>",), ("<tool_call>", "</tool_call>"), ("<tool_call>", "</tool_call>"),
+                         ("```json", "```", "{")),
     "llama3_json": ToolFormat("llama3_json", "", "; ", "", "parameters", ('{"name"', "<|python_tag|>", '{ "name"'),
-                              (";", "<|python_tag|>")),
+                              (";", "<|python_tag|>"), ("<|python_tag|>",)),
     "mistral": ToolFormat("mistral", "[TOOL_CALLS][", ", ", "]", "arguments", ("[TOOL_CALLS]",),
-                          ("[TOOL_CALLS]", "[", "]", ",")),
+                          ("[TOOL_CALLS]", "[", "]", ","), ("[TOOL_CALLS]",)),
     "json": ToolFormat("json", "[", ", ", "]", "arguments", ('[{"name"', '{"name"'), ("[", "]", ",")),
 }
 _HEAD = '{"name": '
@@ -118,11 +127,14 @@ def _lit(s: str) -> str:
     return json.dumps(s, ensure_ascii=True) if s else ""
 
 
-def _lits(s: str, trigger: str | None) -> str:
-    """A Lark sequence matching s, with each occurrence of trigger as TRIGGER_MARK (the special-token variant)."""
-    if trigger is None or trigger not in s:
-        return _lit(s)
-    return f" {TRIGGER_MARK} ".join(_lit(p) for p in s.split(trigger)).strip()
+def _lits(s: str, tags: tuple[str, ...]) -> str:
+    """A Lark sequence matching s, each of the tags in it as its tag_ref (a token, where it is a special one)."""
+    if not s:
+        return ""
+    for i, tag in enumerate(tags):
+        if tag in s:
+            return f" {tag_ref(i)} ".join(_lits(p, tags) for p in s.split(tag)).strip()
+    return _lit(s)
 
 
 def _calls_lark(tools: list[_Tool], fmt: ToolFormat) -> str:
@@ -136,18 +148,20 @@ def _calls_lark(tools: list[_Tool], fmt: ToolFormat) -> str:
 
 
 def _lark(tools: list[_Tool], fmt: ToolFormat, lazy: bool, parallel: bool, special: bool) -> str:
-    trig = fmt.triggers[0]
-    sub = trig if special else None
-    more = f"({_lits(fmt.sep + _HEAD, sub)} name_args)*" if parallel else ""
-    close = _lits(fmt.close, sub)
+    """special: the trigger is one special token (only TEXT's end differs: a special token never matches TEXT)."""
+    trig, tags = fmt.triggers[0], fmt.tags
+    more = f"({_lits(fmt.sep + _HEAD, tags)} name_args)*" if parallel else ""
+    close = _lits(fmt.close, tags)
     if not lazy:
-        body = f"start: {_lits(fmt.open + _HEAD, sub)} name_args {more} {close}"
+        body = f"start: {_lits(fmt.open + _HEAD, tags)} name_args {more} {close}"
+        if fmt.lead:  # or the untagged calls the parser also reads (the model picks: small Qwens write these)
+            body += f" | {_lit(_HEAD)} name_args" + (f" ({_lit(chr(10) + _HEAD)} name_args)*" if parallel else "")
     else:
         head = fmt.open + _HEAD
         assert head.startswith(trig), (fmt.name, head, trig)
-        rest = _lit(head[len(trig):])
-        if special:  # a special token never matches TEXT, so TEXT ends at it without a lazy lexeme
-            body = f"start: TEXT | TEXT {TRIGGER_MARK} {rest} name_args {more} {close}"
+        rest = _lits(head[len(trig):], tags)
+        if special:
+            body = f"start: TEXT | TEXT {_lits(trig, tags)} {rest} name_args {more} {close}"
         else:
             body = (f"start: TEXT | trig {rest} name_args {more} {close}\n"
                     f"trig[lazy]: TEXT {_lit(trig)}")
@@ -184,10 +198,10 @@ def tool_grammar(tools: list[dict], tool_choice: Any, parallel_tool_calls: bool 
     trig = fmt.triggers[0]
     special_ok = trig.startswith(("<", "[")) and trig.endswith((">", "]"))
     parts = tuple((t.param, json.dumps(t.parameters, sort_keys=True, ensure_ascii=True)) for t in parsed)
+    special_text = _lark(parsed, fmt, lazy, parallel, special=True) if special_ok and lazy else None
     return GrammarSpec(
         "lark", _lark(parsed, fmt, lazy, parallel, special=False), param="tools", trigger=trig if special_ok else None,
-        special_text=_lark(parsed, fmt, lazy, parallel, special=True) if special_ok else None, parts=parts,
-        lazy=lazy)
+        special_text=special_text, parts=parts, lazy=lazy, tags=fmt.tags)
 
 
 def tools_system_prompt(tools: list[dict], fmt: ToolFormat) -> str:
@@ -278,6 +292,12 @@ class ToolCallParser:
     _args_done: bool = False
     _args_from: int = 0
     _done: bool = False
+    _started: bool = False  # past the message's leading whitespace: a lead no longer opens a call
+    _bare: bool = False  # the section was opened by a lead: only a whole call of a known tool counts
+
+    @property
+    def _names(self) -> set[str]:
+        return {t["function"]["name"] for t in self.tools or () if isinstance(t.get("function"), dict)}
 
     def feed(self, text: str) -> list[ParsedDelta]:
         self._out = []
@@ -346,7 +366,7 @@ class ToolCallParser:
 
     def _give_back(self, s: str) -> None:
         """Section text that held no call after all: it is content."""
-        self._state, self._raw = _TEXT, ""
+        self._state, self._raw, self._bare = _TEXT, "", False
         self._text(s, keep_ws=True)
 
     # -- the state machine --------------------------------------------------------------------------------------
@@ -364,13 +384,22 @@ class ToolCallParser:
 
     def _scan_text(self, final: bool) -> None:
         buf = self._buf
+        if not self._started and self.fmt.lead and self.tools:
+            body = buf.lstrip()
+            if not final and (not body or any(len(t) > len(body) and t.startswith(body) for t in self.fmt.lead)):
+                return  # maybe (the start of a longer) lead: wait
+            if any(body.startswith(t) for t in self.fmt.lead):
+                self._buf = body
+                self._state, self._raw, self._bare, self._started = _BETWEEN, buf[: len(buf) - len(body)], True, True
+                return
+        self._started = True
         hits = [(buf.find(t), t) for t in self.fmt.triggers if t in buf]
         if hits:
             at = min(hits)[0]
             self._text(buf[:at])
             # whitespace right before a call is not content (unless the call turns out to be none)
             self._buf = buf[at:]
-            self._state, self._raw, self._ws = _BETWEEN, self._ws, ""
+            self._state, self._raw, self._ws, self._bare = _BETWEEN, self._ws, "", False
             return
         keep = 0 if final else self._partial_len(buf, self.fmt.triggers)
         self._text(buf[: len(buf) - keep])
@@ -401,7 +430,8 @@ class ToolCallParser:
         return best
 
     def _scan_between(self, final: bool) -> None:
-        buf, noise = self._buf, self.fmt.noise
+        fences = tuple(t for t in self.fmt.lead if t != "{") if self._bare else ()
+        buf, noise = self._buf, self.fmt.noise + fences
         i = 0
         while i < len(buf):
             c = buf[i]
@@ -454,7 +484,8 @@ class ToolCallParser:
                 if self._depth == 2 and c == "{" and not self._header:
                     obj = self._raw[self._obj_start:] + buf[: i + 1]
                     m = _HEADER.match(obj)
-                    if m is not None and m.end() == len(obj) - 1:
+                    if m is not None and m.end() == len(obj) - 1 and (
+                            not self._bare or json.loads(m.group(1)) in self._names):
                         self._header = True
                         self._start_call(json.loads(m.group(1)), "")
                         args_from = i
@@ -485,6 +516,8 @@ class ToolCallParser:
         except json.JSONDecodeError:
             value = None
         name = value.get("name") if isinstance(value, dict) else None
+        if self._bare and not (name in self._names and {"arguments", "parameters"} & value.keys()):
+            name = None  # an object that opens a message is a call only if it calls one of the tools
         if not isinstance(name, str):  # braces in ordinary text
             self._after_call = False
             self._give_back(raw)
