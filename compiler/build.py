@@ -9,7 +9,9 @@ import json
 import logging
 import shutil
 import sys
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -20,9 +22,9 @@ from mlcc.options import CompileOptions
 from mlcc.relax_models import Family, family_for
 from mlcc.targets import TargetPreset, cpu_record, get_target
 
-from .quantize import Quantization, get_quantization, group_quantize, quantize_model
+from .quantize import Quantization, get_quantization, quantize_model
 from .sampler import attach_argmax, attach_logit_functions, attach_sampler
-from .weights import ModelSource, iter_float_params, load_source
+from .weights import ModelSource, load_source
 
 log = logging.getLogger(__name__)
 
@@ -153,42 +155,36 @@ def compile_library(built: BuiltModule, out_path: Path, tuning_db: str | Path | 
 
 def iter_params(source: ModelSource, built: BuiltModule, rank: int = 0) -> Iterator[tuple[str, np.ndarray]]:
     """Our parameters in their stored form, one at a time (this rank's shard; quantized where expected)."""
-    wanted = {p["name"]: p for p in built.params}
-    shards = built.cfg.tensor_parallel_shards
-    for name, w in iter_float_params(source, built.family, built.cfg):
-        w = built.family.shard_weight(name, w, built.cfg, rank, shards)
-        base = name[: -len(".weight")]
-        if f"{base}.q_weight" in wanted:
-            qw, qs = group_quantize(w, built.quant)
-            yield f"{base}.q_weight", qw
-            yield f"{base}.q_scale", qs
-        else:
-            spec = wanted.get(name)
-            if spec is None:
-                raise ValueError(f"weight plan produced '{name}', which the model does not have")
-            if list(w.shape) != spec["shape"]:
-                raise ValueError(f"{source.path}: '{name}' has shape {list(w.shape)}, the config implies "
-                                 f"{spec['shape']}; the checkpoint and config.json disagree")
-            yield name, w.astype(spec["dtype"])
+    from .weight_conversion import converted_params
+
+    return converted_params(source, built, rank)
 
 
-def write_weights(source: ModelSource, built: BuiltModule, out: Path, rank: int = 0) -> None:
+def write_weights(source: ModelSource, built: BuiltModule, out: Path, rank: int = 0,
+                  cancel: threading.Event | None = None) -> None:
     from tqdm import tqdm
     from tvm.contrib import tvmjs
 
+    from .weight_conversion import converted_params, total_elements
+
     shards = built.cfg.tensor_parallel_shards
     desc = "converting weights" + (f" (shard {rank + 1}/{shards})" if shards > 1 else "")
-    params = tqdm(iter_params(source, built, rank), total=len(built.params), desc=desc, unit="tensor",
-                  file=sys.stderr)
-    # TVM's writer prints one line per tensor to stdout; keep stdout for the program's own output.
-    with contextlib.redirect_stdout(io.StringIO()):
-        tvmjs.dump_tensor_cache(params, str(out), encode_format="raw", show_progress=False)
+    t0 = time.time()
+    with tqdm(total=total_elements(built), desc=desc, unit=" weights", unit_scale=True, file=sys.stderr,
+              mininterval=0.5 if sys.stderr.isatty() else 5.0) as bar:
+        params = converted_params(source, built, rank, progress=bar.update, cancel=cancel)
+        # TVM's writer prints one line per tensor to stdout; keep stdout for the program's own output.
+        with contextlib.redirect_stdout(io.StringIO()):
+            tvmjs.dump_tensor_cache(params, str(out), encode_format="raw", show_progress=False)
+    if cancel is not None and cancel.is_set():
+        return
     artifact.add_shard_checksums(out)
     cache = json.loads((out / artifact.TENSOR_CACHE_FILE).read_text())
     have = {r["name"] for s in cache["records"] for r in s["records"]}
     missing = [p["name"] for p in built.params if p["name"] not in have]
     if missing:
         raise ValueError(f"weights for {missing[:3]}... were not produced; the checkpoint is incomplete")
+    log.info("converted weights%s in %.1fs", f" (shard {rank + 1}/{shards})" if shards > 1 else "", time.time() - t0)
 
 
 def _config_json(built: BuiltModule, lib_name: str, tok: dict[str, Any], source: dict[str, Any]) -> dict[str, Any]:
@@ -210,6 +206,18 @@ def _config_json(built: BuiltModule, lib_name: str, tok: dict[str, Any], source:
         "source": source,
         "stamp": built.stamp,
     }
+
+
+def _tokenizer(source: ModelSource, out: Path) -> dict[str, Any]:
+    """The tokenizer files written into `out`, with a chat template from the family where the model has none."""
+    from .tokenizer_files import write_tokenizer
+
+    tok = write_tokenizer(source.kind, source.path, out)
+    if not tok.get("chat_template") and (out / "tokenizer.json").exists():
+        from .chat_templates import fallback_chat_template
+
+        tok["chat_template"] = fallback_chat_template(str(out / "tokenizer.json"), source.path.name)
+    return tok
 
 
 def compile_shape_only(model_type: str, hf_config: dict[str, Any], target: str, quant: str,
@@ -255,25 +263,36 @@ def compile_model(model: str | Path, target: str, quant: str, output: str | Path
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     lib_name = "model" + preset.lib_ext
-    log.info("compiling %s (%s, %s) for %s ...", source.path.name, built.family.name, q.name, preset.name)
     if tuning_db is not None and not (Path(tuning_db) / "database_tuning_record.json").exists():
         raise FileNotFoundError(f"{tuning_db}: no tuning database there (create one with `mlcc tune`)")
-    compile_library(built, tmp / lib_name, tuning_db)
-    t2 = time.time()
-    log.info("compiled in %.1fs; converting weights ...", t2 - t1)
-    if tensor_parallel == 1:
-        write_weights(source, built, tmp)
-    else:
-        for rank in range(tensor_parallel):  # one tensor cache per GPU, each loaded by its own disco worker
-            write_weights(source, built, tmp / artifact.shard_dir(rank), rank)
+    # The weights and the tokenizer are converted on other threads while this one compiles: the compile is mostly
+    # one core of C++ (TVM releases the GIL), the conversion numpy loops on the others.
+    cancel = threading.Event()
+    side_times: dict[str, float] = {}
+
+    def side() -> dict[str, Any]:
+        t = time.time()
+        if tensor_parallel == 1:
+            write_weights(source, built, tmp, cancel=cancel)
+        else:
+            for rank in range(tensor_parallel):  # one tensor cache per GPU, each loaded by its own disco worker
+                write_weights(source, built, tmp / artifact.shard_dir(rank), rank, cancel=cancel)
+        side_times["weights"] = time.time() - t
+        return _tokenizer(source, tmp)
+
+    log.info("compiling %s (%s, %s) for %s; converting its weights meanwhile", source.path.name,
+             built.family.name, q.name, preset.name)
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="mlcc-convert") as pool:
+        converting = pool.submit(side)
+        try:
+            compile_library(built, tmp / lib_name, tuning_db)
+        except BaseException:
+            cancel.set()
+            raise
+        t2 = time.time()
+        log.info("compiled the library in %.1fs", t2 - t1)
+        tok = converting.result()
     t3 = time.time()
-    from .tokenizer_files import write_tokenizer
-
-    tok = write_tokenizer(source.kind, source.path, tmp)
-    if not tok.get("chat_template") and (tmp / "tokenizer.json").exists():
-        from .chat_templates import fallback_chat_template
-
-        tok["chat_template"] = fallback_chat_template(str(tmp / "tokenizer.json"), source.path.name)
     config = _config_json(built, lib_name, tok, {"kind": source.kind, "path": str(source.path)})
     (tmp / artifact.CONFIG_FILE).write_text(json.dumps(config, indent=1))
     # Replace the output only once everything is written: an interrupted compile leaves the old folder intact.
@@ -282,6 +301,6 @@ def compile_model(model: str | Path, target: str, quant: str, output: str | Path
     tmp.rename(out)
     lib_bytes = (out / lib_name).stat().st_size
     weight_bytes = sum(f.stat().st_size for f in out.rglob("params_shard_*.bin"))
-    report = CompileReport(out, t1 - t0, t2 - t1, t3 - t2, lib_bytes, weight_bytes)
+    report = CompileReport(out, t1 - t0, t2 - t1, side_times.get("weights", t3 - t2), lib_bytes, weight_bytes)
     log.info("wrote %s: library %.1f MB, weights %.1f MB", out, lib_bytes / 1e6, weight_bytes / 1e6)
     return report

@@ -18,9 +18,9 @@ _CONTROL, _USER_DEFINED = 3, 4
 
 
 def write_gguf_tokenizer(gguf_path: Path, out: Path) -> None:
-    import gguf
+    from .weights import open_gguf
 
-    reader = gguf.GGUFReader(str(gguf_path))
+    reader = open_gguf(gguf_path)
 
     def field(key: str, default: Any = None) -> Any:
         f = reader.fields.get(key)

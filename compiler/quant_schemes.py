@@ -3,6 +3,8 @@ can use them)."""
 
 from __future__ import annotations
 
+import sys
+
 import numpy as np
 
 # re-exported: callers of the packers name schemes through here
@@ -19,17 +21,31 @@ def group_quantize(w: np.ndarray, q: Quantization) -> tuple[np.ndarray, np.ndarr
     n, k = w.shape
     if k % q.group_size:
         raise ValueError(f"cannot {q.name}-quantize a [{n}, {k}] weight: {k} is not a multiple of {q.group_size}")
-    w32 = w.astype(np.float32).reshape(n, k // q.group_size, q.group_size)
-    scale = np.abs(w32).max(axis=-1, keepdims=True) / q.max_int
+    groups = np.asarray(w, dtype=np.float32).reshape(n, k // q.group_size, q.group_size)
+    # max |w| without an |w| copy; abs() then turns a -0.0 of an all-zero group into the 0.0 it is stored as
+    scale = np.abs(np.maximum(groups.max(axis=-1), -groups.min(axis=-1)), dtype=np.float32)
+    scale /= q.max_int
     # Round the scale to its stored dtype first so dequantization reproduces exactly what we quantized against.
     scale = scale.astype(q.scale_dtype).astype(np.float32)
-    safe = np.where(scale == 0, 1.0, scale)
+    safe = np.where(scale == 0, np.float32(1.0), scale)
+    codes = np.divide(groups, safe[..., None], dtype=np.float32)  # the one full-size temporary, updated in place
+    np.round(codes, out=codes)
+    codes += q.max_int
+    np.clip(codes, 0, 2 * q.max_int, out=codes)
+    return _pack(codes.reshape(n, k), q), scale.astype(q.scale_dtype)
+
+
+def _pack(codes: np.ndarray, q: Quantization) -> np.ndarray:
+    """Codes (whole numbers in 0..code_mask, any dtype) [N, K] → storage words [N, K/per_word], low code first."""
+    n, k = codes.shape
     word = np.dtype(q.storage_dtype)
-    codes = np.clip(np.round(w32 / safe) + q.max_int, 0, 2 * q.max_int).astype(word).reshape(n, k)
-    codes = codes.reshape(n, k // q.per_word, q.per_word)
-    shifts = (np.arange(q.per_word, dtype=word) * q.bits)
-    packed = np.bitwise_or.reduce(codes << shifts, axis=-1).astype(word)
-    return packed, scale.reshape(n, k // q.group_size).astype(q.scale_dtype)
+    if q.bits == 4 and sys.byteorder == "little":
+        # two codes per byte, bytes in word order: the words are those bytes read as little-endian integers
+        c = codes.astype(np.uint8)
+        return (c[:, 0::2] | (c[:, 1::2] << 4)).view(word)
+    c = codes.astype(word).reshape(n, k // q.per_word, q.per_word)
+    shifts = np.arange(q.per_word, dtype=word) * q.bits
+    return np.bitwise_or.reduce(c << shifts, axis=-1).astype(word)
 
 
 def group_dequantize(packed: np.ndarray, scale: np.ndarray, q: Quantization) -> np.ndarray:

@@ -8,8 +8,10 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import mmap
 import re
 import struct
+import sys
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -29,15 +31,29 @@ class ModelSource:
     model_type: str                        # HF model_type or GGUF general.architecture
     config: dict[str, Any]
     tensors: dict[str, Callable[[], np.ndarray]]
+    # the 2-D tensors that can be read a few rows at a time, as float32 (rows, read(start, stop)): a big weight is
+    # converted in slices instead of through one float copy of the whole matrix
+    rows: dict[str, tuple[int, Callable[[int, int], np.ndarray]]] = dataclasses.field(default_factory=dict)
 
-    def get(self, name: str) -> np.ndarray:
+    def _resolve(self, name: str) -> str | None:
         for alias in (name, *(name.replace(a, b, 1) for a, b in _PREFIX_ALIASES if name.startswith(a))):
             if alias in self.tensors:
-                return self.tensors[alias]()
+                return alias
+        return None
+
+    def get(self, name: str) -> np.ndarray:
+        alias = self._resolve(name)
+        if alias is not None:
+            return self.tensors[alias]()
         stacked = self._stacked_experts(name)
         if stacked is not None:
             return stacked
         raise ModelSourceError(f"{self.path}: tensor '{name}' is missing from the checkpoint")
+
+    def row_reader(self, name: str) -> tuple[int, Callable[[int, int], np.ndarray]] | None:
+        """(row count, read(start, stop) → float32 rows) of a 2-D tensor, or None where it is only read whole."""
+        alias = self._resolve(name)
+        return self.rows.get(alias) if alias is not None else None
 
     def _stacked_experts(self, name: str) -> np.ndarray | None:
         """`<block>.experts.<proj>.weight` (one tensor over all experts, as GGUF stores them) from an HF
@@ -62,7 +78,8 @@ _ST_DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": n
               "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_}
 
 
-def _safetensors_index(path: Path) -> dict[str, Callable[[], np.ndarray]]:
+def _safetensors_index(path: Path, rows: dict[str, tuple[int, Callable[[int, int], np.ndarray]]] | None = None
+                       ) -> dict[str, Callable[[], np.ndarray]]:
     with open(path, "rb") as f:
         (n,) = struct.unpack("<Q", f.read(8))
         header = json.loads(f.read(n))
@@ -83,6 +100,17 @@ def _safetensors_index(path: Path) -> dict[str, Callable[[], np.ndarray]]:
             return np.asarray(arr).reshape(meta["shape"])
 
         out[name] = load
+        if rows is not None and len(meta["shape"]) == 2:
+            def read(start: int, stop: int, meta=meta) -> np.ndarray:
+                k = meta["shape"][1]
+                item = np.dtype(_ST_DTYPES[meta["dtype"]]).itemsize
+                arr = np.memmap(path, dtype=_ST_DTYPES[meta["dtype"]], mode="r",
+                                offset=base + meta["data_offsets"][0] + start * k * item, shape=(stop - start, k))
+                if meta["dtype"] == "BF16":
+                    return (arr.astype(np.uint32) << 16).view(np.float32)
+                return np.asarray(arr, dtype=np.float32)
+
+            rows[name] = (int(meta["shape"][0]), read)
     return out
 
 
@@ -92,15 +120,16 @@ def load_hf_folder(path: Path) -> ModelSource:
         raise ModelSourceError(f"{path}: no config.json; pass a Hugging Face model folder or a .gguf file")
     config = json.loads(cfg_path.read_text())
     tensors: dict[str, Callable[[], np.ndarray]] = {}
+    rows: dict[str, tuple[int, Callable[[int, int], np.ndarray]]] = {}
     st_files = sorted(path.glob("*.safetensors"))
     if st_files:
         for f in st_files:
-            tensors.update(_safetensors_index(f))
+            tensors.update(_safetensors_index(f, rows))
     elif (path / "pytorch_model.bin").exists() or list(path.glob("pytorch_model-*.bin")):
         tensors.update(_torch_bin_index(path))
     else:
         raise ModelSourceError(f"{path}: no *.safetensors or pytorch_model*.bin weights found")
-    return ModelSource("hf", path, config.get("model_type", "?"), config, tensors)
+    return ModelSource("hf", path, config.get("model_type", "?"), config, tensors, rows)
 
 
 def _torch_bin_index(path: Path) -> dict[str, Callable[[], np.ndarray]]:
@@ -119,6 +148,63 @@ def _torch_bin_index(path: Path) -> dict[str, Callable[[], np.ndarray]]:
 
 # -- GGUF ------------------------------------------------------------------------------------------------------
 
+_GGUF_READER = None
+
+
+def open_gguf(path: str | Path):
+    """A `gguf.GGUFReader` of `path` that opens in a fraction of a second.
+
+    gguf's reader builds two numpy memmap views per string of an array field; a 150k-token vocabulary with its
+    merges takes it seconds and half a gigabyte. This subclass slices plain views of the same mapping and walks a
+    string array's lengths with struct: the fields (parts, data indices, types) and tensors are the ones gguf's reader
+    gives, tensor data included (plain ndarray views of the mapping instead of memmaps)."""
+    global _GGUF_READER
+    if _GGUF_READER is None:
+        _GGUF_READER = _fast_gguf_reader_class()
+    return _GGUF_READER(str(path))
+
+
+def _fast_gguf_reader_class() -> type:
+    import gguf
+    from gguf import GGUFValueType
+
+    class FastGGUFReader(gguf.GGUFReader):
+        def _get(self, offset: int, dtype, count: int = 1, override_order: str | None = None) -> np.ndarray:
+            plain = self.__dict__.get("_plain")
+            if plain is None:  # a memmap's every view runs Python hooks; an ndarray view of it does not
+                plain = self._plain = self.data.view(np.ndarray)
+            count = int(count)
+            dt = np.dtype(dtype)
+            arr = plain[offset:offset + dt.itemsize * count].view(dt)[:count]
+            return arr.view(arr.dtype.newbyteorder(self.byte_order if override_order is None else override_order))
+
+        def _get_field_parts(self, orig_offs: int, raw_type: int) -> tuple[int, list, list[int], list]:
+            if raw_type != GGUFValueType.ARRAY:
+                return super()._get_field_parts(orig_offs, raw_type)
+            raw_itype, alen = self._get(orig_offs, np.uint32), self._get(orig_offs + 4, np.uint64)
+            itype, n, offs = GGUFValueType(int(raw_itype[0])), int(alen[0]), orig_offs + 12
+            parts: list[np.ndarray] = [raw_itype, alen]
+            if itype == GGUFValueType.STRING:
+                native = (self.byte_order == "I") == (sys.byteorder == "little")
+                unpack = struct.Struct("<Q" if native else ">Q").unpack_from
+                plain, buf = self._plain, memoryview(self._plain)
+                length_type = np.dtype(np.uint64).newbyteorder(self.byte_order)
+                for _ in range(n):
+                    (size,) = unpack(buf, offs)
+                    parts.append(plain[offs:offs + 8].view(length_type))
+                    parts.append(plain[offs + 8:offs + 8 + size])
+                    offs += 8 + size
+                return offs - orig_offs, parts, list(range(3, 2 * n + 3, 2)), [GGUFValueType.ARRAY, itype]
+            scalar = self.gguf_scalar_to_np.get(itype)
+            if scalar is None:  # arrays of arrays: rare and small
+                return super()._get_field_parts(orig_offs, raw_type)
+            whole = self._get(offs, scalar, n)
+            parts += [whole[i:i + 1] for i in range(n)]
+            return 12 + int(whole.nbytes), parts, list(range(2, n + 2)), [GGUFValueType.ARRAY, itype]
+
+    return FastGGUFReader
+
+
 def _gguf_field(reader, key: str) -> Any:
     field = reader.fields.get(key)
     if field is None:
@@ -131,7 +217,7 @@ def _gguf_expected_size(path: Path) -> int | None:
     data; None where even the header is unreadable."""
     import gguf
 
-    class HeaderOnly(gguf.GGUFReader):
+    class HeaderOnly(_fast_gguf_reader_class()):
         end = 0
 
         def _build_tensors(self, start_offs: int, fields: list) -> None:
@@ -154,8 +240,8 @@ def load_gguf(path: Path) -> ModelSource:
     from mlcc.relax_models import family_for, gguf_model_type
 
     try:
-        reader = gguf.GGUFReader(str(path))
-    except Exception as e:  # noqa: BLE001 - gguf raises bare ValueErrors on bad magic
+        reader = open_gguf(path)
+    except Exception as e:  # gguf raises bare ValueErrors on bad magic
         expected, found = _gguf_expected_size(path), Path(path).stat().st_size
         if expected is not None and found < expected:
             raise ModelSourceError(f"{path}: truncated or incomplete file (expected {expected} bytes, found {found}); "
@@ -182,13 +268,16 @@ def load_gguf(path: Path) -> ModelSource:
     tmap = gguf.get_tensor_name_map(_gguf_arch_enum(arch), cfg.num_hidden_layers)
     fixups = family.gguf_fixups(cfg)
     tensors: dict[str, Callable[[], np.ndarray]] = {}
+    rows: dict[str, tuple[int, Callable[[int, int], np.ndarray]]] = {}
     for sources, _ in family.weight_plan(cfg).values():
         for hf_name in sources:
             g = tmap.get_name(hf_name, try_suffixes=(".weight", ".bias"))
             if g is None or g not in by_name:
                 continue
             tensors[hf_name] = _gguf_loader(by_name[g], fixups.get(hf_name))
-    return ModelSource("gguf", path, model_type, config, tensors)
+            if len(by_name[g].shape) == 2 and hf_name not in fixups:
+                rows[hf_name] = (int(by_name[g].shape[1]), _gguf_rows(by_name[g], reader.data))
+    return ModelSource("gguf", path, model_type, config, tensors, rows)
 
 
 def _gguf_arch_enum(arch: str):
@@ -212,6 +301,28 @@ def _gguf_loader(t, fix: Callable | None) -> Callable[[], np.ndarray]:
     return load
 
 
+def _gguf_rows(t, mapping: np.ndarray) -> Callable[[int, int], np.ndarray]:
+    """read(start, stop): rows start..stop-1 of a 2-D GGUF tensor as float32; the pages read are handed back to the
+    page cache, so converting a model does not keep the whole file resident."""
+    row_bytes = t.data.nbytes // int(t.shape[1])
+    file_map = getattr(mapping, "_mmap", None)  # np.memmap's mmap object, for madvise
+
+    def read(start: int, stop: int) -> np.ndarray:
+        from gguf.quants import dequantize
+
+        rows = dequantize(t.data[start:stop], t.tensor_type)
+        out = np.asarray(rows, dtype=np.float32).reshape(stop - start, int(t.shape[0]))
+        if file_map is not None and hasattr(mmap, "MADV_DONTNEED"):
+            first = t.data_offset + start * row_bytes
+            lo = -(-first // mmap.PAGESIZE) * mmap.PAGESIZE
+            hi = (first + (stop - start) * row_bytes) // mmap.PAGESIZE * mmap.PAGESIZE
+            if hi > lo:
+                file_map.madvise(mmap.MADV_DONTNEED, lo, hi - lo)
+        return out
+
+    return read
+
+
 def load_source(path: str | Path) -> ModelSource:
     p = Path(path)
     if not p.exists():
@@ -230,10 +341,21 @@ def load_source(path: str | Path) -> ModelSource:
 
 def iter_float_params(source: ModelSource, family, cfg) -> Iterator[tuple[str, np.ndarray]]:
     """(our name, float32 array) for every parameter of the unquantized model, assembled per the family plan."""
-    fixups = family.hf_fixups(cfg) if source.kind == "hf" else {}
+    fixups = source_fixups(source, family, cfg)
     for ours, (names, combine) in family.weight_plan(cfg).items():
-        parts = []
-        for n in names:
-            a = source.get(n)
-            parts.append(fixups[n](a) if n in fixups else a)
-        yield ours, (combine(parts) if combine else parts[0]).astype(np.float32, copy=False)
+        yield ours, float_param(source, names, combine, fixups)
+
+
+def source_fixups(source: ModelSource, family, cfg) -> dict[str, Callable[[np.ndarray], np.ndarray]]:
+    """The per-tensor corrections a family applies to an HF checkpoint's tensors (GGUF's are in its loaders)."""
+    return family.hf_fixups(cfg) if source.kind == "hf" else {}
+
+
+def float_param(source: ModelSource, names: list[str], combine: Callable | None,
+                fixups: dict[str, Callable[[np.ndarray], np.ndarray]]) -> np.ndarray:
+    """One parameter of the plan as float32: its source tensors, corrected, combined."""
+    parts = []
+    for n in names:
+        a = source.get(n)
+        parts.append(fixups[n](a) if n in fixups else a)
+    return (combine(parts) if combine else parts[0]).astype(np.float32, copy=False)

@@ -1,0 +1,159 @@
+"""Source weights → our stored parameters, converted on a thread pool a slice at a time.
+
+A big 2-D weight (an embedding, a projection) that needs no correction or combining is read, dequantized and
+re-quantized a few rows at a time straight from the source's memory map, each slice on whichever worker is free, into
+the output arrays: no float copy of the whole matrix exists at any time. Everything else (fused q/k/v, corrected
+tensors, stacked experts, tensor-parallel shards) is converted whole, one parameter per task. numpy releases the GIL
+in its loops, so the workers run in parallel with each other and with a TVM compile on the main thread.
+
+Parameters come out in the family plan's order whatever order the workers finish in, so the shards written from
+them are the same bytes as a one-at-a-time conversion's.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import os
+import threading
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import numpy as np
+
+from .quant_schemes import group_quantize
+from .weights import ModelSource, float_param, source_fixups
+
+# a slice of ~4 MB of float32 per task: its temporaries stay in cache, and there are enough slices to keep every
+# worker busy on one matrix
+SLICE_ELEMENTS = 1 << 20
+# weights (counted in source elements) being converted at once: bounds the converter's memory
+IN_FLIGHT_ELEMENTS = 24 << 20
+
+
+def default_workers() -> int:
+    """The cores this process may run on."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+@dataclasses.dataclass
+class _Job:
+    """One parameter of the plan: start() allocates its outputs and returns its tasks (each returns the source
+    elements it converted); outputs are complete once every task is done."""
+
+    elements: int
+    start: Callable[[], list[Callable[[], int]]]
+    outputs: list[tuple[str, np.ndarray]] = dataclasses.field(default_factory=list)
+
+
+def total_elements(built: Any) -> int:
+    """Source elements the conversion goes through (the unit of its progress)."""
+    return sum(_elements(built, p) for p in built.params if not p["name"].endswith(".q_scale"))
+
+
+def _elements(built: Any, spec: dict[str, Any]) -> int:
+    n = int(np.prod(spec["shape"])) if spec["shape"] else 1
+    return n * built.quant.per_word if spec["name"].endswith(".q_weight") else n
+
+
+def converted_params(source: ModelSource, built: Any, rank: int = 0, workers: int | None = None,
+                     progress: Callable[[int], None] | None = None,
+                     cancel: threading.Event | None = None) -> Iterator[tuple[str, np.ndarray]]:
+    """Our parameters in their stored form (this rank's shard; quantized where expected), in plan order."""
+    jobs = collections.deque(_jobs(source, built, rank))
+    lock = threading.Lock()
+
+    def report(f: Future) -> None:
+        if progress is not None and not f.cancelled() and f.exception() is None:
+            with lock:
+                progress(f.result())
+
+    pool = ThreadPoolExecutor(max_workers=workers or default_workers(), thread_name_prefix="mlcc-weights")
+    running: collections.deque[tuple[_Job, list[Future]]] = collections.deque()
+    in_flight = 0
+    try:
+        while jobs or running:
+            while jobs and (not running or in_flight + jobs[0].elements <= IN_FLIGHT_ELEMENTS):
+                job = jobs.popleft()
+                futures = [pool.submit(task) for task in job.start()]
+                for f in futures:
+                    f.add_done_callback(report)
+                running.append((job, futures))
+                in_flight += job.elements
+            job, futures = running.popleft()
+            for f in futures:
+                f.result()
+            in_flight -= job.elements
+            if cancel is not None and cancel.is_set():
+                return
+            yield from job.outputs
+            job.outputs.clear()
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+
+
+def _jobs(source: ModelSource, built: Any, rank: int) -> Iterator[_Job]:
+    wanted = {p["name"]: p for p in built.params}
+    shards = built.cfg.tensor_parallel_shards
+    fixups = source_fixups(source, built.family, built.cfg)
+    for ours, (names, combine) in built.family.weight_plan(built.cfg).items():
+        base = ours.removesuffix(".weight")
+        quantized = f"{base}.q_weight" in wanted
+        specs = [wanted[f"{base}.q_weight"], wanted[f"{base}.q_scale"]] if quantized else [wanted.get(ours)]
+        reader = (source.row_reader(names[0]) if shards == 1 and len(names) == 1 and combine is None
+                  and names[0] not in fixups and specs[0] is not None else None)
+        if reader is not None and reader[0] == specs[0]["shape"][0] and len(specs[0]["shape"]) == 2:
+            yield _sliced_job(built, base if quantized else ours, quantized, specs, *reader)
+        else:
+            yield _whole_job(source, built, rank, ours, names, combine, fixups, wanted)
+
+
+def _sliced_job(built: Any, name: str, quantized: bool, specs: list[dict[str, Any]], rows: int,
+                read: Callable[[int, int], np.ndarray]) -> _Job:
+    elements = _elements(built, specs[0])
+    k = elements // rows
+    step = max(1, SLICE_ELEMENTS // k)
+
+    def start() -> list[Callable[[], int]]:
+        outs = [np.empty(s["shape"], s["dtype"]) for s in specs]
+        job.outputs[:] = ([(f"{name}.q_weight", outs[0]), (f"{name}.q_scale", outs[1])] if quantized
+                          else [(name, outs[0])])
+
+        def task(lo: int, hi: int) -> int:
+            w = read(lo, hi)
+            if quantized:
+                outs[0][lo:hi], outs[1][lo:hi] = group_quantize(w, built.quant)
+            else:
+                outs[0][lo:hi] = w
+            return (hi - lo) * k
+
+        return [lambda lo=lo: task(lo, min(lo + step, rows)) for lo in range(0, rows, step)]
+
+    job = _Job(elements, start)
+    return job
+
+
+def _whole_job(source: ModelSource, built: Any, rank: int, ours: str, names: list[str], combine: Callable | None,
+               fixups: dict[str, Callable], wanted: dict[str, dict[str, Any]]) -> _Job:
+    base = ours[: -len(".weight")]
+    spec = wanted.get(f"{base}.q_weight") or wanted.get(ours)
+    elements = _elements(built, spec) if spec is not None else 0
+
+    def task() -> int:
+        w = float_param(source, names, combine, fixups)
+        w = built.family.shard_weight(ours, w, built.cfg, rank, built.cfg.tensor_parallel_shards)
+        if f"{base}.q_weight" in wanted:
+            qw, qs = group_quantize(w, built.quant)
+            job.outputs[:] = [(f"{base}.q_weight", qw), (f"{base}.q_scale", qs)]
+            return elements
+        if spec is None:
+            raise ValueError(f"weight plan produced '{ours}', which the model does not have")
+        if list(w.shape) != spec["shape"]:
+            raise ValueError(f"{source.path}: '{ours}' has shape {list(w.shape)}, the config implies "
+                             f"{spec['shape']}; the checkpoint and config.json disagree")
+        job.outputs[:] = [(ours, w.astype(spec["dtype"]))]
+        return elements
+
+    job = _Job(elements, lambda: [task])
+    return job
