@@ -161,7 +161,7 @@ def iter_params(source: ModelSource, built: BuiltModule, rank: int = 0) -> Itera
 
 
 def write_weights(source: ModelSource, built: BuiltModule, out: Path, rank: int = 0,
-                  cancel: threading.Event | None = None) -> None:
+                  cancel: threading.Event | None = None, slots: threading.Semaphore | None = None) -> None:
     from tqdm import tqdm
     from tvm.contrib import tvmjs
 
@@ -172,7 +172,7 @@ def write_weights(source: ModelSource, built: BuiltModule, out: Path, rank: int 
     t0 = time.time()
     with tqdm(total=total_elements(built), desc=desc, unit=" weights", unit_scale=True, file=sys.stderr,
               mininterval=0.5 if sys.stderr.isatty() else 5.0) as bar:
-        params = converted_params(source, built, rank, progress=bar.update, cancel=cancel)
+        params = converted_params(source, built, rank, progress=bar.update, cancel=cancel, slots=slots)
         # TVM's writer prints one line per tensor to stdout; keep stdout for the program's own output.
         with contextlib.redirect_stdout(io.StringIO()):
             tvmjs.dump_tensor_cache(params, str(out), encode_format="raw", show_progress=False)
@@ -267,31 +267,37 @@ def compile_model(model: str | Path, target: str, quant: str, output: str | Path
         raise FileNotFoundError(f"{tuning_db}: no tuning database there (create one with `mlcc tune`)")
     # The weights and the tokenizer are converted on other threads while this one compiles: the compile is mostly
     # one core of C++ (TVM releases the GIL), the conversion numpy loops on the others.
-    cancel = threading.Event()
+    # While the library compiles it keeps one core: the conversion gets the others, then all of them.
+    from .weight_conversion import default_workers
+
+    cancel, slots = threading.Event(), threading.Semaphore(max(1, default_workers() - 1))
     side_times: dict[str, float] = {}
 
-    def side() -> dict[str, Any]:
+    def weights() -> None:
         t = time.time()
         if tensor_parallel == 1:
-            write_weights(source, built, tmp, cancel=cancel)
+            write_weights(source, built, tmp, cancel=cancel, slots=slots)
         else:
             for rank in range(tensor_parallel):  # one tensor cache per GPU, each loaded by its own disco worker
-                write_weights(source, built, tmp / artifact.shard_dir(rank), rank, cancel=cancel)
+                write_weights(source, built, tmp / artifact.shard_dir(rank), rank, cancel=cancel, slots=slots)
         side_times["weights"] = time.time() - t
-        return _tokenizer(source, tmp)
 
     log.info("compiling %s (%s, %s) for %s; converting its weights meanwhile", source.path.name,
              built.family.name, q.name, preset.name)
-    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="mlcc-convert") as pool:
-        converting = pool.submit(side)
+    with ThreadPoolExecutor(max_workers=2, thread_name_prefix="mlcc-convert") as pool:
+        converting, tokenizer = pool.submit(weights), pool.submit(_tokenizer, source, tmp)
         try:
             compile_library(built, tmp / lib_name, tuning_db)
         except BaseException:
             cancel.set()
             raise
+        finally:
+            if default_workers() > 1:
+                slots.release()
         t2 = time.time()
         log.info("compiled the library in %.1fs", t2 - t1)
-        tok = converting.result()
+        tok = tokenizer.result()
+        converting.result()
     t3 = time.time()
     config = _config_json(built, lib_name, tok, {"kind": source.kind, "path": str(source.path)})
     (tmp / artifact.CONFIG_FILE).write_text(json.dumps(config, indent=1))

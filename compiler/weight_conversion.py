@@ -58,11 +58,24 @@ def _elements(built: Any, spec: dict[str, Any]) -> int:
 
 
 def converted_params(source: ModelSource, built: Any, rank: int = 0, workers: int | None = None,
-                     progress: Callable[[int], None] | None = None,
-                     cancel: threading.Event | None = None) -> Iterator[tuple[str, np.ndarray]]:
-    """Our parameters in their stored form (this rank's shard; quantized where expected), in plan order."""
+                     progress: Callable[[int], None] | None = None, cancel: threading.Event | None = None,
+                     slots: threading.Semaphore | None = None) -> Iterator[tuple[str, np.ndarray]]:
+    """Our parameters in their stored form (this rank's shard; quantized where expected), in plan order.
+
+    slots: held by each task while it runs, where fewer tasks than workers may run at a time (fewer while another
+    stage has a core, more once the caller releases it)."""
     jobs = collections.deque(_jobs(source, built, rank))
     lock = threading.Lock()
+
+    def gated(task: Callable[[], int]) -> Callable[[], int]:
+        if slots is None:
+            return task
+
+        def run() -> int:
+            with slots:
+                return task()
+
+        return run
 
     def report(f: Future) -> None:
         if progress is not None and not f.cancelled() and f.exception() is None:
@@ -76,7 +89,7 @@ def converted_params(source: ModelSource, built: Any, rank: int = 0, workers: in
         while jobs or running:
             while jobs and (not running or in_flight + jobs[0].elements <= IN_FLIGHT_ELEMENTS):
                 job = jobs.popleft()
-                futures = [pool.submit(task) for task in job.start()]
+                futures = [pool.submit(gated(task)) for task in job.start()]
                 for f in futures:
                     f.add_done_callback(report)
                 running.append((job, futures))

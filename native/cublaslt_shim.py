@@ -15,6 +15,7 @@ import logging
 import os
 import shutil
 import subprocess
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -102,7 +103,10 @@ def library_path(cache_dir: Path) -> Path:
     if cxx is None:
         raise CublasLtUnavailable("building the cuBLASLt shim needs a C++ compiler (apt-get install g++)")
     out.parent.mkdir(parents=True, exist_ok=True)
-    with filelock.FileLock(f"{out}.lock"):
+    # the lock file outside the cache (flock leaves it in place): this user's runtime directory, named by the key
+    locks = Path(os.environ.get("XDG_RUNTIME_DIR") or tempfile.gettempdir()) / f"mlcc-locks-{os.getuid()}"
+    locks.mkdir(mode=0o700, parents=True, exist_ok=True)
+    with filelock.FileLock(locks / f"cublaslt-{key}.lock"):
         if out.exists():
             return out
         libs = [cuda.cublaslt] + ([cuda.cudart] if cuda.cudart else [])

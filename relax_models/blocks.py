@@ -284,7 +284,10 @@ class DecoderForCausalLM(nn.Module):
     def batch_prefill(self, embeds: Tensor, logit_positions: Tensor, kv_cache: PagedKVCache):
         """Ragged prefill of several sequences packed in [1, total, hidden]; logits at the given positions."""
         h = self.model(embeds, kv_cache)
-        return self.logits(op.take(h, logit_positions, axis=1)), kv_cache
+        # "clip" instead of nn.op.take's "fast": the same gather (the positions are in bounds), without TVM's warning
+        # that fast mode segfaults on out-of-bounds indices at every compile
+        rows = op.wrap_nested(rx.op.take(h._expr, logit_positions._expr, axis=1, mode="clip"), name="take")
+        return self.logits(rows), kv_cache
 
     def batch_decode(self, embeds: Tensor, kv_cache: PagedKVCache):
         return self.logits(self.model(embeds, kv_cache)), kv_cache
