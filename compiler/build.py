@@ -141,16 +141,93 @@ def compile_library(built: BuiltModule, out_path: Path, tuning_db: str | Path | 
     # our CUDA kernels call small device helpers, added to each generated translation unit so the library
     # carries complete source
     helpers = cuda_source_postproc(add_cuda_helpers) if built.target.kind.name == "cuda" else contextlib.nullcontext()
+    relax_pipeline = build_pipeline(built.target, tuning_db, built.options)
+    t0 = time.time()
+
+    @tvm.transform.module_pass(opt_level=0, name="mlcc_timed_pipeline")
+    def timed_pipeline(mod: tvm.ir.IRModule, _ctx: tvm.transform.PassContext) -> tvm.ir.IRModule:
+        mod = relax_pipeline(mod)
+        log.info("compile: kernels fused and scheduled in %.1fs", time.time() - t0)
+        return mod
+
     with toolchain_for(built.target.kind.name), helpers, tvm.transform.PassContext(config=config):
-        ex = tvm.compile(mod, built.target, relax_pipeline=build_pipeline(built.target, tuning_db, built.options),
+        ex = tvm.compile(mod, built.target, relax_pipeline=timed_pipeline,
                          tir_pipeline=tir_pipeline_for(built.target, built.options))
+        t1 = time.time()
+        log.info("compile: lowered and code generated at %.1fs", t1 - t0)
         if built.target.kind.name == "webgpu":
             from .wasm_link import export_wasm
 
             export_wasm(ex, out_path)
         else:
             ex.export_library(str(out_path))
+        log.info("compile: library written at %.1fs", time.time() - t0)
     return ex
+
+
+_COMPILE_SECONDS = "compile-seconds.json"
+
+
+def _compile_estimate(built: BuiltModule) -> float | None:
+    """Seconds the last library for this family and target took to compile on this machine (None: never built)."""
+    from mlcc.cache import cache_root
+
+    try:
+        return float(json.loads((cache_root() / _COMPILE_SECONDS).read_text())[_estimate_key(built)])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def _record_compile_seconds(built: BuiltModule, seconds: float) -> None:
+    from mlcc.cache import cache_root
+
+    path = cache_root() / _COMPILE_SECONDS
+    try:
+        times = json.loads(path.read_text()) if path.exists() else {}
+        times[_estimate_key(built)] = round(seconds, 2)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f"{path.name}.{threading.get_ident()}.tmp")
+        tmp.write_text(json.dumps(times, indent=1, sort_keys=True))
+        tmp.replace(path)
+    except (OSError, ValueError):
+        pass  # an estimate for next time only
+
+
+def _estimate_key(built: BuiltModule) -> str:
+    return f"{built.preset.name}/{built.family.name}/{built.cfg.tensor_parallel_shards}"
+
+
+@contextlib.contextmanager
+def _compile_progress(built: BuiltModule) -> Iterator[None]:
+    """A bar for the compile (which reports no progress of its own): time against the last compile's duration here,
+    so its ETA is that duration less the time spent; the real duration is kept for the next estimate."""
+    from tqdm import tqdm
+
+    estimate, t0, done = _compile_estimate(built), time.time(), threading.Event()
+    if estimate is None:
+        log.info("compiling the library (the first build for %s on this machine: no estimate yet)", built.preset.name)
+    else:
+        log.info("compiling the library: about %.0fs (as the last %s build here took)", estimate, built.family.name)
+
+    def tick(bar) -> None:
+        while not done.wait(0.5):
+            bar.n = round(min(time.time() - t0, bar.total * 0.99), 1)
+            bar.refresh()
+
+    bar = tqdm(total=round(estimate or 0, 1), desc="compiling library", unit="s", file=sys.stderr, position=1,
+               leave=False, bar_format="{desc}: {percentage:3.0f}%|{bar}| {n:.0f}/{total:.0f}s [ETA {remaining}]",
+               disable=estimate is None or not sys.stderr.isatty())
+    thread = threading.Thread(target=tick, args=(bar,), daemon=True)
+    if not bar.disable:
+        thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+        if thread.is_alive():
+            thread.join()
+        bar.close()
+    _record_compile_seconds(built, time.time() - t0)
 
 
 def iter_params(source: ModelSource, built: BuiltModule, rank: int = 0) -> Iterator[tuple[str, np.ndarray]]:
@@ -255,10 +332,12 @@ def compile_model(model: str | Path, target: str, quant: str, output: str | Path
 
         emcc_path()  # the link step needs emscripten: say so before minutes of compiling
     out = Path(output)
+    t_read = time.time()
     source = load_source(model)
     t0 = time.time()
     built = export_module(source, preset, q, context_window, tensor_parallel, options)
     t1 = time.time()
+    log.info("read %s and exported its model in %.1fs", source.path.name, t1 - t_read)
     tmp = out.with_name(out.name + ".partial")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
@@ -273,7 +352,7 @@ def compile_model(model: str | Path, target: str, quant: str, output: str | Path
     cancel, slots = threading.Event(), threading.Semaphore(max(1, default_workers() - 1))
     side_times: dict[str, float] = {}
 
-    def weights() -> None:
+    def weights_and_tokenizer() -> dict[str, Any]:
         t = time.time()
         if tensor_parallel == 1:
             write_weights(source, built, tmp, cancel=cancel, slots=slots)
@@ -281,13 +360,19 @@ def compile_model(model: str | Path, target: str, quant: str, output: str | Path
             for rank in range(tensor_parallel):  # one tensor cache per GPU, each loaded by its own disco worker
                 write_weights(source, built, tmp / artifact.shard_dir(rank), rank, cancel=cancel, slots=slots)
         side_times["weights"] = time.time() - t
+        # after the weights, not beside them: the tokenizer is mostly Python, and would hold the GIL the compile needs
+        return _tokenizer(source, tmp)
 
     log.info("compiling %s (%s, %s) for %s; converting its weights meanwhile", source.path.name,
              built.family.name, q.name, preset.name)
-    with ThreadPoolExecutor(max_workers=2, thread_name_prefix="mlcc-convert") as pool:
-        converting, tokenizer = pool.submit(weights), pool.submit(_tokenizer, source, tmp)
+    from tqdm.contrib.logging import logging_redirect_tqdm
+
+    # log lines printed above the progress bars instead of through them
+    with logging_redirect_tqdm(), ThreadPoolExecutor(max_workers=1, thread_name_prefix="mlcc-convert") as pool:
+        converting = pool.submit(weights_and_tokenizer)
         try:
-            compile_library(built, tmp / lib_name, tuning_db)
+            with _compile_progress(built):
+                compile_library(built, tmp / lib_name, tuning_db)
         except BaseException:
             cancel.set()
             raise
@@ -296,8 +381,7 @@ def compile_model(model: str | Path, target: str, quant: str, output: str | Path
                 slots.release()
         t2 = time.time()
         log.info("compiled the library in %.1fs", t2 - t1)
-        tok = tokenizer.result()
-        converting.result()
+        tok = converting.result()
     t3 = time.time()
     config = _config_json(built, lib_name, tok, {"kind": source.kind, "path": str(source.path)})
     (tmp / artifact.CONFIG_FILE).write_text(json.dumps(config, indent=1))
