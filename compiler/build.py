@@ -168,14 +168,22 @@ def compile_library(built: BuiltModule, out_path: Path, tuning_db: str | Path | 
 _COMPILE_SECONDS = "compile-seconds.json"
 
 
-def _compile_estimate(built: BuiltModule) -> float | None:
-    """Seconds the last library for this family and target took to compile on this machine (None: never built)."""
+def _compile_estimate(built: BuiltModule) -> tuple[float, str] | None:
+    """Seconds a library like this one took to compile on this machine, and which one: the last build of this family,
+    shape and target, else the mean of this target's builds (None: nothing built for the target yet)."""
     from mlcc.cache import cache_root
 
     try:
-        return float(json.loads((cache_root() / _COMPILE_SECONDS).read_text())[_estimate_key(built)])
-    except (OSError, ValueError, KeyError, TypeError):
+        times = {k: float(v) for k, v in json.loads((cache_root() / _COMPILE_SECONDS).read_text()).items()}
+    except (OSError, ValueError, TypeError, AttributeError):
         return None
+    key = _estimate_key(built)
+    if key in times:
+        return times[key], f"the last {built.family.name} build of this shape here took"
+    same_target = [v for k, v in times.items() if k.split("/", 1)[0] == built.preset.name]
+    if not same_target:
+        return None
+    return sum(same_target) / len(same_target), f"the mean of {len(same_target)} {built.preset.name} builds here"
 
 
 def _record_compile_seconds(built: BuiltModule, seconds: float) -> None:
@@ -194,7 +202,9 @@ def _record_compile_seconds(built: BuiltModule, seconds: float) -> None:
 
 
 def _estimate_key(built: BuiltModule) -> str:
-    return f"{built.preset.name}/{built.family.name}/{built.cfg.tensor_parallel_shards}"
+    cfg = built.cfg
+    return (f"{built.preset.name}/{built.family.name}/{cfg.hidden_size}x{cfg.intermediate_size}x{cfg.vocab_size}/"
+            f"{built.quant.name}/tp{cfg.tensor_parallel_shards}")
 
 
 @contextlib.contextmanager
@@ -203,11 +213,12 @@ def _compile_progress(built: BuiltModule) -> Iterator[None]:
     so its ETA is that duration less the time spent; the real duration is kept for the next estimate."""
     from tqdm import tqdm
 
-    estimate, t0, done = _compile_estimate(built), time.time(), threading.Event()
-    if estimate is None:
+    found, t0, done = _compile_estimate(built), time.time(), threading.Event()
+    estimate = found[0] if found else None
+    if found is None:
         log.info("compiling the library (the first build for %s on this machine: no estimate yet)", built.preset.name)
     else:
-        log.info("compiling the library: about %.0fs (as the last %s build here took)", estimate, built.family.name)
+        log.info("compiling the library: about %.0fs (%s)", *found)
 
     def tick(bar) -> None:
         while not done.wait(0.5):
