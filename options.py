@@ -115,6 +115,8 @@ _BOOLS = {"1": True, "true": True, "on": True, "yes": True, "0": False, "false":
 
 
 POLICIES = ("no_evict", "max_util")
+# the <think> splitters of runtime/api/reasoning.py, named as vLLM's --reasoning-parser
+REASONING_PARSERS = ("deepseek_r1", "qwen3")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -154,6 +156,8 @@ class EngineConfig:
     speculative_config: dict[str, Any] | str | None = None
     # tokens a KV-cache page holds
     page_size: int = 16
+    # how <think>...</think> is split from the answer (runtime/api/reasoning.py; vLLM's names; None: not split)
+    reasoning_parser: str | None = None
 
     def __post_init__(self) -> None:
         positive = ("max_batch", "prefill_chunk", "page_size", "context_window", "kv_cache_tokens",
@@ -170,6 +174,9 @@ class EngineConfig:
             raise EngineConfigError(f"policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
         if self.weights not in ("files", "random"):
             raise EngineConfigError(f"weights must be 'files' or 'random', got {self.weights!r}")
+        if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
+            raise EngineConfigError(f"reasoning_parser must be one of {', '.join(REASONING_PARSERS)}, got "
+                                    f"{self.reasoning_parser!r}")
         if self.options is not None and not isinstance(self.options, CompileOptions):
             raise EngineConfigError(f"options must be a CompileOptions, got {type(self.options).__name__}")
 
@@ -218,6 +225,9 @@ class EngineConfig:
         parser.add_argument("--tensor-parallel", type=int, default=None, metavar="N",
                             help="GPUs the model is sharded over (must match how it was compiled; default: as "
                                  "compiled)")
+        parser.add_argument("--reasoning-parser", choices=REASONING_PARSERS, default=None,
+                            help="return <think>...</think> as message.reasoning_content (deepseek_r1: up to "
+                                 "</think>, the template may open <think>; qwen3: only where the reply opens <think>)")
         CompileOptions.add_cli_argument(parser, "; what a model compiled on first use is built with: an artifacts "
                                                 "folder must have been built with it")
 
@@ -229,6 +239,7 @@ class EngineConfig:
                    gpu_memory_utilization=args.gpu_memory_utilization, prefill_chunk=args.prefill_chunk,
                    policy=args.policy, prefix_cache=args.prefix_cache, num_threads=args.num_threads,
                    speculative_config=args.speculative_config, tensor_parallel=args.tensor_parallel,
+                   reasoning_parser=args.reasoning_parser,
                    options=CompileOptions.parse(args.option) if args.option else None)
 
     def describe(self) -> str:

@@ -31,8 +31,9 @@ from mlcc.runtime.core.sampler import SamplingParams
 class CallSpec:
     """What one create() call asks for, as runtime.api.prepare checked it. ids: the prompt's token ids; max_new: the
     most tokens a choice may add; n: choices; model: the name responses carry; make_matcher: a new grammar matcher
-    per choice, or None; make_parser: a new tool-call parser per choice (runtime.api.tool_calls), or None; prefix /
-    prefix_ids: echo's prompt text and ids, before each choice's."""
+    per choice, or None; make_parser: a new tool-call parser per choice (runtime.api.tool_calls), or None;
+    make_reasoner: a new reasoning parser per choice (runtime.api.reasoning), ahead of the tool-call parser, or None;
+    prefix / prefix_ids: echo's prompt text and ids, before each choice's."""
 
     chat: bool
     ids: list[int]
@@ -46,6 +47,7 @@ class CallSpec:
     prompt_top_logprobs: int | None = None
     make_matcher: Callable[[], Any] | None = None
     make_parser: Callable[[], Any] | None = None
+    make_reasoner: Callable[[], Any] | None = None
     prefix: str = ""
     prefix_ids: list[int] = dataclasses.field(default_factory=list)
 
@@ -60,6 +62,7 @@ class Call:
         self.created, self.name, self.include_usage = int(time.time()), spec.model, spec.include_usage
         self.top_logprobs = spec.top_logprobs
         self.parsers = [spec.make_parser() for _ in range(spec.n)] if spec.make_parser else None
+        self.reasoners = [spec.make_reasoner() for _ in range(spec.n)] if spec.make_reasoner else None
         self.texts, self.reasons, self.completion_tokens = [spec.prefix] * spec.n, ["stop"] * spec.n, 0
         self.cached_tokens = 0   # prompt tokens the prefix cache served (runtime.core.prefix_cache)
         self.logprobs: list[list[TokenLogprob]] = [[] for _ in range(spec.n)]
@@ -72,8 +75,8 @@ class Call:
         engine, reqs = self.engine, []
         for i in range(self.n):
             seed = None if self.params.seed is None else (self.params.seed + i) % (1 << 64)  # any int64 is valid
-            # a tool-call parser reads the tags, which some tokenizers make special tokens
-            decoder = engine.tokenizer.stream(skip_special_tokens=self.parsers is None)
+            # a tool-call or reasoning parser reads the tags, which some tokenizers make special tokens
+            decoder = engine.tokenizer.stream(skip_special_tokens=self.parsers is None and self.reasoners is None)
             reqs.append(Request(self.ids, self.params, self.max_new, lambda e, i=i: sink(i, e),
                                 decoder, engine.tokenizer.eos_ids, rng=np.random.default_rng(seed),
                                 logit_bias=self.spec.logit_bias, top_logprobs=self.top_logprobs,
@@ -108,13 +111,19 @@ class Call:
         if self.chat:
             choices = []
             for i in range(self.n):
-                content, calls = self.texts[i], None
+                content, calls, reasoning = self.texts[i], None, {}
+                if self.reasoners is not None:
+                    self.reasoners[i].feed(content)
+                    thought, content = self.reasoners[i].finish()
+                    if thought is not None:
+                        reasoning = {"reasoning_content": thought, "reasoning": thought}
                 if self.parsers is not None:
                     self.parsers[i].feed(content)
                     content, parsed = self.parsers[i].finish()
                     calls = [_message_tool_call(c) for c in parsed] or None
                     self._tool_calls_seen[i] = bool(calls)
-                message = ChatCompletionMessage(role="assistant", content=content, tool_calls=calls)
+                # reasoning: extra fields (vLLM's), which the openai types keep
+                message = ChatCompletionMessage(role="assistant", content=content, tool_calls=calls, **reasoning)
                 logprobs = (ChoiceLogprobs(content=[self._chat_logprob(t) for t in self.logprobs[i]])
                             if self.top_logprobs is not None else None)
                 choices.append(ChatChoice(index=i, finish_reason=self._finish_reason(i, self.reasons[i]),
@@ -195,20 +204,40 @@ class Call:
                       if lps else None)
                 self.texts[i] += ev.text
                 return [self._completion_chunk(i, ev.text, logprobs=lp)]
-            if self.parsers is None:
+            if self.parsers is None and self.reasoners is None:
                 return [self._chat_chunk(i, ChoiceDelta(content=ev.text), logprobs=lps)] if ev.text or lps else []
-            out = self._parsed_chunks(i, self.parsers[i].feed(ev.text))
+            out = self._reasoned_chunks(i, ev.text, final=False)
             if lps and out:
                 out[-1].choices[0].logprobs = ChunkLogprobs(content=[self._chat_logprob(t) for t in lps])
             return out
         if ev.kind == "finish":
             self.completion_tokens += ev.completion_tokens
             self.cached_tokens = max(self.cached_tokens, ev.cached_tokens)
-            out = self._parsed_chunks(i, self.parsers[i].flush()) if self.chat and self.parsers is not None else []
+            parsed = self.chat and (self.parsers is not None or self.reasoners is not None)
+            out = self._reasoned_chunks(i, "", final=True) if parsed else []
             reason = self._finish_reason(i, ev.finish_reason)
             out.append(self._chat_chunk(i, finish=reason) if self.chat else self._completion_chunk(i, finish=reason))
             return out
         return []
+
+    def _reasoned_chunks(self, i: int, text: str, final: bool) -> list[ChatCompletionChunk]:
+        """A text delta through the reasoning parser (reasoning deltas) and then the tool-call parser."""
+        if self.reasoners is None:
+            pieces = [("content", text)]
+        else:
+            r = self.reasoners[i]
+            pieces = r.feed(text) + (r.flush() if final else [])
+        out = []
+        for kind, s in pieces:
+            if kind == "reasoning":
+                out.append(self._chat_chunk(i, ChoiceDelta(reasoning_content=s, reasoning=s)))
+            elif self.parsers is None:
+                out.append(self._chat_chunk(i, ChoiceDelta(content=s)))
+            else:
+                out += self._parsed_chunks(i, self.parsers[i].feed(s))
+        if final and self.parsers is not None:
+            out += self._parsed_chunks(i, self.parsers[i].flush())
+        return out
 
     def _parsed_chunks(self, i: int, pieces: list) -> list[ChatCompletionChunk]:
         """Tool-call parser pieces (runtime.api.tool_calls.ParsedDelta) as chunks: content, or tool-call deltas."""

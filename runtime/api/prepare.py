@@ -8,7 +8,7 @@ import json
 from typing import Any
 
 from mlcc.errors import ContextWindowExceededError, RequestError
-from mlcc.runtime.api import structured, tool_calls
+from mlcc.runtime.api import reasoning, structured, tool_calls
 from mlcc.runtime.api.call import Call, CallSpec
 from mlcc.runtime.core.logit_processing import TOP_LOGPROBS
 from mlcc.runtime.core.sampler import SamplingParams
@@ -30,7 +30,12 @@ def chat_call(engine: Any, fields: dict[str, Any]) -> Call:
         template_tools = None
     else:
         template_tools = list(tools) or None
-    ids = engine.encode_chat(messages, tools=template_tools)
+    kwargs = fields.get("chat_template_kwargs")
+    if kwargs:
+        ids = engine.tokenizer.encode(engine.tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, tools=template_tools, template_kwargs=kwargs))
+    else:
+        ids = engine.encode_chat(messages, tools=template_tools)
     spec = _grammar_spec(fields)
     if calling and (choice != "auto" or fmt is not None):
         if spec is not None:
@@ -39,8 +44,10 @@ def chat_call(engine: Any, fields: dict[str, Any]) -> Call:
         spec = tool_calls.tool_grammar(tools, choice, fields.get("parallel_tool_calls", True), fmt)
     top = fields.get("top_logprobs", 0) if fields.get("logprobs") else None
     max_tokens = fields.get("max_completion_tokens", fields.get("max_tokens"))
+    kind = getattr(engine.config, "reasoning_parser", None)
     return _make(engine, True, fields, ids, max_tokens, spec, top, None,
-                 make_parser=(lambda: tool_calls.ToolCallParser(fmt, tools)) if calling else None)
+                 make_parser=(lambda: tool_calls.ToolCallParser(fmt, tools)) if calling else None,
+                 make_reasoner=(lambda: reasoning.ReasoningParser(kind)) if kind else None, reasoning_kind=kind)
 
 
 def completion_call(engine: Any, fields: dict[str, Any]) -> Call:
@@ -57,7 +64,7 @@ def completion_call(engine: Any, fields: dict[str, Any]) -> Call:
 
 
 def _make(engine: Any, chat: bool, fields: dict[str, Any], ids: list[int], max_tokens: int | None,
-          spec: Any, top: int | None, prompt_top: int | None, **kw: Any) -> Call:
+          spec: Any, top: int | None, prompt_top: int | None, reasoning_kind: str | None = None, **kw: Any) -> Call:
     params = SamplingParams.from_request(max_tokens=max_tokens or None, **{k: fields.get(k) for k in _SAMPLING_FIELDS})
     max_new = _max_new(engine, ids, max_tokens)
     bad = [t for t in fields.get("stop_token_ids") or [] if t >= engine.model.vocab]
@@ -73,12 +80,18 @@ def _make(engine: Any, chat: bool, fields: dict[str, Any], ids: list[int], max_t
         if needed:
             engine.model.require_logit_function(name, param)
     grammar = engine.grammars.compile(spec) if spec is not None else None
+    make_matcher = (lambda: engine.grammars.matcher(grammar)) if grammar is not None else None
+    if make_matcher is not None and reasoning_kind:
+        tags = [engine.grammars.special_token_id(t) for t in (reasoning.START, reasoning.END)]
+        if None not in tags:  # the grammar waits for the reasoning to end
+            plain = make_matcher
+            make_matcher = lambda: reasoning.ReasoningGate(plain(), reasoning_kind, *tags)
     stream_options = fields.get("stream_options") or {}
     return Call(engine, CallSpec(
         chat, ids, params, max_new, n=fields.get("n", 1), model=fields.get("model") or engine.model_name,
         include_usage=bool(stream_options.get("include_usage")), logit_bias=logit_bias, top_logprobs=top,
         prompt_top_logprobs=prompt_top,
-        make_matcher=(lambda: engine.grammars.matcher(grammar)) if grammar is not None else None, **kw))
+        make_matcher=make_matcher, **kw))
 
 
 def _max_new(engine: Any, ids: list[int], max_tokens: int | None) -> int:

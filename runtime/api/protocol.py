@@ -229,6 +229,8 @@ class ChatCompletionRequest(_Request):
     parallel_tool_calls: bool | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=20)
+    chat_template_kwargs: dict[str, Any] | None = Field(
+        None, description='more variables for the chat template, e.g. {"enable_thinking": false} (vLLM\'s)')
     # accepted where the value asks for nothing this server lacks
     store: Literal[False] | None = None
     service_tier: Literal["auto", "default"] | None = None

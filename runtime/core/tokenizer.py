@@ -56,17 +56,20 @@ class Tokenizer:
         return StreamDecoder(self, skip_special_tokens)
 
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-                            tools: list[dict[str, Any]] | None = None) -> str:
+                            tools: list[dict[str, Any]] | None = None,
+                            template_kwargs: dict[str, Any] | None = None) -> str:
         """messages as validated by runtime.api.protocol (content a string or None); tools in OpenAI's form, given to
-        templates that render them (`tools` in HF's apply_chat_template)."""
+        templates that render them (`tools` in HF's apply_chat_template); template_kwargs: more variables for the
+        template (a request's chat_template_kwargs, e.g. {"enable_thinking": false})."""
         if self._template is None:
             raise RequestError("this model has no chat template; use completions.create(prompt=...) instead",
                                param="messages")
         msgs = [{**m, "content": m.get("content") or ""} for m in messages]
-        extra = {"tools": tools} if tools else {}
+        extra = {**(template_kwargs or {}), **({"tools": tools} if tools else {})}
+        extra.update(messages=msgs, add_generation_prompt=add_generation_prompt, bos_token=self.bos_token or "",
+                     eos_token=self.eos_token or "")
         try:
-            return self._template.render(messages=msgs, add_generation_prompt=add_generation_prompt,
-                                         bos_token=self.bos_token or "", eos_token=self.eos_token or "", **extra)
+            return self._template.render(**extra)
         except jinja2.TemplateError as e:
             raise RequestError(f"the model's chat template rejected these messages: {e}", param="messages") from e
 
