@@ -6,6 +6,7 @@ from __future__ import annotations
 import itertools
 import json
 import random
+from pathlib import Path
 
 import jsonschema
 import numpy as np
@@ -19,6 +20,7 @@ from mlcc.runtime.api.tool_calls import (
     ToolCallParser,
     template_takes_tools,
     tool_call_format,
+    tool_call_parser,
     tool_grammar,
     tools_system_prompt,
 )
@@ -86,7 +88,8 @@ def walk(gc, texts, m, seed: int, prefix_ids: list[int] = (), max_steps: int = 8
 
 def parse(fmt, text, chunks=None):
     ids = itertools.count()
-    p = ToolCallParser(fmt, TOOLS, id_factory=lambda: f"call_{next(ids):024x}")
+    p = tool_call_parser(fmt, TOOLS)
+    p.id_factory = lambda: f"call_{next(ids):024x}"
     deltas = []
     i = 0
     for n in chunks or []:
@@ -305,6 +308,10 @@ SAMPLES = {
     "mistral": (('[TOOL_CALLS][{"name": "search", "arguments": {"query": "x [1] {2}"}}, {"name": "now", '
                 '"arguments": {}}]'), None, [("search", {"query": "x [1] {2}"}), ("now", {})]),
     "json": ('Sure. [{"name": "now", "arguments": {}}]', "Sure.", [("now", {})]),
+    "qwen3_coder": (('Checking.\n\n<tool_call>\n<function=search>\n<parameter=query>\na <b> "c"\nd\n</parameter>\n'
+                     '<parameter=limit>\n3\n</parameter>\n</function>\n</tool_call>\n<tool_call>\n<function=now>\n'
+                     '</function>\n</tool_call>'), "Checking.",
+                    [("search", {"query": 'a <b> "c"\nd', "limit": 3}), ("now", {})]),
 }
 
 
@@ -373,3 +380,61 @@ def test_parser_edge_cases(fmt, text, content, n_calls):
     for trial in range(10):
         rng = random.Random(trial)
         assert parse(FORMATS[fmt], text, [rng.randint(1, 5) for _ in text])[0] == (got, calls)
+
+
+TEMPLATES = Path(__file__).parent / "templates"
+CALL_TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
+                                                "parameters": {"type": "object", "properties": {
+                                                    "city": {"type": "string"}, "days": {"type": "integer"},
+                                                    "units": {"type": "object"}}}}},
+              {"type": "function", "function": {"name": "now", "parameters": {"type": "object", "properties": {}}}}]
+
+
+@pytest.mark.parametrize(("template", "fmt", "calls"), [
+    ("qwen3.jinja", "hermes", [("get_weather", {"city": "Paris", "days": 2}), ("now", {})]),
+    ("llama3.jinja", "llama3_json", [("get_weather", {"city": "Paris", "days": 2})]),   # one call per turn
+    ("mistral.jinja", "mistral", [("get_weather", {"city": "Paris", "days": 2}), ("now", {})]),
+    ("qwen3_xml.jinja", "qwen3_coder", [("get_weather", {"city": "New York\nNY", "days": 2,
+                                                         "units": {"temp": "C"}}), ("now", {})]),
+])
+def test_family_templates_round_trip(template, fmt, calls):
+    """Each family's published chat template renders an assistant turn carrying tool_calls (through the runtime's
+    template engine, as runtime.api.prepare hands them over); the format is recognised from the template and the
+    rendered turn parses back into the same calls, whole and streamed."""
+    from mlcc.runtime.api.prepare import _template_message
+    from mlcc.runtime.core.tokenizer import _compile_template
+
+    source = (TEMPLATES / template).read_text()
+    f = tool_call_format(source, None)
+    assert f.name == fmt and template_takes_tools(source)
+    assistant = {"role": "assistant", "content": None, "tool_calls": [
+        {"id": f"call{i:05d}", "type": "function", "function": {"name": n, "arguments": json.dumps(a)}}
+        for i, (n, a) in enumerate(calls)]}
+    ask = [{"role": "user", "content": "What is the weather in Paris?"}]
+    render = _compile_template(source).render
+
+    def text(msgs, gen):
+        msgs = [{**m, "content": m.get("content") or ""} for m in map(_template_message, msgs)]
+        return render(messages=msgs, tools=CALL_TOOLS, add_generation_prompt=gen, bos_token="<s>", eos_token="</s>",
+                      date_string="26 Jul 2024")
+
+    head, whole = text(ask, True), text([*ask, assistant], False)
+    if fmt == "mistral":   # no generation prompt: the reply follows [/INST]
+        head = text(ask, False)
+    head = head.removesuffix("<think>\n")   # Qwen3.5's opens the reasoning in the prompt
+    assert whole.startswith(head), (head, whole)
+    # the Qwen templates write the last turn's (empty) reasoning first: --reasoning-parser qwen3 takes it off
+    reply = whole[len(head):].removeprefix("<think>\n\n</think>\n\n")
+    for end in ("<|im_end|>\n", "<|eot_id|>", "</s>"):
+        reply = reply.removesuffix(end)
+    (content, got), _ = parse(f, reply)
+    assert not content and [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in got] == calls
+    for trial in range(10):
+        rng = random.Random(trial)
+        assert parse(f, reply, [rng.randint(1, 7) for _ in reply])[0] == (content, got)
+    # the calls as the parser names them go back into the template as history (Mistral's wants 9-character ids)
+    p = tool_call_parser(f, CALL_TOOLS)
+    p.feed(reply)
+    back = {**assistant, "tool_calls": p.finish()[1]}
+    tool = {"role": "tool", "tool_call_id": back["tool_calls"][0]["id"], "content": "18 C"}
+    assert text([*ask, back, tool], True).count("18 C") == 1

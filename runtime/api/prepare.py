@@ -46,7 +46,7 @@ def chat_call(engine: Any, fields: dict[str, Any]) -> Call:
     max_tokens = fields.get("max_completion_tokens", fields.get("max_tokens"))
     kind = getattr(engine.config, "reasoning_parser", None)
     return _make(engine, True, fields, ids, max_tokens, spec, top, None,
-                 make_parser=(lambda: tool_calls.ToolCallParser(fmt, tools)) if calling else None,
+                 make_parser=(lambda: tool_calls.tool_call_parser(fmt, tools)) if calling else None,
                  make_reasoner=(lambda: reasoning.ReasoningParser(kind)) if kind else None, reasoning_kind=kind)
 
 

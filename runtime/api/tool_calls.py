@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 import re
 import secrets
+import string
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -59,6 +60,10 @@ FORMATS: dict[str, ToolFormat] = {
     "mistral": ToolFormat("mistral", "[TOOL_CALLS][", ", ", "]", "arguments", ("[TOOL_CALLS]",),
                           ("[TOOL_CALLS]", "[", "]", ","), ("[TOOL_CALLS]",)),
     "json": ToolFormat("json", "[", ", ", "]", "arguments", ('[{"name"', '{"name"'), ("[", "]", ",")),
+    # Qwen3-Coder (and Qwen3.5+): XML calls, read by XmlToolCallParser; open/sep/close frame one call each
+    "qwen3_coder": ToolFormat("qwen3_coder", "<tool_call>\n<function=", "\n</tool_call>\n<tool_call>\n<function=",
+                              "</function>\n</tool_call>", "arguments", ("<tool_call>",), ("<tool_call>", "</tool_call>"),
+                              ("<tool_call>", "</tool_call>")),
 }
 _HEAD = '{"name": '
 
@@ -71,6 +76,8 @@ def template_takes_tools(chat_template: str | None) -> bool:
 def tool_call_format(chat_template: str | None, model_type: str | None = None) -> ToolFormat:
     """The call syntax a model writes, from markers in its chat template, else its model_type."""
     t = chat_template or ""
+    if "<function=" in t and "<parameter=" in t:
+        return FORMATS["qwen3_coder"]
     if "<tool_call>" in t:
         return FORMATS["hermes"]
     if "[TOOL_CALLS]" in t:
@@ -169,6 +176,56 @@ def _lark(tools: list[_Tool], fmt: ToolFormat, lazy: bool, parallel: bool, speci
     return "%llguidance {}\n" + body + "\n" + _calls_lark(tools, fmt) + "\n"
 
 
+def _xml_value_lark(sub: dict) -> str | None:
+    """A parameter's value as the template writes it: strings as they are (an enum's choices, a pattern, a length
+    range; None: any text), everything else as JSON of its subschema."""
+    enum = sub.get("enum")
+    if isinstance(enum, list) and enum and all(isinstance(v, str) and v for v in enum):
+        return "(" + " | ".join(_lit(v) for v in enum) + ")"
+    if sub.get("type") != "string":
+        return f"%json {json.dumps({**sub, 'x-guidance': JSON_OPTIONS}, ensure_ascii=True)}"
+    if isinstance(sub.get("pattern"), str):
+        return "/" + sub["pattern"].removeprefix("^").removesuffix("$").replace("/", "\\/") + "/"
+    lo, hi = sub.get("minLength"), sub.get("maxLength")
+    if isinstance(lo, int) or isinstance(hi, int):
+        return f"/(.|\\n){{{lo if isinstance(lo, int) else 0},{hi if isinstance(hi, int) else ''}}}/"
+    return None
+
+
+def _xml_lark(tools: list[_Tool], fmt: ToolFormat, lazy: bool, parallel: bool, special: bool) -> str:
+    """qwen3_coder: each call `<tool_call>\n<function=NAME>\n` + `<parameter=P>\nVALUE\n</parameter>\n` per
+    argument + `</function>\n</tool_call>`, parameters named by the tool's schema: string values free text (up to
+    the closing tag), the others JSON of their subschema; in the schema's order, the required ones always."""
+    tags = fmt.tags
+    rules = ["xfn: " + " | ".join(f"xfn_{i}" for i in range(len(tools)))]
+    for i, t in enumerate(tools):
+        props = t.parameters.get("properties") or {}
+        params = []
+        for j, (name, sub) in enumerate(props.items()):
+            head, end = _lit(f"<parameter={name}>\n"), _lit("\n</parameter>\n")
+            value = _xml_value_lark(sub if isinstance(sub, dict) else {})
+            if value is None:  # free text up to the closing tag
+                rules.append(f"xp_{i}_{j}: {head} xs_{i}_{j}\nxs_{i}_{j}[lazy]: /(.|\\n)*/ {end}")
+            else:
+                rules.append(f"xp_{i}_{j}: {head} {value} {end}")
+            params.append(f"xp_{i}_{j}" + ("" if name in (t.parameters.get("required") or ()) else "?"))
+        body = "".join(f" {p}" for p in params)
+        rules.append(f"xfn_{i}: {_lit(t.name + '>' + chr(10))}{body}")
+    call = f"{_lits(fmt.open, tags)} xfn {_lits(fmt.close, tags)}"
+    calls = f"{call} ({_lit(chr(10))} {call})*" if parallel else call
+    if not lazy:
+        start = f"start: {calls}"
+    else:
+        rest = f"{_lits(fmt.open[len(fmt.triggers[0]):], tags)} xfn {_lits(fmt.close, tags)}"
+        more = f" ({_lit(chr(10))} {call})*" if parallel else ""
+        if special:
+            start = f"start: TEXT | TEXT {_lits(fmt.triggers[0], tags)} {rest}{more}"
+        else:
+            start = f"start: TEXT | trig {rest}{more}\ntrig[lazy]: TEXT {_lit(fmt.triggers[0])}"
+        start += "\nTEXT: /(.|\\n)*/"
+    return "%llguidance {}\n" + start + "\n" + "\n".join(rules) + "\n"
+
+
 def tool_grammar(tools: list[dict], tool_choice: Any, parallel_tool_calls: bool | None,
                  fmt: ToolFormat) -> GrammarSpec | None:
     """The grammar for `tool_choice`: None for "none"; calls at once for "required" (one, or several if
@@ -198,9 +255,10 @@ def tool_grammar(tools: list[dict], tool_choice: Any, parallel_tool_calls: bool 
     trig = fmt.triggers[0]
     special_ok = trig.startswith(("<", "[")) and trig.endswith((">", "]"))
     parts = tuple((t.param, json.dumps(t.parameters, sort_keys=True, ensure_ascii=True)) for t in parsed)
-    special_text = _lark(parsed, fmt, lazy, parallel, special=True) if special_ok and lazy else None
+    build = _xml_lark if fmt.name == "qwen3_coder" else _lark
+    special_text = build(parsed, fmt, lazy, parallel, special=True) if special_ok and lazy else None
     return GrammarSpec(
-        "lark", _lark(parsed, fmt, lazy, parallel, special=False), param="tools", trigger=trig if special_ok else None,
+        "lark", build(parsed, fmt, lazy, parallel, special=False), param="tools", trigger=trig if special_ok else None,
         special_text=special_text, parts=parts, lazy=lazy, tags=fmt.tags)
 
 
@@ -524,3 +582,172 @@ class ToolCallParser:
             return
         args = value.get("arguments", value.get("parameters", {}))
         self._start_call(name, args if isinstance(args, str) else json.dumps(args, ensure_ascii=False))
+
+
+def tool_call_parser(fmt: ToolFormat, tools: list[dict] | None) -> ToolCallParser | XmlToolCallParser:
+    """The streaming parser of a message in `fmt`. Mistral's template refuses call ids other than 9 letters and
+    digits when the calls come back as history, so its calls get such ids (as vLLM's mistral parser gives)."""
+    if fmt.name == "qwen3_coder":
+        return XmlToolCallParser(fmt, tools)
+    if fmt.name == "mistral":
+        return ToolCallParser(fmt, tools, id_factory=_mistral_call_id)
+    return ToolCallParser(fmt, tools)
+
+
+def _mistral_call_id() -> str:
+    alphabet = string.ascii_letters + string.digits
+    return "".join(secrets.choice(alphabet) for _ in range(9))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Qwen3-Coder's XML calls: <tool_call>\n<function=NAME>\n<parameter=P>\nVALUE\n</parameter>\n...</function>\n</tool_call>
+
+_XML_FUNCTION = re.compile(r"\s*<function=([^>\n]+)>\n?")
+_XML_PARAMETER = re.compile(r"\s*<parameter=([^>\n]+)>\n?(.*?)\n?</parameter>", re.DOTALL)
+_XML_END = re.compile(r"\s*</function>")
+
+
+def xml_value(text: str, schema: dict | None) -> Any:
+    """A parameter's text as the JSON value its schema types it as (as vLLM's qwen3_coder parser converts it):
+    strings as written, numbers and booleans read, anything else parsed as JSON where it is JSON."""
+    kind = (schema or {}).get("type")
+    kind = kind[0] if isinstance(kind, list) and kind else kind
+    if text.lower() == "null" and kind != "string":
+        return None
+    if kind == "string":
+        return text
+    try:
+        if kind == "integer":
+            return int(text)
+        if kind == "number":
+            f = float(text)
+            return int(f) if f.is_integer() and "." not in text and "e" not in text.lower() else f
+        if kind == "boolean":
+            if text.strip().lower() in ("true", "false"):
+                return text.strip().lower() == "true"
+            return text
+        return json.loads(text)
+    except ValueError:
+        return text
+
+
+@dataclass
+class XmlToolCallParser:
+    """ToolCallParser's interface (feed, flush, finish, has_tool_calls) for the qwen3_coder format. A call's
+    arguments stream one whole parameter at a time, as the JSON object's next member."""
+
+    fmt: ToolFormat
+    tools: list[dict] | None = None
+    id_factory: Callable[[], str] = new_call_id
+    _calls: list[_Call] = field(default_factory=list)
+    _content: list[str] = field(default_factory=list)
+    _out: list[ParsedDelta] = field(default_factory=list)
+    _buf: str = ""
+    _state: int = _TEXT
+    _ws: str = ""
+    _params: int = 0
+    _after_call: bool = False
+    _done: bool = False
+
+    _OPEN, _CLOSE = "<tool_call>", "</tool_call>"
+
+    def feed(self, text: str) -> list[ParsedDelta]:
+        self._out = []
+        self._buf += text
+        self._run(final=False)
+        return self._out
+
+    def flush(self) -> list[ParsedDelta]:
+        self._out = []
+        if not self._done:
+            self._run(final=True)
+            if self._state == _BETWEEN:  # a <tool_call> with no function: text
+                self._text(self._OPEN + self._buf)
+            elif self._state == _TEXT:
+                self._text(self._buf)
+            if self._ws and not self._calls:
+                self._emit_content(self._ws)
+            self._buf = self._ws = ""
+            self._done = True
+        return self._out
+
+    def finish(self) -> tuple[str | None, list[dict]]:
+        if not self._done:
+            self.flush()
+        content = "".join(self._content)
+        calls = [{"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+                 for c in self._calls]
+        if calls and not content.strip():
+            return None, calls
+        return content, calls
+
+    @property
+    def has_tool_calls(self) -> bool:
+        return bool(self._calls)
+
+    _emit_content = ToolCallParser._emit_content
+    _emit_args = ToolCallParser._emit_args
+    _start_call = ToolCallParser._start_call
+
+    def _text(self, s: str) -> None:
+        """Content, trailing whitespace held back (dropped before a call), leading whitespace after a call dropped."""
+        body = s.rstrip()
+        if body:
+            if self._after_call:
+                body, self._ws, self._after_call = body.lstrip(), "", False
+            self._emit_content(self._ws + body)
+            self._ws = ""
+        self._ws += s[len(body):] if body or not self._after_call else ""
+
+    def _schema(self, name: str) -> dict:
+        for t in self.tools or ():
+            fn = t.get("function") or {}
+            if fn.get("name") == name:
+                return (fn.get("parameters") or {}).get("properties") or {}
+        return {}
+
+    def _run(self, final: bool) -> None:
+        while True:
+            buf = self._buf
+            if self._state == _TEXT:
+                at = buf.find(self._OPEN)
+                if at < 0:
+                    keep = 0 if final else ToolCallParser._partial_len(buf, (self._OPEN,))
+                    self._text(buf[: len(buf) - keep])
+                    self._buf = buf[len(buf) - keep:]
+                    return
+                self._text(buf[:at])
+                self._buf, self._state = buf[at + len(self._OPEN):], _BETWEEN
+            elif self._state == _BETWEEN:
+                m = _XML_FUNCTION.match(buf)
+                if m is None:
+                    if not final and (not buf.strip() or "<function=".startswith(buf.strip()[:10])
+                                      or (buf.lstrip().startswith("<function=") and ">" not in buf)):
+                        return  # the function's tag is still coming
+                    self._state, self._buf = _TEXT, ""
+                    self._text(self._OPEN + buf)
+                    continue
+                self._ws = ""
+                self._start_call(m.group(1).strip(), "")
+                self._buf, self._state, self._params = buf[m.end():], _CALL, 0
+            else:
+                m = _XML_PARAMETER.match(buf)
+                if m is not None:
+                    name = m.group(1).strip()
+                    value = xml_value(m.group(2), self._schema(self._calls[-1].name).get(name))
+                    sep = "{" if self._params == 0 else ", "
+                    self._emit_args(sep + json.dumps(name, ensure_ascii=False) + ": "
+                                    + json.dumps(value, ensure_ascii=False))
+                    self._buf, self._params = buf[m.end():], self._params + 1
+                    continue
+                m = _XML_END.match(buf)
+                if m is not None:
+                    rest = buf[m.end():].lstrip()
+                    if rest.startswith(self._CLOSE):
+                        rest = rest[len(self._CLOSE):]
+                    elif not final and self._CLOSE.startswith(rest):
+                        return  # maybe </tool_call> is coming
+                    self._emit_args("}" if self._params else "{}")
+                    self._buf, self._state, self._after_call = rest, _TEXT, True
+                    continue
+                return  # a parameter or the end is still coming (or the reply was cut off)
