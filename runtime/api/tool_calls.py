@@ -7,7 +7,9 @@ Formats (the section a model writes, N calls):
 - llama3_json: `{"name": "f", "parameters": {...}}`, parallel calls joined by `; ` (optionally after
   `<|python_tag|>`);
 - mistral: `[TOOL_CALLS][{"name": "f", "arguments": {...}}, ...]`;
-- json (a template that takes tools in a syntax not recognised here): `[{"name": "f", "arguments": {...}}, ...]`.
+- json (a template that takes tools in a syntax not recognised here): `[{"name": "f", "arguments": {...}}, ...]`;
+- qwen3_coder (Qwen3-Coder, Qwen3.5): `<tool_call>\n<function=f>\n<parameter=p>\nvalue\n</parameter>\n</function>\n</tool_call>`
+  per call, read by XmlToolCallParser.
 
 The grammar for `required` / a named tool starts with the section at once; for `auto` it is lazy: free text until
 the format's trigger (`<tool_call>`), then the section is constrained and nothing but EOS may follow it. Each tag
