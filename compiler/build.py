@@ -296,6 +296,54 @@ def _config_json(built: BuiltModule, lib_name: str, tok: dict[str, Any], source:
     }
 
 
+_LIBRARIES = "libraries"
+_LIBRARIES_KEPT = 8
+
+
+def _library_key(built: BuiltModule, tuning_db: str | Path | None) -> str:
+    """What a library is made from: the model's shape and settings (not its weights), target, quantization, options,
+    the TVM version, the tuning records and mlcc's own sources (a changed kernel makes another library)."""
+    import hashlib
+
+    h = hashlib.sha256(json.dumps([built.stamp, dataclasses.asdict(built.cfg), builds_graph_decode(built),
+                                   str(built.target)], sort_keys=True, default=str).encode())
+    if tuning_db is not None:
+        for f in sorted(Path(tuning_db).glob("*.json")):
+            h.update(f.read_bytes())
+    package = Path(__file__).resolve().parent.parent
+    sources = [*package.glob("*.py")]
+    for part in ("compiler", "relax_models", "schedules", "targets", "native"):
+        sources += [f for f in (package / part).rglob("*") if f.suffix in (".py", ".cuh", ".cc", ".h")]
+    for f in sorted(sources):
+        h.update(str(f.relative_to(package)).encode() + f.read_bytes())
+    return h.hexdigest()[:24]
+
+
+def _cached_library(built: BuiltModule, key: str) -> Path | None:
+    from mlcc.cache import cache_root
+
+    lib = cache_root() / _LIBRARIES / key / ("model" + built.preset.lib_ext)
+    return lib if lib.exists() else None
+
+
+def _keep_library(built: BuiltModule, key: str, lib: Path) -> None:
+    """Keep a copy of the library for the next model of the same shape; the oldest beyond a few are dropped."""
+    from mlcc.cache import cache_root
+
+    root = cache_root() / _LIBRARIES
+    dest = root / key / lib.name
+    try:
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        tmp = dest.with_name(f"{dest.name}.{threading.get_ident()}.tmp")
+        shutil.copyfile(lib, tmp)
+        tmp.replace(dest)
+        entries = sorted(root.iterdir(), key=lambda d: d.stat().st_mtime)
+        for old in entries[:-_LIBRARIES_KEPT]:
+            shutil.rmtree(old, ignore_errors=True)
+    except OSError as e:
+        log.debug("library not kept for reuse: %s", e)
+
+
 def _tokenizer(source: ModelSource, out: Path) -> dict[str, Any]:
     """The tokenizer files written into `out`, with a chat template from the family where the model has none."""
     from .tokenizer_files import write_tokenizer
@@ -382,8 +430,16 @@ def compile_model(model: str | Path, target: str, quant: str, output: str | Path
     with logging_redirect_tqdm(), ThreadPoolExecutor(max_workers=1, thread_name_prefix="mlcc-convert") as pool:
         converting = pool.submit(weights_and_tokenizer)
         try:
-            with _compile_progress(built):
-                compile_library(built, tmp / lib_name, tuning_db)
+            key = _library_key(built, tuning_db) if preset.lib_ext != ".wasm" else None
+            cached = _cached_library(built, key) if key else None
+            if cached is not None:
+                log.info("the library of a model of the same shape is in the cache: %s", cached.parent)
+                shutil.copyfile(cached, tmp / lib_name)
+            else:
+                with _compile_progress(built):
+                    compile_library(built, tmp / lib_name, tuning_db)
+                if key:
+                    _keep_library(built, key, tmp / lib_name)
         except BaseException:
             cancel.set()
             raise
@@ -391,7 +447,7 @@ def compile_model(model: str | Path, target: str, quant: str, output: str | Path
             if default_workers() > 1:
                 slots.release()
         t2 = time.time()
-        log.info("compiled the library in %.1fs", t2 - t1)
+        log.info("library ready in %.1fs", t2 - t1)
         tok = converting.result()
     t3 = time.time()
     config = _config_json(built, lib_name, tok, {"kind": source.kind, "path": str(source.path)})

@@ -96,3 +96,23 @@ def test_fast_gguf_reader_reads_what_gguf_reads(hf_models, tmp_path):
         assert [(p.dtype, p.tobytes()) for p in g.parts] == [(p.dtype, p.tobytes()) for p in f.parts], key
     assert [(t.name, t.tensor_type, t.data.tobytes()) for t in fast.tensors] == \
         [(t.name, t.tensor_type, t.data.tobytes()) for t in slow.tensors]
+
+
+def test_a_second_model_of_the_same_shape_reuses_the_compiled_library(hf_models, tmp_path, monkeypatch, caplog):
+    import logging
+    import shutil
+
+    from mlcc.compiler.build import compile_model
+
+    monkeypatch.setenv("MLCC_CACHE_DIR", str(tmp_path / "cache"))
+    first, second = tmp_path / "a.gguf", tmp_path / "b.gguf"
+    write_gguf(hf_models("qwen2"), "qwen2", first)
+    shutil.copyfile(first, second)
+    compile_model(first, "llvm", "q4f32_1", tmp_path / "a")
+    with caplog.at_level(logging.INFO, logger="mlcc.compiler.build"):
+        compile_model(second, "llvm", "q4f32_1", tmp_path / "b")
+    assert "same shape is in the cache" in caplog.text
+    assert (tmp_path / "a" / "model.so").read_bytes() == (tmp_path / "b" / "model.so").read_bytes()
+    assert (tmp_path / "a" / "tensor-cache.json").read_text() == (tmp_path / "b" / "tensor-cache.json").read_text()
+    compile_model(second, "llvm", "q4f16_1", tmp_path / "c")  # another quantization: another library
+    assert len(list((tmp_path / "cache" / "libraries").iterdir())) == 2
