@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import sys
 
 log = logging.getLogger("mlcc")
@@ -18,6 +17,7 @@ def _user_errors() -> tuple[type[BaseException], ...]:
 
 
 def cmd_compile(args: argparse.Namespace) -> int:
+    from mlcc import hub
     from mlcc.compiler.build import compile_model
     from mlcc.options import CompileOptions
     from mlcc.targets import get_target
@@ -26,7 +26,7 @@ def cmd_compile(args: argparse.Namespace) -> int:
     if preset.lib_ext != ".wasm" and not preset.can_run_here():
         log.warning("no %s device here: %s will run on another machine, not this one", preset.device, args.output)
 
-    r = compile_model(args.model, args.target, args.quant, args.output, context_window=args.context_window,
+    r = compile_model(hub.resolve(args.model), args.target, args.quant, args.output, context_window=args.context_window,
                       tuning_db=args.tuning_db, tensor_parallel=args.tensor_parallel,
                       options=CompileOptions.parse(args.option))
     print(f"wrote {r.output}  (library {r.library_bytes / 1e6:.1f} MB, weights {r.weight_bytes / 1e6:.1f} MB; "
@@ -35,11 +35,12 @@ def cmd_compile(args: argparse.Namespace) -> int:
 
 
 def cmd_tune(args: argparse.Namespace) -> int:
+    from mlcc import hub
     from mlcc.compiler.tune import default_tuning_db, format_report, tune_model
     from mlcc.options import CompileOptions
 
     db = args.db or default_tuning_db()
-    reports = tune_model(args.model, args.target, args.quant, args.trials, db, args.max_tasks,
+    reports = tune_model(hub.resolve(args.model), args.target, args.quant, args.trials, db, args.max_tasks,
                          options=CompileOptions.parse(args.option))
     print(format_report(reports))
     print(f"tuning database: {db} (use with `mlcc compile ... --tuning-db {db}`)")
@@ -107,9 +108,8 @@ def cmd_export_request_schema(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from mlcc.options import CompileOptions, EngineConfig
-
     from mlcc import __version__
+    from mlcc.options import CompileOptions, EngineConfig
 
     p = argparse.ArgumentParser(prog="mlcc", description="Compile and run LLMs with Apache TVM")
     p.add_argument("--version", action="version", version=f"mlcc {__version__}")
@@ -179,7 +179,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(levelname)s %(name)s: %(message)s")
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    if not args.verbose:   # huggingface_hub's client logs every request at INFO; its progress bars say enough
+        logging.getLogger("httpx2").setLevel(logging.WARNING)
     try:
         return args.func(args)
     except _user_errors() as e:

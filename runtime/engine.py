@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, AsyncIterator, Iterator
 
 
-from mlcc import artifact
+from mlcc import artifact, hub
 from mlcc.errors import EngineConfigError, RequestError, SpeculativeConfigError
 from mlcc.options import EngineConfig
 from mlcc.runtime.api import prepare, protocol, structured, tool_calls
@@ -73,7 +73,8 @@ class Engine:
             self.model = LoadedModel(self.model_dir, device_id=cfg.device_id, weights=cfg.weights,
                                      num_threads=cfg.num_threads)
         model_cfg = self.model.config
-        self.model_name = Path(model_cfg["source"]["path"]).stem if "source" in model_cfg else self.model_dir.name
+        self.model_name = (hub.source_name(Path(model_cfg["source"]["path"])) if "source" in model_cfg
+                           else self.model_dir.name)
         self.tokenizer = Tokenizer(self.model_dir, model_cfg["tokenizer"])
         context_window = min(cfg.context_window or self.model.context_window, self.model.context_window)
         cfg = dataclasses.replace(cfg, context_window=context_window)
@@ -118,9 +119,10 @@ class Engine:
             from mlcc.runtime.spec.draft import DraftProposer, check_same_tokenizer
 
             path = Path(config.model)
-            if not path.exists():
-                raise SpeculativeConfigError(f"speculative_config.model: {path}: no such model folder or file")
-            draft_dir = resolve_model(path, cfg.target, config.quantization)
+            if not path.exists() and hub.parse_name(config.model) is None:
+                raise SpeculativeConfigError(f"speculative_config.model: {path}: no such model folder or file (nor "
+                                             "a Hugging Face repo name)")
+            draft_dir = resolve_model(config.model, cfg.target, config.quantization)
             check_same_tokenizer(self.model_dir, draft_dir)
             model = LoadedModel(draft_dir, device_id=cfg.device_id, num_threads=cfg.num_threads)
             draft = DraftProposer(model, self.model.vocab, cfg.max_batch, cfg.kv_cache_tokens, cfg.prefill_chunk)

@@ -9,7 +9,7 @@ import json
 import logging
 from pathlib import Path
 
-from mlcc import artifact
+from mlcc import artifact, hub
 from mlcc.cache import cache_lock, cache_root
 from mlcc.errors import UnsupportedTargetError
 from mlcc.options import CompileOptions
@@ -54,20 +54,22 @@ def build_dir(source: Path, target: str, quant: str, tensor_parallel: int, optio
                                      artifact.tvm_version(), tensor_parallel, options.to_dict(), functions, cpu],
                                     sort_keys=True).encode()).hexdigest()[:20]
     tp = f"-tp{tensor_parallel}" if tensor_parallel > 1 else ""
-    return cache_root() / f"{source.stem}-{quant}-{target}{tp}-{key}"
+    return cache_root() / f"{hub.source_name(source).replace('/', '--')}-{quant}-{target}{tp}-{key}"
 
 
 def resolve_model(model: str | Path | None, target: str, quant: str | None, tensor_parallel: int = 1,
                   options: CompileOptions | None = None) -> Path:
     """Artifacts folder for (model, target, quant, options): as given, from the JIT cache, or freshly compiled.
-    options=None: the defaults when compiling; any for an artifacts folder (else it must have been built with
-    exactly these)."""
-    path = Path(model) if model is not None else default_model_path()
+    model: an artifacts folder, an HF folder, a .gguf, a Hugging Face repo name (`org/name`, `org/name-GGUF:QUANT`:
+    downloaded first, see mlcc.hub) or None (the bundled model). options=None: the defaults when compiling; any for
+    an artifacts folder (else it must have been built with exactly these)."""
+    path = hub.resolve(model) if model is not None else default_model_path()
     if path.is_dir() and (path / artifact.CONFIG_FILE).exists():
         artifact.check_options(artifact.read_config(path), options, path)
         return path
     if not path.exists():
-        raise FileNotFoundError(f"{path}: no such model folder or file")
+        raise FileNotFoundError(f"{path}: no such model folder or file (nor a Hugging Face repo name: org/name or "
+                                "org/name-GGUF:QUANT)")
     from mlcc.targets import get_target
 
     preset = get_target(target)
