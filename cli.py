@@ -8,6 +8,9 @@ import sys
 
 log = logging.getLogger("mlcc")
 
+MODEL_HELP = ("Hugging Face model folder, .gguf file, or Hugging Face repo name (org/name, or org/name-GGUF:QUANT "
+              "for one GGUF quantization), downloaded into the Hugging Face cache")
+
 
 def _user_errors() -> tuple[type[BaseException], ...]:
     """Exceptions that mean bad input: printed as one line, never as a traceback."""
@@ -107,17 +110,31 @@ def cmd_export_request_schema(args: argparse.Namespace) -> int:
     return 0
 
 
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Every flag's help ends with its default, unless the help already says it in words or there is none to show
+    (None, an off switch, an empty list)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if "default" in text or not action.option_strings or action.nargs == 0 or \
+                action.default in (None, False, [], argparse.SUPPRESS):   # nargs 0: a switch, whose default is its off
+            return text
+        return f"{text} (default: %(default)s)"
+
+
 def build_parser() -> argparse.ArgumentParser:
     from mlcc import __version__
     from mlcc.options import CompileOptions, EngineConfig
 
-    p = argparse.ArgumentParser(prog="mlcc", description="Compile and run LLMs with Apache TVM")
+    p = argparse.ArgumentParser(prog="mlcc", description="Compile and run LLMs with Apache TVM",
+                                formatter_class=HelpFormatter)
     p.add_argument("--version", action="version", version=f"mlcc {__version__}")
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = p.add_subparsers(dest="command", required=True)
 
-    c = sub.add_parser("compile", help="compile an HF folder or .gguf file into an artifacts folder")
-    c.add_argument("model", help="Hugging Face model folder or .gguf file")
+    c = sub.add_parser("compile",
+                       help="compile an HF folder, .gguf file or Hugging Face repo into an artifacts folder")
+    c.add_argument("model", help=MODEL_HELP)
     c.add_argument("--target", default="llvm", help="target preset (see `mlcc targets`)")
     c.add_argument("--quant", default="q4f16_1", help="q0f32, q0f16, q4f16_1 or q4f32_1")
     c.add_argument("--output", "-o", required=True, help="artifacts folder to write")
@@ -129,11 +146,12 @@ def build_parser() -> argparse.ArgumentParser:
     c.set_defaults(func=cmd_compile)
 
     tu = sub.add_parser("tune", help="tune the model's static-shape kernels (meta-schedule + xgboost) into a DB")
-    tu.add_argument("model")
-    tu.add_argument("--target", default="llvm")
-    tu.add_argument("--quant", default="q4f32_1")
+    tu.add_argument("model", help=MODEL_HELP)
+    tu.add_argument("--target", default="llvm", help="target preset whose kernels are tuned (see `mlcc targets`)")
+    tu.add_argument("--quant", default="q4f32_1", help="quantization of the model whose kernels are tuned")
     tu.add_argument("--trials", type=int, default=64, help="trials per kernel")
-    tu.add_argument("--max-tasks", type=int, default=None, help="tune only the N largest kernels")
+    tu.add_argument("--max-tasks", type=int, default=None, metavar="N",
+                    help="tune only the N largest kernels (default: all)")
     tu.add_argument("--db", default=None, help="tuning database folder (default: ~/.cache/mlcc/tuning-db)")
     CompileOptions.add_cli_argument(tu)
     tu.set_defaults(func=cmd_tune)
@@ -158,7 +176,7 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("models", nargs="+", help="artifacts folders compiled with --target webgpu (q4f16_1 and/or "
                                             "q4f32_1: the page falls back to f32 when the GPU lacks shader-f16)")
     w.add_argument("--output", "-o", required=True, help="site folder to write")
-    w.add_argument("--title", default="mlcc chat")
+    w.add_argument("--title", default="mlcc chat", help="the page's title")
     w.set_defaults(func=cmd_web)
 
     rs = sub.add_parser("export-request-schema",
@@ -172,7 +190,17 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_serve_parser(sub)
     add_bench_parser(sub)
+    _format_all(p)
     return p
+
+
+def _format_all(parser: argparse.ArgumentParser) -> None:
+    """Subcommands do not inherit the formatter: give every one of them, nested ones too, the top level's."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                sub.formatter_class = parser.formatter_class
+                _format_all(sub)
 
 
 def main(argv: list[str] | None = None) -> int:

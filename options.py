@@ -197,9 +197,12 @@ class EngineConfig:
         """The flags of `mlcc chat` and `mlcc serve`, declared once (max_batch: the command's default)."""
         d = cls()
         parser.add_argument("model", nargs="?", default=None,
-                            help="artifacts folder, HF folder or .gguf (default: the bundled SmolLM2-135M-Instruct)")
+                            help="artifacts folder, HF folder, .gguf, or Hugging Face repo name (org/name, or "
+                                 "org/name-GGUF:QUANT for one GGUF quantization: downloaded into the Hugging Face "
+                                 "cache) (default: the bundled SmolLM2-135M-Instruct)")
         parser.add_argument("--target", default=d.target, help="target preset (default: %(default)s, this machine)")
-        parser.add_argument("--quant", default=d.quant, help="quantization when compiling on first use")
+        parser.add_argument("--quant", default=d.quant, help="quantization when compiling on first use (default: "
+                            "q4f32_1 on CPUs, q4f16_1 on GPUs)")
         parser.add_argument("--max-batch", type=int, default=max_batch, help="requests decoded together "
                             "(default: %(default)s)")
         parser.add_argument("--context-window", type=int, default=None,

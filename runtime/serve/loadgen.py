@@ -164,16 +164,17 @@ def add_bench_parser(sub) -> None:
                                          "`throughput` runs the engine in this process").add_subparsers(
         dest="bench_mode", required=True)
     b = modes.add_parser("serve", help="load-test an OpenAI-compatible endpoint (TTFT/ITL percentiles, tok/s)")
-    b.add_argument("--base-url", default="http://127.0.0.1:8000/v1")
+    b.add_argument("--base-url", default="http://127.0.0.1:8000/v1", help="the endpoint's OpenAI API root")
     b.add_argument("--model", default=None, help="model name (default: the endpoint's first model)")
-    b.add_argument("--api-key", default="none")
-    b.add_argument("--num-prompts", type=int, default=32)
+    b.add_argument("--api-key", default="none", help="sent as 'Authorization: Bearer KEY'")
+    b.add_argument("--num-prompts", type=int, default=32, help="requests sent per request rate")
     b.add_argument("--input-len", default="128", help="words per prompt: N or uniform:A:B")
     b.add_argument("--output-len", default="64", help="tokens per answer: N or uniform:A:B")
     b.add_argument("--request-rate", default=None, help="comma-separated req/s for an open-loop sweep")
-    b.add_argument("--concurrency", type=int, default=None, help="fixed number of requests in flight")
+    b.add_argument("--concurrency", type=int, default=None,
+                   help="fixed number of requests in flight (default: 8 where no --request-rate is given)")
     b.add_argument("--shared-prefix", type=float, default=0.0, metavar="F",
-                   help="fraction of each prompt that is the same for all requests (default 0)")
+                   help="fraction of each prompt that is the same for all requests (default: %(default)s)")
     b.add_argument("--json", default=None, help="write the results here")
     b.set_defaults(func=run_bench)
     add_throughput_parser(modes)

@@ -11,7 +11,7 @@ def add_serve_parser(sub) -> None:
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server with continuous batching")
     EngineConfig.add_cli_arguments(s, max_batch=8)
     s.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
-    s.add_argument("--port", type=int, default=8000, help="(default: %(default)s)")
+    s.add_argument("--port", type=int, default=8000, help="port to listen on (default: %(default)s)")
     s.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (all but /health)")
     s.add_argument("--served-model-name", default=None, help="the model name clients see (default: the model's)")
     s.set_defaults(func=run_serve)
