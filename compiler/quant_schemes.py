@@ -22,8 +22,7 @@ def group_quantize(w: np.ndarray, q: Quantization) -> tuple[np.ndarray, np.ndarr
     if k % q.group_size:
         raise ValueError(f"cannot {q.name}-quantize a [{n}, {k}] weight: {k} is not a multiple of {q.group_size}")
     groups = np.asarray(w, dtype=np.float32).reshape(n, k // q.group_size, q.group_size)
-    # max |w| without an |w| copy; abs() then turns a -0.0 of an all-zero group into the 0.0 it is stored as
-    scale = np.abs(np.maximum(groups.max(axis=-1), -groups.min(axis=-1)), dtype=np.float32)
+    scale = np.abs(groups).max(axis=-1)
     scale /= q.max_int
     # Round the scale to its stored dtype first so dequantization reproduces exactly what we quantized against.
     scale = scale.astype(q.scale_dtype).astype(np.float32)
