@@ -48,6 +48,9 @@ class CompileOptions:
     # CUDA: float16/bfloat16 projections over more than 16 tokens on cuBLASLt (compiler/vendor_gemm.py), where the
     # shim builds on the compiling machine (g++, CUDA headers); False: mlcc's tensor-core GEMM
     vendor_gemm: bool = True
+    # CUDA, with vendor_gemm: q4f16_1 projections over more than this many tokens decode their weights into a
+    # float16 scratch and run on cuBLASLt (0: mlcc's q4 tensor-core GEMM at every size; off until timed on a GPU)
+    vendor_gemm_q4_tokens: int = 0
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):

@@ -204,6 +204,8 @@ def _time(m, row: dict, rows: list, out: str, benches: tuple = ("prefill", "batc
 def cmd_mlcc(a) -> None:
     import gc
 
+    global BATCHES
+    BATCHES = a.batches
     rows = []
     base_dir = Path(a.base)
     variants = {label: Path(d) for label, d in (v.split("=", 1) for v in a.variants.split(","))}
@@ -632,6 +634,8 @@ def _mlcc_args(p) -> None:
     p.add_argument("--check-only", action="store_true", help="compare the logits, time nothing")
     p.add_argument("--benches", type=lambda v: tuple(v.split(",")), default=("prefill", "batched_decode", "verify"),
                    help="what to time (comma-separated: prefill, batched_decode, verify)")
+    p.add_argument("--batches", type=lambda v: tuple(int(b) for b in v.split(",")), default=BATCHES,
+                   help="batched decode: sequences per step (comma-separated; default %(default)s)")
     p.add_argument("--out", required=True)
 
 

@@ -50,7 +50,7 @@ def vendor_gemm_passes(target: tvm.target.Target, options: CompileOptions) -> li
         return []
     from .vendor_gemm import vendor_gemm_pass
 
-    return [vendor_gemm_pass()]
+    return [vendor_gemm_pass(q4_min_tokens=options.vendor_gemm_q4_tokens)]
 
 
 def kernel_passes(target: tvm.target.Target, options: CompileOptions) -> list[tvm.transform.Pass]:

@@ -24,7 +24,7 @@ from .quant_schemes import QUANTIZATIONS, Quantization, get_quantization, group_
 _MAGIC = {"float16": ("uint16", 0x6400, 1024.0), "float32": ("uint32", 0x4B000000, 8388608.0)}
 
 
-def _dequant_value(qw: te.Tensor, qs: te.Tensor, row, j, q: Quantization):
+def dequant_value(qw: te.Tensor, qs: te.Tensor, row, j, q: Quantization):
     """Element (row, j) of the dequantized weight: (code - max_int) · scale of its group."""
     code = tirx.bitwise_and(tirx.shift_right(qw[row, j // q.per_word],
                                              (j % q.per_word * q.bits).astype(q.storage_dtype)),
@@ -42,7 +42,7 @@ def _dequant_matmul(x: Tensor, q_weight: nn.Parameter, q_scale: nn.Parameter, q:
     inlines blocks by that name into the consumer), tagged with the scheme, feeding the "matmul" block."""
 
     def compute(x: te.Tensor, qw: te.Tensor, qs: te.Tensor) -> te.Tensor:
-        w = te.compute((n, k), lambda i, j: _dequant_value(qw, qs, i, j, q), name="dequantize", attrs={TAG: q.name})
+        w = te.compute((n, k), lambda i, j: dequant_value(qw, qs, i, j, q), name="dequantize", attrs={TAG: q.name})
         r = te.reduce_axis((0, k), name="k")
         return te.compute(list(x.shape[:-1]) + [n], lambda *idx: te.sum(x[(*idx[:-1], r)] * w[idx[-1], r], axis=r),
                           name="matmul")
@@ -76,7 +76,7 @@ class GroupQuantEmbedding(nn.Module):
         q, dim = self.q, self.dim
 
         def take_dequant(qw: te.Tensor, qs: te.Tensor, ids: te.Tensor) -> te.Tensor:
-            return te.compute((ids.shape[0], dim), lambda i, j: _dequant_value(qw, qs, ids[i], j, q),
+            return te.compute((ids.shape[0], dim), lambda i, j: dequant_value(qw, qs, ids[i], j, q),
                               name="take_dequantize")
 
         return op.tensor_expr_op(take_dequant, "take_dequantize", [self.q_weight, self.q_scale, ids])

@@ -7,8 +7,11 @@ kept under a name of its own so that the few-token kernels and the tensor-core G
 call site gets the cuBLASLt workspace as a second output of the call_tir, so TVM's memory planner allocates it (once,
 shared by every projection) outside any graph capture.
 
-q4f16_1 projections keep mlcc's own kernels: dequantizing into a scratch buffer before cuBLASLt has not been shown
-faster than the q4 tensor-core GEMM.
+Group-quantized projections with float16/bfloat16 scales (q4f16_1) take cuBLASLt from `q4_min_tokens` tokens on:
+their weights are first decoded into a scratch float16 [n, k] tensor (a third output of the call_tir, so the
+memory planner gives every projection's scratch one shared allocation), then multiplied. The decode costs a pass
+over the packed weights and a write of the float16 ones per call, which many tokens amortize; below the threshold
+the q4 tensor-core GEMM, which reads the packed weights once, stays faster.
 """
 
 from __future__ import annotations
@@ -16,11 +19,14 @@ from __future__ import annotations
 import logging
 
 import tvm
-from tvm import relax, tirx
+from tvm import relax, s_tir, te, tirx
 
 from mlcc.native.cublaslt_shim import MATMUL
+from mlcc.quantization import Quantization, weight_scheme
 from mlcc.schedules.gemv_match import is_unscheduled_prim_func, match_many_token_projection, token_dim
 from mlcc.schedules.host_dispatch import size_dispatch
+
+from .quantize import dequant_value
 
 log = logging.getLogger(__name__)
 
@@ -28,61 +34,109 @@ log = logging.getLogger(__name__)
 MIN_TOKENS = 16
 WORKSPACE_BYTES = 32 << 20   # cuBLAS's own choice on Hopper
 DTYPES = ("float16", "bfloat16")
+DEQUANT_THREADS = 256
 
 
-def _match(func) -> tuple[int, int, tuple, str, str] | None:
-    """(n, k, x shape, dtype, epilogue) of a float16/bfloat16 projection cuBLASLt can take, else None."""
+def _match(func, q4: bool) -> tuple[int, int, tuple, str, str, Quantization | None] | None:
+    """(n, k, x shape, dtype, epilogue, weight scheme or None) of a projection cuBLASLt can take, else None."""
     for dtype in DTYPES:
         found = match_many_token_projection(func, dtype)
         if found is None:
             continue
         n, k, x_shape, weights, epilogue = found
+        scheme = weight_scheme(weights)
+        if scheme is not None and not (q4 and scheme.kind == "group" and scheme.symmetric):
+            continue
         # 16-byte aligned rows: what cuBLASLt's fast kernels need
-        if weights == dtype and epilogue in MATMUL and n % 8 == 0 and k % 8 == 0:
-            return n, k, x_shape, dtype, epilogue
+        if (scheme is not None or weights == dtype) and epilogue in MATMUL and n % 8 == 0 and k % 8 == 0:
+            return n, k, x_shape, dtype, epilogue, scheme
     return None
 
 
+def dequantize_func(n: int, k: int, q: Quantization, threads: int | None = DEQUANT_THREADS) -> tirx.PrimFunc:
+    """A CUDA kernel decoding packed weights [n, k / per_word] and scales [n, k / group_size] into [n, k]: one
+    element a thread, so a warp's stores are contiguous and its 8 threads of a word read it once through L1.
+    threads=None: the same computation unscheduled (what a CPU build of it checks)."""
+    qw = te.placeholder((n, k // q.per_word), q.storage_dtype, name="q_weight")
+    qs = te.placeholder((n, k // q.group_size), q.scale_dtype, name="q_scale")
+    w = te.compute((n, k), lambda i, j: dequant_value(qw, qs, i, j, q), name="dequantize")
+    func = te.create_prim_func([qw, qs, w])
+    if threads is None:
+        return func
+    sch = s_tir.Schedule(func)
+    block = sch.get_sblock("dequantize")
+    flat = sch.fuse(*sch.get_loops(block))
+    bx, tx = sch.split(flat, [None, threads])
+    sch.bind(bx, "blockIdx.x")
+    sch.bind(tx, "threadIdx.x")
+    return sch.mod["main"].without_attr("global_symbol").with_attr("tirx.is_scheduled", True)
+
+
 def make_dispatch(func: tirx.PrimFunc, kernel: str, epilogue: str, x_shape: tuple, min_tokens: int,
-                  attrs: dict) -> tirx.PrimFunc:
+                  attrs: dict, dequantize: tuple[str, int, int, str] | None = None) -> tirx.PrimFunc:
     """A host PrimFunc with `func`'s parameters and a workspace after them, calling `kernel` (the library function
-    that was `func`) for up to `min_tokens` tokens, else the shim's global function."""
+    that was `func`) for up to `min_tokens` tokens, else the shim's global function. With `dequantize` (the
+    decoding kernel's name, n, k, dtype) `func` reads packed weights and scales, and a scratch [n, k] parameter
+    after the workspace receives the decoded weights cuBLASLt multiplies."""
     params = list(func.params)
     workspace = tirx.decl_buffer((tvm.tirx.IntImm("int64", WORKSPACE_BYTES),), "uint8", name="workspace")
-    x, w, *rest = params
+    if dequantize is None:
+        x, w, *rest = params
+        *extra, y = rest
+        return size_dispatch(params + [workspace], func.ret_type, token_dim(x_shape), min_tokens,
+                             tirx.call_cpacked(kernel, *params),
+                             tirx.call_packed(MATMUL[epilogue], x, w, *extra, workspace, y), attrs)
+    name, n, k, dtype = dequantize
+    scratch = tirx.decl_buffer((tvm.tirx.IntImm("int64", n), tvm.tirx.IntImm("int64", k)), dtype, name="scratch")
+    x, qw, qs, *rest = params
     *extra, y = rest
-    return size_dispatch(params + [workspace], func.ret_type, token_dim(x_shape), min_tokens,
+    return size_dispatch(params + [workspace, scratch], func.ret_type, token_dim(x_shape), min_tokens,
                          tirx.call_cpacked(kernel, *params),
-                         tirx.call_packed(MATMUL[epilogue], x, w, *extra, workspace, y), attrs)
+                         [tirx.call_cpacked(name, qw, qs, scratch),
+                          tirx.call_packed(MATMUL[epilogue], x, scratch, *extra, workspace, y)], attrs)
 
 
-def vendor_gemm_pass(min_tokens: int = MIN_TOKENS) -> tvm.transform.Pass:
-    """Every matched projection behind a token-count dispatch to cuBLASLt (after FuseTIR, before mlcc's kernels)."""
+def vendor_gemm_pass(min_tokens: int = MIN_TOKENS, q4_min_tokens: int = 0) -> tvm.transform.Pass:
+    """Every matched projection behind a token-count dispatch to cuBLASLt (after FuseTIR, before mlcc's kernels):
+    float16/bfloat16 weights over more than `min_tokens` tokens, group-quantized ones over more than
+    `q4_min_tokens` (0: never)."""
 
     @tvm.transform.module_pass(opt_level=0, name="mlcc_cuda_vendor_gemm")
     def _pass(mod: tvm.ir.IRModule, _ctx) -> tvm.ir.IRModule:
         rewriter = _WithWorkspace(mod)
+        decoders: dict[tuple, str] = {}
         for gv, func in list(mod.functions.items()):
             if not is_unscheduled_prim_func(func):
                 continue
-            found = _match(func)
+            found = _match(func, q4=q4_min_tokens > 0)
             if found is None:
                 continue
-            _n, _k, x_shape, _dtype, epilogue = found
+            n, k, x_shape, dtype, epilogue, scheme = found
             name = gv.name_hint
             kernel = f"{name}_kernel"
             attrs = {a: v for a, v in func.attrs.items()} if func.attrs is not None else {}
             rewriter.builder_.add_func(func.with_attr("global_symbol", kernel), kernel)
+            dequantize = None
+            if scheme is not None:
+                key = (n, k, scheme.name)
+                if key not in decoders:
+                    decoders[key] = f"mlcc_dequantize_{scheme.name}_{n}x{k}"
+                    rewriter.builder_.add_func(dequantize_func(n, k, scheme).with_attr(
+                        "global_symbol", decoders[key]), decoders[key])
+                dequantize = (decoders[key], n, k, dtype)
+                rewriter.scratch[name] = (n, k, dtype)
             dispatch = f"{name}_cublaslt"
             rewriter.replaced[name] = rewriter.builder_.add_func(
-                make_dispatch(func, kernel, epilogue, x_shape, min_tokens, {**attrs, "global_symbol": dispatch}),
+                make_dispatch(func, kernel, epilogue, x_shape, min_tokens if scheme is None else q4_min_tokens,
+                              {**attrs, "global_symbol": dispatch}, dequantize),
                 dispatch)
         if not rewriter.replaced:
             return mod
         out = rewriter.rewrite()
         for name in rewriter.replaced:   # the old signature: no caller is left
             out = _remove(out, name)
-        log.debug("cuBLASLt projections: %d", len(rewriter.replaced))
+        log.debug("cuBLASLt projections: %d (%d through a decoded scratch)", len(rewriter.replaced),
+                  len(rewriter.scratch))
         return out
 
     return _pass
@@ -101,6 +155,7 @@ class _WithWorkspace(relax.PyExprMutator):
         super().__init__(mod)
         self.mod_ = mod
         self.replaced: dict[str, tvm.ir.GlobalVar] = {}
+        self.scratch: dict[str, tuple[int, int, str]] = {}   # projection -> its decoded weights' (n, k, dtype)
         self.call_tir = tvm.ir.Op.get("relax.call_tir")
 
     def rewrite(self) -> tvm.ir.IRModule:
@@ -115,8 +170,12 @@ class _WithWorkspace(relax.PyExprMutator):
                 or call.args[0].name_hint not in self.replaced:
             return call
         out = call.ty_args[0]
-        workspace = relax.TensorType((WORKSPACE_BYTES,), "uint8")
-        both = relax.call_tir(self.replaced[call.args[0].name_hint], call.args[1], [out, workspace])
+        name = call.args[0].name_hint
+        outs = [out, relax.TensorType((WORKSPACE_BYTES,), "uint8")]
+        if name in self.scratch:
+            n, k, dtype = self.scratch[name]
+            outs.append(relax.TensorType((n, k), dtype))
+        both = relax.call_tir(self.replaced[name], call.args[1], outs)
         if len(call.args) > 2:  # (shape variables passed on)
             both = relax.Call(both.op, [*both.args, call.args[2]], both.attrs, both.ty_args)
         return relax.TupleGetItem(self.builder_.emit(both), 0)

@@ -150,8 +150,10 @@ class Engine:
             return max(min(psutil.virtual_memory().available // 4, 2 << 30) // per_token, 256)
         m = model_cfg["model_config"]
         hidden, inter = m["hidden_size"], m.get("intermediate_size") or 4 * m["hidden_size"]
+        # + the float16 scratch a quantized projection's weights are decoded into before a vendor GEMM (the
+        # gate/up projection's is the largest)
         activations = (cfg.prefill_chunk * (4 * hidden + 3 * inter) * 4 + 2 * cfg.max_batch * m["vocab_size"] * 4
-                       + (1 << 30))
+                       + 2 * 2 * inter * hidden + (1 << 30))
         dev = self.model.dev
         total, free = dev.total_global_memory, dev.available_global_memory
         budget = free - int(total * (1.0 - cfg.gpu_memory_utilization)) - activations

@@ -18,9 +18,13 @@ def host_dispatch(signature: tirx.PrimFunc, size: tirx.PrimExpr, limit: int, sma
                          tirx.call_cpacked(large, *params), attrs)
 
 
-def size_dispatch(params: list, ret_type, size: tirx.PrimExpr, limit: int, small: tirx.PrimExpr,
-                  large: tirx.PrimExpr, attrs: dict | None = None) -> tirx.PrimFunc:
+def size_dispatch(params: list, ret_type, size: tirx.PrimExpr, limit: int, small: tirx.PrimExpr | list,
+                  large: tirx.PrimExpr | list, attrs: dict | None = None) -> tirx.PrimFunc:
     """A scheduled host PrimFunc over `params` evaluating the call `small` where `size` is at most `limit`, else
-    `large` (a library function's direct call, or a global function's packed call)."""
-    body = tirx.IfThenElse(size <= limit, tirx.Evaluate(small), tirx.Evaluate(large))
+    `large` (a library function's direct call, or a global function's packed call; a list: calls made in order)."""
+
+    def calls(c: tirx.PrimExpr | list) -> tirx.Stmt:
+        return tirx.SeqStmt([tirx.Evaluate(e) for e in c]) if isinstance(c, list) else tirx.Evaluate(c)
+
+    body = tirx.IfThenElse(size <= limit, calls(small), calls(large))
     return tirx.PrimFunc(params, body, ret_type).with_attrs({"tirx.is_scheduled": True, **(attrs or {})})

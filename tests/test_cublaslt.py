@@ -1,7 +1,7 @@
 """cuBLASLt projections (CompileOptions.vendor_gemm): the shim builds with g++ against pip's CUDA packages and
 registers its global functions (loading libcublasLt needs no GPU); a CUDA build of the tiny llama calls it for its
-float16 projections over many tokens and keeps the old kernels for few tokens and for q4f16_1; with the option off
-or the shim unavailable the build is what it was. The shim's numerics on a GPU are marked gpu."""
+float16 projections over many tokens and keeps the old kernels for few tokens; q4f16_1 projections over more tokens
+decode their weights into a scratch first; with the option off or the shim unavailable the build is what it was. The shim's numerics on a GPU are marked gpu."""
 
 import numpy as np
 import pytest
@@ -77,10 +77,38 @@ def test_float16_projections_over_many_tokens_call_cublaslt(hf_models):
     assert not [n for n, _ in _calls(mod, "decode") if n.endswith("_cublaslt")]
 
 
-def test_q4_projections_keep_mlccs_kernels(hf_models):
+def test_q4_projections_over_many_tokens_decode_into_a_scratch_then_call_cublaslt(hf_models):
     _shim()
-    mod = _kernels(hf_models, "q4f16_1", CompileOptions())
-    assert not [gv for gv in mod.functions if "cublaslt" in gv.name_hint]
+    mod = _kernels(hf_models, "q4f16_1", CompileOptions(vendor_gemm_q4_tokens=64))
+    calls = [(n, t) for n, t in _calls(mod, "prefill") if n.endswith("_cublaslt")]
+    assert len(calls) == 8
+    decoders = {gv.name_hint for gv in mod.functions if gv.name_hint.startswith("mlcc_dequantize_q4f16_1_")}
+    assert decoders   # one per weight shape, shared by the layers
+    for name, ty in calls:   # (y, workspace, the decoded float16 weights [n, k])
+        assert len(ty.fields) == 3 and ty.fields[2].dtype == "float16" and len(ty.fields[2].shape) == 2
+        text = mod[name].script()
+        assert "<= T.int64(64)" in text and "mlcc.cublaslt.matmul" in text
+        assert any(d in text for d in decoders)   # decoded before the packed call
+    # off: the q4 tensor-core GEMM at every size, as before
+    off = _kernels(hf_models, "q4f16_1", CompileOptions(vendor_gemm_q4_tokens=0))
+    assert not [gv for gv in off.functions if "cublaslt" in gv.name_hint or "dequantize_q4" in gv.name_hint]
+
+
+def test_the_q4_decoding_kernel_matches_numpy():
+    """The scratch decoder, built for the CPU from the same TE expression: codes and scales as the quantizer packs
+    them decode to the numpy reference's weights exactly."""
+    from mlcc.compiler.quant_schemes import group_dequantize, group_quantize
+    from mlcc.compiler.vendor_gemm import dequantize_func
+
+    q = get_quantization("q4f16_1")
+    n, k = 24, 64
+    w = np.random.default_rng(0).standard_normal((n, k)).astype(np.float32)
+    packed, scale = group_quantize(w, q)
+    func = dequantize_func(n, k, q, threads=None)
+    lib = tvm.compile(tvm.IRModule({"main": func}), target="llvm")
+    out = tvm.runtime.empty((n, k), "float16", tvm.cpu())
+    lib["main"](tvm.runtime.tensor(packed), tvm.runtime.tensor(scale), out)
+    np.testing.assert_array_equal(out.numpy(), group_dequantize(packed, scale, q).astype(np.float16))
 
 
 def test_option_off_or_shim_unavailable_keeps_the_build(hf_models, monkeypatch):

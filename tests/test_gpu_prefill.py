@@ -1,6 +1,7 @@
 """Prefill on CUDA, whose GEMMs dlight schedules on the tensor cores, against the CPU build: the SmolLM2-135M shape
 at q4f16_1 (every dimension over 64, so the tensorized path is taken), the same seeded random weights in both
-builds, a 300-token prefill and one decode step."""
+builds, a 300-token prefill and one decode step; with the projections on the q4 tensor-core GEMM and on cuBLASLt
+over weights decoded into a scratch."""
 
 import numpy as np
 import pytest
@@ -29,12 +30,16 @@ def _logits(model_dir) -> np.ndarray:
     return np.stack(rows).astype(np.float32)
 
 
-def test_tensor_core_prefill_matches_the_cpu_build(tmp_path):
+@pytest.mark.parametrize("options", [{"vendor_gemm_q4_tokens": 0}, {"vendor_gemm_q4_tokens": 64}],
+                         ids=["q4-tensor-core-gemm", "decoded-scratch-cublaslt"])
+def test_tensor_core_prefill_matches_the_cpu_build(tmp_path, options):
     from mlcc.compiler.build import compile_shape_only
+    from mlcc.options import CompileOptions
 
     p = PRESETS["smollm2-135m"]
-    for target in ("llvm", "cuda"):
-        compile_shape_only(p.family, p.hf_config(), target, "q4f16_1", tmp_path / target)
+    compile_shape_only(p.family, p.hf_config(), "llvm", "q4f16_1", tmp_path / "llvm")
+    compile_shape_only(p.family, p.hf_config(), "cuda", "q4f16_1", tmp_path / "cuda",
+                       options=CompileOptions(**options))
     ref, got = _logits(tmp_path / "llvm"), _logits(tmp_path / "cuda")
     err = np.abs(got - ref).max(axis=1) / np.abs(ref).max(axis=1)  # per row: after the prefill, after the step
     assert err.max() <= 3e-2, f"max rel. logit error per row {err}"
