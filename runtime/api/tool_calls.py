@@ -673,20 +673,8 @@ class XmlToolCallParser:
             self._done = True
         return self._out
 
-    def finish(self) -> tuple[str | None, list[dict]]:
-        if not self._done:
-            self.flush()
-        content = "".join(self._content)
-        calls = [{"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
-                 for c in self._calls]
-        if calls and not content.strip():
-            return None, calls
-        return content, calls
-
-    @property
-    def has_tool_calls(self) -> bool:
-        return bool(self._calls)
-
+    finish = ToolCallParser.finish
+    has_tool_calls = ToolCallParser.has_tool_calls
     _emit_content = ToolCallParser._emit_content
     _emit_args = ToolCallParser._emit_args
     _start_call = ToolCallParser._start_call
