@@ -1,4 +1,4 @@
-"""Tool calls (runtime/api/tool_calls.py): format detection, grammars that make a model call tools (random walks on
+"""Tool calls (runtime/api/tool_calls/): format detection, grammars that make a model call tools (random walks on
 SmolLM2's vocabulary whose arguments must validate against the tool's parameters), and the streaming parser."""
 
 from __future__ import annotations
