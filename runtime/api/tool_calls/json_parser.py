@@ -10,68 +10,18 @@ from __future__ import annotations
 
 import json
 import re
-import secrets
-from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
 
-from mlcc.runtime.api.tool_calls.formats import ToolFormat
-
-
-@dataclass
-class ParsedDelta:
-    """One streamed piece: content text, or part of tool call `index` (the first carries id and name)."""
-
-    content: str | None = None
-    index: int | None = None
-    id: str | None = None
-    name: str | None = None
-    arguments: str | None = None
-
-    def as_openai(self) -> dict:
-        """The entry of a streamed chunk's `delta.tool_calls` (OpenAI's shape)."""
-        d: dict[str, Any] = {"index": self.index}
-        fn: dict[str, Any] = {}
-        if self.id is not None:
-            d.update(id=self.id, type="function")
-            fn["name"] = self.name
-        if self.arguments is not None:
-            fn["arguments"] = self.arguments
-        d["function"] = fn
-        return d
-
-
-def new_call_id() -> str:
-    return "call_" + secrets.token_hex(12)
-
+from mlcc.runtime.api.tool_calls.base import _BETWEEN, _CALL, _TEXT, BaseParser
 
 _HEADER = re.compile(r'\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"(?:arguments|parameters)"\s*:\s*(?=\{)')
-_TEXT, _BETWEEN, _CALL = 0, 1, 2
 
 
 @dataclass
-class _Call:
-    id: str
-    name: str
-    arguments: str = ""
+class ToolCallParser(BaseParser):
+    """Streaming parser of a model's message in `fmt` (BaseParser's feed, flush, finish). `tools` is kept for
+    the names; calls are not filtered by it."""
 
-
-@dataclass
-class ToolCallParser:
-    """Streaming parser of a model's message in `fmt`: feed() text deltas as they are decoded, flush() once at
-    the end (the last held-back text), then finish() for the whole message. Concatenating the streamed pieces
-    gives exactly finish()'s content and calls. `tools` is kept for the names; calls are not filtered by it."""
-
-    fmt: ToolFormat
-    tools: list[dict] | None = None
-    id_factory: Callable[[], str] = new_call_id
-    _calls: list[_Call] = field(default_factory=list)
-    _content: list[str] = field(default_factory=list)
-    _out: list[ParsedDelta] = field(default_factory=list)
-    _buf: str = ""  # text not decided yet (a possible trigger/noise prefix, or the call object so far)
-    _state: int = _TEXT
-    _ws: str = ""  # whitespace held back in text: dropped if a call follows or precedes it
-    _after_call: bool = False
     _raw: str = ""  # section text since the last decided point, given back as content if it is no call after all
     _obj_start: int = 0
     _depth: int = 0
@@ -80,7 +30,6 @@ class ToolCallParser:
     _header: bool = False
     _args_done: bool = False
     _args_from: int = 0
-    _done: bool = False
     _started: bool = False  # past the message's leading whitespace: a lead no longer opens a call
     _bare: bool = False  # the section was opened by a lead: only a whole call of a known tool counts
 
@@ -88,70 +37,14 @@ class ToolCallParser:
     def _names(self) -> set[str]:
         return {t["function"]["name"] for t in self.tools or () if isinstance(t.get("function"), dict)}
 
-    def feed(self, text: str) -> list[ParsedDelta]:
-        self._out = []
-        self._buf += text
-        self._run(final=False)
-        return self._out
-
-    def flush(self) -> list[ParsedDelta]:
-        """The pieces held back until the end of the message (call once, after the last feed)."""
-        self._out = []
-        if not self._done:
-            self._run(final=True)
-            unread = (self._state == _CALL and not self._header) or (self._state == _BETWEEN and not self._calls)
-            if unread:  # cut off before a call could be read: it is text
-                self._give_back(self._raw + self._buf)
-            elif self._state == _TEXT:
-                self._text(self._buf)
-            # a call cut off inside its arguments (max_tokens) keeps what was streamed
-            if self._ws and not self._calls:
-                self._emit_content(self._ws)
-            self._buf = self._ws = self._raw = ""
-            self._done = True
-        return self._out
-
-    def finish(self) -> tuple[str | None, list[dict]]:
-        """(content, tool_calls in OpenAI's message shape) for the whole message; content is None when there are
-        calls and no other text."""
-        if not self._done:
-            self.flush()
-        content = "".join(self._content)
-        calls = [{"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
-                 for c in self._calls]
-        if calls and not content.strip():
-            return None, calls
-        return content, calls
-
-    @property
-    def has_tool_calls(self) -> bool:
-        return bool(self._calls)
-
-    # -- output helpers -----------------------------------------------------------------------------------------
-    def _emit_content(self, s: str) -> None:
-        if not s:
-            return
-        self._content.append(s)
-        if self._out and self._out[-1].content is not None:
-            self._out[-1].content += s
-        else:
-            self._out.append(ParsedDelta(content=s))
-
-    def _emit_args(self, s: str) -> None:
-        if not s:
-            return
-        idx = len(self._calls) - 1
-        self._calls[idx].arguments += s
-        last = self._out[-1] if self._out else None
-        if last is not None and last.index == idx and last.arguments is not None:
-            last.arguments += s
-        else:
-            self._out.append(ParsedDelta(index=idx, arguments=s))
-
-    def _start_call(self, name: str, arguments: str) -> None:
-        call = _Call(self.id_factory(), name, arguments)
-        self._calls.append(call)
-        self._out.append(ParsedDelta(index=len(self._calls) - 1, id=call.id, name=name, arguments=arguments))
+    def _flush_rest(self) -> None:
+        unread = (self._state == _CALL and not self._header) or (self._state == _BETWEEN and not self._calls)
+        if unread:  # cut off before a call could be read: it is text
+            self._give_back(self._raw + self._buf)
+        elif self._state == _TEXT:
+            self._text(self._buf)
+        # a call cut off inside its arguments (max_tokens) keeps what was streamed
+        self._raw = ""
 
     def _give_back(self, s: str) -> None:
         """Section text that held no call after all: it is content."""
@@ -206,17 +99,6 @@ class ToolCallParser:
             self._emit_content(body)
             self._after_call = False
         self._ws += s[len(body):]
-
-    @staticmethod
-    def _partial_len(buf: str, marks: tuple[str, ...]) -> int:
-        """Length of the longest suffix of buf that is a proper prefix of one of marks."""
-        best = 0
-        for m in marks:
-            for n in range(min(len(m) - 1, len(buf)), best, -1):
-                if buf.endswith(m[:n]):
-                    best = n
-                    break
-        return best
 
     def _scan_between(self, final: bool) -> None:
         fences = tuple(t for t in self.fmt.lead if t != "{") if self._bare else ()

@@ -6,20 +6,10 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
-from mlcc.runtime.api.tool_calls.formats import ToolFormat
-from mlcc.runtime.api.tool_calls.json_parser import (
-    _BETWEEN,
-    _CALL,
-    _TEXT,
-    ParsedDelta,
-    ToolCallParser,
-    _Call,
-    new_call_id,
-)
+from mlcc.runtime.api.tool_calls.base import _BETWEEN, _CALL, _TEXT, BaseParser
 
 _XML_FUNCTION = re.compile(r"\s*<function=([^>\n]+)>\n?")
 _XML_PARAMETER = re.compile(r"\s*<parameter=([^>\n]+)>\n?(.*?)\n?</parameter>", re.DOTALL)
@@ -51,50 +41,19 @@ def xml_value(text: str, schema: dict | None) -> Any:
 
 
 @dataclass
-class XmlToolCallParser:
-    """ToolCallParser's interface (feed, flush, finish, has_tool_calls) for the qwen3_coder format. A call's
+class XmlToolCallParser(BaseParser):
+    """The parser of the qwen3_coder format (BaseParser's feed, flush, finish). A call's
     arguments stream one whole parameter at a time, as the JSON object's next member."""
 
-    fmt: ToolFormat
-    tools: list[dict] | None = None
-    id_factory: Callable[[], str] = new_call_id
-    _calls: list[_Call] = field(default_factory=list)
-    _content: list[str] = field(default_factory=list)
-    _out: list[ParsedDelta] = field(default_factory=list)
-    _buf: str = ""
-    _state: int = _TEXT
-    _ws: str = ""
     _params: int = 0
-    _after_call: bool = False
-    _done: bool = False
 
     _OPEN, _CLOSE = "<tool_call>", "</tool_call>"
 
-    def feed(self, text: str) -> list[ParsedDelta]:
-        self._out = []
-        self._buf += text
-        self._run(final=False)
-        return self._out
-
-    def flush(self) -> list[ParsedDelta]:
-        self._out = []
-        if not self._done:
-            self._run(final=True)
-            if self._state == _BETWEEN:  # a <tool_call> with no function: text
-                self._text(self._OPEN + self._buf)
-            elif self._state == _TEXT:
-                self._text(self._buf)
-            if self._ws and not self._calls:
-                self._emit_content(self._ws)
-            self._buf = self._ws = ""
-            self._done = True
-        return self._out
-
-    finish = ToolCallParser.finish
-    has_tool_calls = ToolCallParser.has_tool_calls
-    _emit_content = ToolCallParser._emit_content
-    _emit_args = ToolCallParser._emit_args
-    _start_call = ToolCallParser._start_call
+    def _flush_rest(self) -> None:
+        if self._state == _BETWEEN:  # a <tool_call> with no function: text
+            self._text(self._OPEN + self._buf)
+        elif self._state == _TEXT:
+            self._text(self._buf)
 
     def _text(self, s: str) -> None:
         """Content, trailing whitespace held back (dropped before a call), leading whitespace after a call dropped."""
@@ -119,7 +78,7 @@ class XmlToolCallParser:
             if self._state == _TEXT:
                 at = buf.find(self._OPEN)
                 if at < 0:
-                    keep = 0 if final else ToolCallParser._partial_len(buf, (self._OPEN,))
+                    keep = 0 if final else self._partial_len(buf, (self._OPEN,))
                     self._text(buf[: len(buf) - keep])
                     self._buf = buf[len(buf) - keep:]
                     return
