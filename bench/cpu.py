@@ -36,8 +36,9 @@ the report lists each kernel's default and best tuned latency.
 
 first-run: what a new user waits for and how much memory it takes. `mlcc chat GGUF --prompt "What is the capital
 of France?" --max-tokens 8` in a fresh process with a fresh, empty MLCC_CACHE_DIR (GGUF read, library compiled,
-weights converted, engine loaded, answer), then again with that cache warm; wall time and peak RSS of each process
-(its compiler's children included). --model: qwen0.5b (Qwen2.5-Coder-0.5B-Instruct Q4_K_M), gemma270m (Gemma-3-270m
+weights converted, engine loaded, answer), then again with that cache warm; wall time, CPU time (user + system) and
+peak RSS of each process (its compiler's children included). Other work on a shared machine lengthens the wall
+time, not the CPU time: compare the best wall times of runs, and the CPU times. --model: qwen0.5b (Qwen2.5-Coder-0.5B-Instruct Q4_K_M), gemma270m (Gemma-3-270m
 Q4_K_M), both in MLCC_WEIGHTS_CACHE; smollm2 (the bundled model); or a GGUF path. Each run is one JSON row with the
 1-minute load average before it: the machine may be shared. Goal: Qwen2.5-Coder-0.5B cold <= 20 s and <= 1.5 GB on
 the 2-core development machine.
@@ -304,7 +305,7 @@ def first_run_gguf(model: str) -> Path:
 
 
 def measured_chat(gguf: Path, cache: Path) -> dict:
-    """One `mlcc chat` process: wall seconds, its own peak RSS and the answer. wait4 gives this child's usage alone
+    """One `mlcc chat` process: wall and CPU seconds, its own peak RSS and the answer. wait4 gives this child's usage alone
     (RUSAGE_CHILDREN keeps the largest of all children so far, so a warm run would report the cold one's peak)."""
     env = {**os.environ, "MLCC_CACHE_DIR": str(cache)}
     cmd = [sys.executable, "-m", "mlcc", "chat", str(gguf), "--prompt", PROMPT, "--max-tokens", "8"]
@@ -319,7 +320,8 @@ def measured_chat(gguf: Path, cache: Path) -> dict:
     if p.returncode != 0:
         raise SystemExit(f"{' '.join(cmd)} exited {p.returncode}:\n{log[-2000:]}")
     ready = re.search(r"ready in ([\d.]+)s", log)
-    return {"wall_s": round(wall, 2), "peak_rss_gb": round(usage.ru_maxrss / 2**20, 3), "answer": answer,
+    return {"wall_s": round(wall, 2), "cpu_s": round(usage.ru_utime + usage.ru_stime, 2),
+            "peak_rss_gb": round(usage.ru_maxrss / 2**20, 3), "answer": answer,
             "ready_s": float(ready.group(1)) if ready else None}
 
 
@@ -330,16 +332,19 @@ def first_run_row(model: str, gguf: Path, run: int, info: dict) -> dict:
         warm = measured_chat(gguf, Path(cache))
     return {"bench": "first_run", "model": model, "gguf": gguf.name, "run": run, "cpus": info["cpus"],
             "wall_s": cold["wall_s"], "peak_rss_gb": cold["peak_rss_gb"], "warm_wall_s": warm["wall_s"],
-            "warm_peak_rss_gb": warm["peak_rss_gb"], "ready_s": cold["ready_s"], "warm_ready_s": warm["ready_s"],
+            "warm_peak_rss_gb": warm["peak_rss_gb"], "cpu_s": cold["cpu_s"], "warm_cpu_s": warm["cpu_s"],
+            "ready_s": cold["ready_s"], "warm_ready_s": warm["ready_s"],
             "answer": cold["answer"], "warm_answer": warm["answer"], "load_avg_1min": load,
             "commit": info["commit"], "date": time.strftime("%Y-%m-%d %H:%M")}
 
 
 def first_run_table(rows: list[dict]) -> str:
-    out = ["| model | run | cold wall s | cold peak RSS GB | warm wall s | warm peak RSS GB | load (1 min) |",
-           "|---|---|---|---|---|---|---|"]
-    out += [f"| {r['model']} | {r['run']} | {r['wall_s']:.1f} | {r['peak_rss_gb']:.2f} | {r['warm_wall_s']:.1f} | "
-            f"{r['warm_peak_rss_gb']:.2f} | {r['load_avg_1min']} |" for r in rows]
+    head = ["model", "run", "cold wall s", "cold CPU s", "cold peak RSS GB", "warm wall s", "warm CPU s",
+            "warm peak RSS GB", "load (1 min)"]
+    out = ["| " + " | ".join(head) + " |", "|---" * len(head) + "|"]
+    out += [f"| {r['model']} | {r['run']} | {r['wall_s']:.1f} | {r['cpu_s']:.1f} | {r['peak_rss_gb']:.2f} | "
+            f"{r['warm_wall_s']:.1f} | {r['warm_cpu_s']:.1f} | {r['warm_peak_rss_gb']:.2f} | {r['load_avg_1min']} |"
+            for r in rows]
     return "\n".join(out)
 
 
