@@ -3,7 +3,8 @@ and streamed as reasoning deltas, with the parsers vLLM names deepseek_r1 and qw
 the template; tool calls still parsed after the reasoning; a grammar waiting for the reasoning to end.
 
 Replies are read back from Qwen3's published chat template (tests/templates/qwen3.jinja) rendering an assistant
-turn; through the engine, random weights are made to write a reasoning block by a regex grammar."""
+turn, and from DeepSeek-R1's (tests/templates/deepseek_r1.jinja), which opens the reasoning in the prompt; through
+the engine, random weights are made to write a reasoning block by a regex grammar."""
 
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ from mlcc.runtime.core.sampler import SamplingParams
 from mlcc.runtime.core.tokenizer import _compile_template
 
 QWEN3 = (Path(__file__).parent / "templates" / "qwen3.jinja").read_text()
+DEEPSEEK_R1 = (Path(__file__).parent / "templates" / "deepseek_r1.jinja").read_text()
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
 
@@ -152,6 +154,30 @@ def test_deepseek_r1_reads_up_to_the_close_tag():
                 s = _stream(kind, text, None, seed)
                 assert s["reasoning_content"] == (getattr(want, "reasoning_content", None) or "")
                 assert s["content"] == want.content
+
+
+@pytest.mark.parametrize("opened", [True, False], ids=["prompt-opened", "reply-opened"])
+def test_deepseek_r1_template_reply_reads_back(opened):
+    """DeepSeek-R1's published template (tests/templates/deepseek_r1.jinja) ends the generation prompt with
+    `<think>\\n`, so the reply holds only `...</think>answer`; a reply that opens its own `<think>` reads the same.
+    What deepseek_r1 takes as the content is what the template keeps of the turn in the next prompt."""
+    ask = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2 + 2?"}]
+    prompt = _render(DEEPSEEK_R1, ask, add_generation_prompt=True)
+    assert prompt == "Be brief.<｜User｜>What is 2 + 2?<｜Assistant｜><think>\n"
+    thought, answer = "Two plus two.\nThat is 4.\n", "The answer is 4."
+    reply = thought + "</think>\n\n" + answer if opened else "<think>" + thought + "</think>" + answer
+    c = _whole("deepseek_r1", reply, None)
+    assert (c.message.reasoning_content, c.message.reasoning, c.message.content) == (thought, thought, answer)
+    assert c.finish_reason == "stop" and c.message.tool_calls is None
+    for seed in range(15):
+        s = _stream("deepseek_r1", reply, None, seed)
+        assert (s["reasoning_content"], s["reasoning"], s["content"]) == (thought, thought, answer)
+    # the template drops the reasoning from history, keeping what follows </think> (whitespace included, which the
+    # parser drops)
+    kept = reply.split("</think>")[-1]
+    history = _render(DEEPSEEK_R1, [*ask, {"role": "assistant", "content": reply}])
+    assert history == prompt.removesuffix("<think>\n") + kept + "<｜end▁of▁sentence｜>"
+    assert kept.lstrip() == c.message.content
 
 
 def test_reasoning_parser_setting():
