@@ -65,9 +65,9 @@ def resolve(model: str | Path) -> Path:
 
 def source_name(path: Path) -> str:
     """A model's name for builds and the API: `org/name` for a folder in the HF cache (its own name is a commit
-    hash), else the file or folder name without its suffix."""
+    hash), else the file or folder name without its suffix (a split GGUF's parts: without their part number)."""
     m = _SNAPSHOT.search(Path(path).as_posix())
-    return f"{m['org']}/{m['name']}" if m else Path(path).stem
+    return f"{m['org']}/{m['name']}" if m else Path(_model_key(Path(path).name)).stem
 
 
 def _model_key(name: str) -> str:

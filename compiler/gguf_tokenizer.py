@@ -18,9 +18,9 @@ _CONTROL, _USER_DEFINED = 3, 4
 
 
 def write_gguf_tokenizer(gguf_path: Path, out: Path) -> None:
-    from .weights import open_gguf
+    from .weights import gguf_parts, open_gguf
 
-    reader = open_gguf(gguf_path)
+    reader = open_gguf(gguf_parts(gguf_path)[0])   # a split GGUF's tokenizer is in its first part
 
     def field(key: str, default: Any = None) -> Any:
         f = reader.fields.get(key)

@@ -12,8 +12,9 @@ import mmap
 import re
 import struct
 import sys
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import numpy as np
 
@@ -92,7 +93,7 @@ def _safetensors_index(path: Path, rows: dict[str, tuple[int, Callable[[int, int
             raise ModelSourceError(f"{path}: tensor '{name}' has unsupported dtype {meta['dtype']}")
 
         def load(meta=meta) -> np.ndarray:
-            start, end = meta["data_offsets"]
+            start = meta["data_offsets"][0]
             arr = np.memmap(path, dtype=_ST_DTYPES[meta["dtype"]], mode="r", offset=base + start,
                             shape=tuple(meta["shape"]) or (1,))
             if meta["dtype"] == "BF16":
@@ -234,24 +235,102 @@ def _gguf_expected_size(path: Path) -> int | None:
         return None
 
 
-def load_gguf(path: Path) -> ModelSource:
-    import gguf
+# llama.cpp's split GGUF (llama-gguf-split, convert_hf_to_gguf.py --split-max-*): `<name>-00001-of-00003.gguf`, ...,
+# each part a GGUF of its own; the first carries the model's metadata, every part the split.* keys and its tensors
+_SPLIT_NAME = re.compile(r"^(?P<prefix>.+)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$")
+_MERGE_FIX = "or merge them into one file with `llama-gguf-split --merge FIRST-PART OUT.gguf`"
 
-    from mlcc.relax_models import family_for, gguf_model_type
 
+def _split_names(path: Path) -> list[Path]:
+    """Every part of the split GGUF `path` is a part of (by llama.cpp's naming), first part first; `[path]` for a
+    file not named as a part."""
+    m = _SPLIT_NAME.match(path.name)
+    if m is None:
+        return [path]
+    count = int(m["count"])
+    return [path.with_name(f"{m['prefix']}-{i:05d}-of-{count:05d}.gguf") for i in range(1, count + 1)]
+
+
+def gguf_parts(path: str | Path) -> list[Path]:
+    """The files of the GGUF model `path` belongs to, the one with the metadata first: `path` itself, or every part
+    of a split GGUF given any of its parts. A missing part is a ModelSourceError naming it."""
+    parts = _split_names(Path(path))
+    missing = [p.name for p in parts if not p.is_file()]
+    if missing:
+        raise ModelSourceError(f"{parts[0]}: a GGUF split into {len(parts)} parts, and {', '.join(missing)} "
+                               f"{'is' if len(missing) == 1 else 'are'} missing from {parts[0].parent}; download "
+                               f"every part into that folder (a Hugging Face repo name downloads them all), "
+                               f"{_MERGE_FIX}")
+    return parts
+
+
+def _read_gguf(path: Path):
+    """open_gguf(path), its failures as one ModelSourceError: a file shorter than its header says is reported as
+    truncated (an interrupted download), anything else as unreadable."""
     try:
-        reader = open_gguf(path)
+        return open_gguf(path)
     except Exception as e:  # gguf raises bare ValueErrors on bad magic
         expected, found = _gguf_expected_size(path), Path(path).stat().st_size
         if expected is not None and found < expected:
             raise ModelSourceError(f"{path}: truncated or incomplete file (expected {expected} bytes, found {found}); "
                                    "download it again") from None
         raise ModelSourceError(f"{path}: not a readable GGUF file ({e})") from e
+
+
+def _check_split(parts: list[Path], readers: list) -> None:
+    """The parts' split.* keys agree with their names and with each other, so no part of another split (another
+    quantization, an older upload) is mixed in, and no split is read as a whole model."""
+    import gguf
+
+    keys = gguf.Keys.Split
+    count = _gguf_field(readers[0], keys.LLM_KV_SPLIT_COUNT) or 1
+    if len(parts) == 1 and count > 1:
+        raise ModelSourceError(f"{parts[0]}: part {(_gguf_field(readers[0], keys.LLM_KV_SPLIT_NO) or 0) + 1} of a "
+                               f"GGUF split into {count} parts, but not named as llama.cpp names the parts "
+                               f"(<name>-00001-of-{count:05d}.gguf, ...), so the others cannot be found; rename "
+                               f"the parts so, {_MERGE_FIX}")
+    for i, (part, reader) in enumerate(zip(parts, readers)):
+        no, of = _gguf_field(reader, keys.LLM_KV_SPLIT_NO) or 0, _gguf_field(reader, keys.LLM_KV_SPLIT_COUNT) or 1
+        if (no, of) != (i, len(parts)):
+            raise ModelSourceError(f"{part}: its metadata says it is part {no + 1} of {of}, its name part {i + 1} of "
+                                   f"{len(parts)}; the parts come from different files: download them again")
+    expected = _gguf_field(readers[0], keys.LLM_KV_SPLIT_TENSORS_COUNT)
+    found = sum(len(r.tensors) for r in readers)
+    if expected is not None and expected != found:
+        raise ModelSourceError(f"{parts[0]}: the split GGUF lists {expected} tensors (split.tensors.count) and its "
+                               f"{len(parts)} parts hold {found}; the parts come from different files: download "
+                               "them again")
+
+
+def _gguf_tensors(parts: list[Path], readers: list) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+    """Every part's tensors by name, and the memory map each one's data lies in (its own part's)."""
+    by_name: dict[str, Any] = {}
+    mapping: dict[str, np.ndarray] = {}
+    for part, reader in zip(parts, readers):
+        for t in reader.tensors:
+            if t.name in by_name:
+                raise ModelSourceError(f"{part}: tensor '{t.name}' is in two parts of the split GGUF; download the "
+                                       "parts again")
+            by_name[t.name], mapping[t.name] = t, reader.data
+    return by_name, mapping
+
+
+def load_gguf(path: Path) -> ModelSource:
+    """The GGUF model `path` is (or, for a split GGUF, any part of): metadata from the first part, tensors from all,
+    read lazily from their memory maps."""
+    import gguf
+
+    from mlcc.relax_models import family_for, gguf_model_type
+
+    parts = gguf_parts(path)
+    readers = [_read_gguf(p) for p in parts]
+    _check_split(parts, readers)
+    reader, path = readers[0], parts[0]
+    by_name, mapping = _gguf_tensors(parts, readers)
     arch = _gguf_field(reader, "general.architecture")
     fields = {k: _gguf_field(reader, k) for k in reader.fields if not k.startswith("tokenizer.ggml.")}
     model_type = gguf_model_type(arch, fields)
     family = family_for(model_type, source="gguf")
-    by_name = {t.name: t for t in reader.tensors}
     if "token_embd.weight" not in by_name:
         raise ModelSourceError(f"{path}: GGUF has no token_embd.weight")
     vocab = int(by_name["token_embd.weight"].shape[-1])
@@ -276,7 +355,7 @@ def load_gguf(path: Path) -> ModelSource:
                 continue
             tensors[hf_name] = _gguf_loader(by_name[g], fixups.get(hf_name))
             if len(by_name[g].shape) == 2 and hf_name not in fixups:
-                rows[hf_name] = (int(by_name[g].shape[1]), _gguf_rows(by_name[g], reader.data))
+                rows[hf_name] = (int(by_name[g].shape[1]), _gguf_rows(by_name[g], mapping[g]))
     return ModelSource("gguf", path, model_type, config, tensors, rows)
 
 
@@ -331,9 +410,9 @@ def load_source(path: str | Path) -> ModelSource:
         if p.suffix != ".gguf":
             raise ModelSourceError(f"{p}: expected a .gguf file or a Hugging Face model folder")
         return load_gguf(p)
-    ggufs = sorted(p.glob("*.gguf"))
-    if not (p / "config.json").exists() and len(ggufs) == 1:
-        return load_gguf(ggufs[0])
+    models = {_split_names(g)[0] for g in p.glob("*.gguf")}   # a split GGUF's parts are one model
+    if not (p / "config.json").exists() and len(models) == 1:
+        return load_gguf(models.pop())
     return load_hf_folder(p)
 
 

@@ -90,9 +90,12 @@ def _random_k_quant(shape, qtype, rng) -> np.ndarray:
     return raw.reshape(shape[0], -1)
 
 
-def write_gguf(hf_dir, kind: str, path, k_quants: bool = False) -> dict[str, np.ndarray]:
+def write_gguf(hf_dir, kind: str, path, k_quants: bool = False, split_max_tensors: int = 0,
+               small_first_shard: bool = False) -> dict[str, np.ndarray]:
     """`hf_dir`'s model as llama.cpp would write it. k_quants: its matrices as random K-quant blocks instead;
-    returns those matrices dequantized, under their HF names, for the reference model."""
+    returns those matrices dequantized, under their HF names, for the reference model. split_max_tensors: as a
+    split GGUF of at most that many tensors a part (`<path stem>-00001-of-0000N.gguf`, ...; the split.* keys as
+    llama-gguf-split writes them); small_first_shard: its first part the metadata alone (`--no-tensor-first-split`)."""
     import gguf
     import transformers as tf
     from gguf.quants import dequantize
@@ -100,7 +103,8 @@ def write_gguf(hf_dir, kind: str, path, k_quants: bool = False) -> dict[str, np.
     model = tf.AutoModelForCausalLM.from_pretrained(hf_dir, torch_dtype=torch.float32)
     cfg = model.config
     arch = GGUF_ARCH[kind]
-    w = gguf.GGUFWriter(str(path), gguf.MODEL_ARCH_NAMES[gguf.MODEL_ARCH[arch]])
+    w = gguf.GGUFWriter(str(path), gguf.MODEL_ARCH_NAMES[gguf.MODEL_ARCH[arch]], split_max_tensors=split_max_tensors,
+                        small_first_shard=small_first_shard)
     _write_hparams(w, cfg, arch)
     _write_tokenizer(w, hf_dir, cfg.vocab_size)
     tmap = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch], cfg.num_hidden_layers)

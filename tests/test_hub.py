@@ -22,7 +22,8 @@ ARGS = ["--target", "llvm", "--quant", "q0f32", "--max-tokens", "6", "--temperat
 @pytest.fixture(scope="module")
 def hub(tmp_path_factory, hf_models):
     """org/tiny: the tiny llama with the copies a real repo carries beside its safetensors; org/tiny-GGUF: the same
-    model as one GGUF among other quantizations (those are not GGUF files: picking one fails the chat)."""
+    model as one GGUF and as a GGUF split in 3 parts (F16), among other quantizations (those are not GGUF files:
+    picking one fails the chat)."""
     root = tmp_path_factory.mktemp("hub-repos")
     tiny = root / "tiny"
     shutil.copytree(hf_models("llama"), tiny)
@@ -33,8 +34,8 @@ def hub(tmp_path_factory, hf_models):
     gguf = root / "tiny-GGUF"
     gguf.mkdir()
     write_gguf(hf_models("llama"), "llama", gguf / "tiny-Q4_K_M.gguf")
-    for other in ("tiny-Q4_K_S.gguf", "tiny-Q8_0.gguf", "tiny-F16-00001-of-00002.gguf",
-                  "tiny-F16-00002-of-00002.gguf"):
+    write_gguf(hf_models("llama"), "llama", gguf / "tiny-F16.gguf", split_max_tensors=8)
+    for other in ("tiny-Q4_K_S.gguf", "tiny-Q8_0.gguf"):
         (gguf / other).write_bytes(b"some other quantization")
     with fake_hub({"org/tiny": tiny, "org/tiny-GGUF": gguf}, gated=frozenset({"org/gated"})) as h:
         h.env = {**os.environ, "HF_ENDPOINT": h.url, "HF_HOME": str(root / "hf-home"), "HF_HUB_OFFLINE": "0",
@@ -79,6 +80,15 @@ def test_a_gguf_tag_picks_its_file_among_the_quantizations(hub):
     assert [f for repo, f in hub.downloads if repo == "org/tiny-GGUF"] == ["tiny-Q4_K_M.gguf"]
 
 
+def test_a_split_gguf_downloads_every_part_and_chats_as_the_whole_file(hub):
+    whole = _mlcc(hub.env, "chat", "org/tiny-GGUF:Q4_K_M", *ARGS)
+    split = _mlcc(hub.env, "chat", "org/tiny-GGUF:F16", *ARGS)
+    assert split.returncode == 0, split.stderr
+    assert sorted(f for repo, f in hub.downloads if repo == "org/tiny-GGUF" and "F16" in f) == \
+        [f"tiny-F16-{i:05d}-of-00003.gguf" for i in (1, 2, 3)]
+    assert split.stdout.strip() and split.stdout == whole.stdout and "[tiny-F16 on llvm" in split.stderr
+
+
 def test_offline_without_the_files_is_one_line(hub):
     line = _one_line_error(_mlcc({**hub.env, "HF_HUB_OFFLINE": "1"}, "chat", "org/never-downloaded", "--prompt",
                                  "hi"))
@@ -113,6 +123,7 @@ def test_names_and_paths(tmp_path, monkeypatch):
     assert parse_name("org/name") is None   # a local path that exists wins
     assert source_name(tmp_path / "hub" / "models--org--name" / "snapshots" / ("0" * 40)) == "org/name"
     assert source_name(tmp_path / "m-Q4_K_M.gguf") == "m-Q4_K_M"
+    assert source_name(tmp_path / "m-Q8_0-00002-of-00003.gguf") == "m-Q8_0"   # every part: the model's name
 
 
 def test_which_files_of_a_repo():
