@@ -36,7 +36,12 @@ def default_model_path() -> Path:
 
 
 def _source_fingerprint(path: Path) -> str:
-    files = [path] if path.is_file() else sorted(p for p in path.iterdir() if p.is_file())
+    if path.is_file() and path.suffix == ".gguf":
+        from mlcc.compiler.weights import gguf_parts  # every part of a split GGUF, so a replaced later part rebuilds
+
+        files = gguf_parts(path)
+    else:
+        files = [path] if path.is_file() else sorted(p for p in path.iterdir() if p.is_file())
     return json.dumps([[str(p.resolve()), p.stat().st_size, int(p.stat().st_mtime)] for p in files])
 
 

@@ -118,3 +118,15 @@ def test_a_folder_holding_one_split_model_loads_it(split):
 
     parts, _ = split
     assert load_source(parts[0].parent).path == parts[0]
+
+
+def test_the_jit_cache_key_covers_every_part(split, tmp_path):
+    """A later part replaced (a re-download of another revision) gives another build folder, not the old build."""
+    from mlcc.options import CompileOptions
+    from mlcc.runtime.jit import build_dir
+
+    parts, _ = split
+    before = build_dir(parts[0], "llvm", "q0f32", 1, CompileOptions())
+    data = parts[-1].read_bytes()
+    parts[-1].write_bytes(data + b"\0" * 32)
+    assert build_dir(parts[0], "llvm", "q0f32", 1, CompileOptions()) != before
