@@ -319,7 +319,7 @@ def measured_chat(gguf: Path, cache: Path) -> dict:
         answer, log = out.read().strip(), err.read()
     if p.returncode != 0:
         raise SystemExit(f"{' '.join(cmd)} exited {p.returncode}:\n{log[-2000:]}")
-    ready = re.search(r"ready in ([\d.]+)s", log)
+    ready = re.search(r", ready in ([\d.]+)s", log)  # the engine's line, not the library's
     return {"wall_s": round(wall, 2), "cpu_s": round(usage.ru_utime + usage.ru_stime, 2),
             "peak_rss_gb": round(usage.ru_maxrss / 2**20, 3), "answer": answer,
             "ready_s": float(ready.group(1)) if ready else None}
