@@ -76,6 +76,18 @@ def cmd_chat(args: argparse.Namespace) -> int:
                     sampling=sampling)
 
 
+def cmd_perplexity(args: argparse.Namespace) -> int:
+    from mlcc.options import CompileOptions
+    from mlcc.runtime.serve.perplexity import run_perplexity
+
+    r = run_perplexity(args.model, args.text, target=args.target, quant=args.quant, context=args.context,
+                       chunks=args.chunks, num_threads=args.num_threads,
+                       options=CompileOptions.parse(args.option) if args.option else None)
+    print(f"ppl {r.ppl:.4f} +/- {r.ppl_error:.4f}  ({r.scored_tokens} tokens scored in {r.chunks} chunks of "
+          f"{r.context}; {r.tokens_per_second:.1f} tok/s)")
+    return 0
+
+
 def cmd_web(args: argparse.Namespace) -> int:
     from mlcc.web.site import build_site
 
@@ -171,6 +183,25 @@ def build_parser() -> argparse.ArgumentParser:
     ch.add_argument("--repetition-penalty", type=float, default=None,
                     help="HF's repetition penalty (default: as --temperature says)")
     ch.set_defaults(func=cmd_chat)
+
+    pp = sub.add_parser("perplexity", help="a model's perplexity on a text file, measured as llama.cpp's "
+                                           "llama-perplexity does (chunks of --context tokens, second halves scored)")
+    pp.add_argument("model", nargs="?", default=None,
+                    help="what `mlcc chat` takes: artifacts folder, HF folder, .gguf, or Hugging Face repo name "
+                         "(default: the bundled SmolLM2-135M-Instruct)")
+    pp.add_argument("--text", required=True, metavar="FILE", help="UTF-8 text to score (at least two chunks' worth)")
+    pp.add_argument("--quant", default=None, help="quantization when compiling on first use (default: q4f32_1 on "
+                                                  "CPUs, q4f16_1 on GPUs)")
+    pp.add_argument("--target", default="auto", help="target preset (default: %(default)s, this machine)")
+    pp.add_argument("--context", type=int, default=512, metavar="N",
+                    help="tokens per chunk; the first half of each is context only (default: %(default)s)")
+    pp.add_argument("--chunks", type=int, default=None, metavar="K",
+                    help="score at most the first K chunks (default: as many as the text has)")
+    pp.add_argument("--threads", dest="num_threads", type=int, default=None, metavar="N",
+                    help="CPU threads (default: the physical cores this process may use)")
+    CompileOptions.add_cli_argument(pp, "; what a model compiled on first use is built with: an artifacts folder "
+                                        "must have been built with it")
+    pp.set_defaults(func=cmd_perplexity)
 
     w = sub.add_parser("web", help="write a static chat site (browser + Node.js) for WebGPU builds")
     w.add_argument("models", nargs="+", help="artifacts folders compiled with --target webgpu (q4f16_1 and/or "

@@ -85,6 +85,10 @@ class ContextWindowExceededError(RequestError):
         super().__init__(message, param="messages", code="context_length_exceeded")
 
 
+class PerplexityError(MlccError, ValueError):
+    """`mlcc perplexity` given a text too short for its --context, or a --context the model cannot take."""
+
+
 class SpeculativeConfigError(MlccError, ValueError):
     """A speculative_config that names an unknown key or method, a bad value, or a draft model that cannot draft
     for the target (another tokenizer)."""
