@@ -43,6 +43,10 @@ class UnknownQuantizationError(MlccError, ValueError):
     """A quantization name that is not one of mlcc's schemes."""
 
 
+class UnsupportedQuantizationError(MlccError, ValueError):
+    """A quantization scheme the chosen target or model cannot run: names which part cannot and the alternatives."""
+
+
 class UnsupportedTargetError(MlccError, ValueError):
     """A target name that is not one of the presets."""
 

@@ -7,6 +7,13 @@ one scale (in `scale_dtype`) per `group_size` consecutive codes along K. Symmetr
 q4f16_1 / q4f32_1 are bit-compatible with MLC-LLM: uint32[out, in/8] of 8 nibbles, scale[out, in/32] in the model
 dtype, q = clamp(round(w/scale) + 7, 0, 14).
 
+A float8 scheme stores each weight as one 8-bit float (`storage_dtype`, e.g. float8_e4m3fn) with one float32 scale
+per output channel (row), w ≈ code · scale, scale = absmax(row) / the format's largest finite value. Its embedding
+and LM head stay in the model dtype (they are few and the most sensitive to rounding). `activations` names the
+dtype many-token GEMMs quantize their activations to, per token, on the fly (cuBLASLt FP8 on CUDA); every other
+path multiplies in the model dtype. e4m3_e4m3_f16 follows MLC's naming: e4m3 weights, e4m3 activations, float16
+model.
+
 The quantizer tags every quantized projection with its scheme's name (TAG): an annotation on the "dequantize"
 block of a dense projection (fusion rewrites functions and drops their attributes, but keeps blocks) and a
 function attribute on the opaque expert kernels. Kernels look the scheme up by that name instead of assuming one.
@@ -15,6 +22,7 @@ function attribute on the opaque expert kernels. Kernels look the scheme up by t
 from __future__ import annotations
 
 import dataclasses
+import re
 
 from mlcc.errors import UnknownQuantizationError
 
@@ -25,18 +33,35 @@ TAG = "mlcc.quant"  # annotation / attribute naming a quantized projection's sch
 class Quantization:
     name: str
     model_dtype: str          # activations and unquantized parameters
-    kind: str                 # "none" | "group"
-    group_size: int = 32      # codes along K sharing one scale
+    kind: str                 # "none" | "group" | "float8"
+    group_size: int = 32      # codes along K sharing one scale (float8: 0, one scale per row)
     bits: int = 4             # per code
     storage_dtype: str = "uint32"  # the words codes are packed into
     symmetric: bool = True    # codes centred on max_int; False: a per-group zero point (no kernel decodes it yet)
     # int -> float by OR-ing the code into a float's mantissa (exact, and cheaper than a convert on GPUs);
     # off for WGSL, which has no 16-bit integers to build the f16 bit pattern from
     magic_int_to_float: bool = True
+    scale: str | None = None  # the scales' dtype where it is not the model dtype
+    activations: str | None = None  # many-token GEMMs quantize activations to this dtype per token (None: they don't)
+    quantize_embedding: bool = True  # False: embedding (and a tied LM head) stay in the model dtype
+    quantize_lm_head: bool = True
 
     @property
     def scale_dtype(self) -> str:
-        return self.model_dtype
+        return self.scale or self.model_dtype
+
+    @property
+    def float_max(self) -> float:
+        """The largest finite value of a float8 scheme's codes (what the row's absmax maps to)."""
+        return _FLOAT8_MAX[self.storage_dtype]
+
+    def weight_shape(self, n: int, k: int) -> tuple[int, int]:
+        """The stored codes of a [n, k] weight."""
+        return n, k // self.per_word
+
+    def scale_shape(self, n: int, k: int) -> tuple[int, ...]:
+        """The scales of a [n, k] weight: one per group of a row, or one per row (float8)."""
+        return (n,) if self.kind == "float8" else (n, k // self.group_size)
 
     @property
     def max_int(self) -> int:
@@ -49,7 +74,7 @@ class Quantization:
 
     @property
     def storage_bits(self) -> int:
-        return int(self.storage_dtype.removeprefix("uint"))
+        return int(re.search(r"\d+", self.storage_dtype).group())
 
     @property
     def per_word(self) -> int:
@@ -61,11 +86,16 @@ class Quantization:
         return self.group_size // self.per_word
 
 
+_FLOAT8_MAX = {"float8_e4m3fn": 448.0, "float8_e5m2": 57344.0}
+
 QUANTIZATIONS: dict[str, Quantization] = {
     "q0f32": Quantization("q0f32", "float32", "none"),
     "q0f16": Quantization("q0f16", "float16", "none"),
     "q4f16_1": Quantization("q4f16_1", "float16", "group"),
     "q4f32_1": Quantization("q4f32_1", "float32", "group"),
+    "e4m3_e4m3_f16": Quantization("e4m3_e4m3_f16", "float16", "float8", group_size=0, bits=8,
+                                  storage_dtype="float8_e4m3fn", scale="float32", activations="float8_e4m3fn",
+                                  quantize_embedding=False, quantize_lm_head=False),
 }
 
 
@@ -77,6 +107,7 @@ def get_quantization(name: str) -> Quantization:
 
 
 def weight_scheme(weights: str) -> Quantization | None:
-    """The group scheme a kernel's `weights` names, or None where it names a plain dtype ("float16")."""
+    """The quantized scheme (group or float8) a kernel's `weights` names, or None where it names a plain dtype
+    ("float16")."""
     q = QUANTIZATIONS.get(weights)
-    return q if q is not None and q.kind == "group" else None
+    return q if q is not None and q.kind != "none" else None

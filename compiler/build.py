@@ -18,6 +18,7 @@ from typing import Any, Iterator
 import numpy as np
 
 from mlcc import artifact
+from mlcc.errors import UnsupportedQuantizationError
 from mlcc.options import CompileOptions
 from mlcc.relax_models import Family, family_for
 from mlcc.targets import TargetPreset, cpu_record, get_target
@@ -62,6 +63,7 @@ def export_module(source: ModelSource, preset: TargetPreset, quant: Quantization
     cfg = family.config_from_hf(source.config)
     if context_window:
         cfg.context_window_size = context_window
+    check_target_reads(preset, quant)
     family.check_tensor_parallel(cfg, tensor_parallel, quant.group_size if quant.kind == "group" else None)
     cfg.tensor_parallel_shards = tensor_parallel
     target = preset.tvm_target()
@@ -95,6 +97,14 @@ def export_module(source: ModelSource, preset: TargetPreset, quant: Quantization
     # grammar masks, logit_bias and logprobs on the device, for every target (schedules/logit_processing.py)
     mod = attach_logit_functions(mod, cfg.vocab_size, target)
     return BuiltModule(mod, params, stamp, family, cfg, quant, preset, target, options)
+
+
+def check_target_reads(preset: TargetPreset, quant: Quantization) -> None:
+    """Refuse a scheme whose weights the target's kernels cannot load, saying why and what to use instead."""
+    if quant.kind == "float8" and preset.tvm_target().kind.name == "webgpu":
+        raise UnsupportedQuantizationError(
+            f"{quant.name} cannot run on target '{preset.name}': WGSL has no 8-bit types to load float8 weights "
+            "with; use q4f16_1 or q0f16 there")
 
 
 def _check_quantizable(model, quant: Quantization) -> None:
@@ -386,6 +396,7 @@ def compile_model(model: str | Path, target: str, quant: str, output: str | Path
 
         target = detect_local()
     preset, q = get_target(target), get_quantization(quant)   # fail fast on bad names, before loading anything
+    check_target_reads(preset, q)
     if preset.lib_ext == ".wasm":
         from .wasm_runtime import emcc_path
 

@@ -1,5 +1,5 @@
-"""The numpy packers of the group schemes (mlcc.quantization describes them; no TVM import, so runtime-only tools
-can use them)."""
+"""The numpy packers of the group and float8 schemes (mlcc.quantization describes them; no TVM import, so
+runtime-only tools can use them)."""
 
 from __future__ import annotations
 
@@ -57,3 +57,32 @@ def group_dequantize(packed: np.ndarray, scale: np.ndarray, q: Quantization) -> 
     codes = (packed[:, :, None] >> shifts) & q.code_mask
     codes = codes.reshape(n, -1).astype(np.float32) - q.max_int
     return codes * np.repeat(scale.astype(np.float32), q.group_size, axis=1)
+
+
+def float8_quantize(w: np.ndarray, q: Quantization) -> tuple[np.ndarray, np.ndarray]:
+    """float[..., N, K] → (codes[..., N, K] in q.storage_dtype, float32 scale[..., N]): one scale per row, absmax
+    mapped to the format's largest finite value, codes rounded to nearest even (ml_dtypes' cast)."""
+    import ml_dtypes  # noqa: F401 - registers the float8 dtypes with numpy
+
+    w = np.asarray(w, dtype=np.float32)
+    scale = np.abs(w).max(axis=-1) / np.float32(q.float_max)
+    safe = np.where(scale == 0, np.float32(1.0), scale)
+    codes = np.divide(w, safe[..., None], dtype=np.float32)
+    # (a quotient rounded up past the largest finite code would cast to NaN: e4m3fn has no infinity)
+    np.clip(codes, -q.float_max, q.float_max, out=codes)
+    return codes.astype(q.storage_dtype), scale.astype(q.scale_dtype)
+
+
+def float8_dequantize(codes: np.ndarray, scale: np.ndarray, q: Quantization) -> np.ndarray:
+    """Inverse of float8_quantize, in float32."""
+    return codes.astype(np.float32) * scale.astype(np.float32)[..., None]
+
+
+def quantize_weight(w: np.ndarray, q: Quantization) -> tuple[np.ndarray, np.ndarray]:
+    """(codes, scales) of a float weight in scheme `q`'s stored layout."""
+    return float8_quantize(w, q) if q.kind == "float8" else group_quantize(w, q)
+
+
+def dequantize_weight(codes: np.ndarray, scale: np.ndarray, q: Quantization) -> np.ndarray:
+    """The float32 weight scheme `q`'s stored (codes, scales) stand for: what compiled kernels are tested against."""
+    return float8_dequantize(codes, scale, q) if q.kind == "float8" else group_dequantize(codes, scale, q)

@@ -1,5 +1,5 @@
-"""The nn modules that replace Linear/Embedding for group quantization (schemes: mlcc.quantization; numpy packers:
-quant_schemes.py).
+"""The nn modules that replace Linear/Embedding for group and float8 quantization (schemes: mlcc.quantization;
+numpy packers: quant_schemes.py).
 
 Dequantization lives inside the same TE function as the matmul/take that consumes it, so the compiled kernels
 read packed weights and never write a dequantized copy to memory. A projection's "dequantize" block carries its
@@ -12,10 +12,19 @@ from tvm import te, tirx
 from tvm.relax.frontend import nn
 from tvm.relax.frontend.nn import Tensor, op
 
+from mlcc.errors import UnsupportedQuantizationError
 from mlcc.quantization import TAG
 
 # re-exported: the scheme table (mlcc.quantization) and the numpy packing (quant_schemes), neither needing TVM
-from .quant_schemes import QUANTIZATIONS, Quantization, get_quantization, group_dequantize, group_quantize  # noqa: F401
+from .quant_schemes import (  # noqa: F401
+    QUANTIZATIONS,
+    Quantization,
+    dequantize_weight,
+    get_quantization,
+    group_dequantize,
+    group_quantize,
+    quantize_weight,
+)
 
 # -- TE: dequantize fused into its consumer --------------------------------------------------------------------
 
@@ -24,8 +33,27 @@ from .quant_schemes import QUANTIZATIONS, Quantization, get_quantization, group_
 _MAGIC = {"float16": ("uint16", 0x6400, 1024.0), "float32": ("uint32", 0x4B000000, 8388608.0)}
 
 
+# float8 → float16 by moving the bits: the sign to bit 15, exponent and mantissa to the top of fp16's, which reads
+# as the value times 2^(bias - 15), subnormals and zero included. TVM's own float8 legalization (LLVM, WGSL, Metal)
+# decodes zero as 2^-7 and is off for every subnormal code. (magnitude shift, 2^(15 - bias))
+_FLOAT8_AS_F16 = {"float8_e4m3fn": (7, 256.0), "float8_e5m2": (8, 1.0)}
+
+
+def float8_value(code, q: Quantization):
+    """A float8 code of scheme `q` as float32, decoded with integer ops (exact)."""
+    shift, unscale = _FLOAT8_AS_F16[q.storage_dtype]
+    b = tirx.reinterpret("uint8", code).astype("uint16")
+    bits = tirx.bitwise_or(tirx.shift_left(tirx.bitwise_and(b, tirx.const(0x80, "uint16")), tirx.const(8, "uint16")),
+                           tirx.shift_left(tirx.bitwise_and(b, tirx.const(0x7F, "uint16")),
+                                           tirx.const(shift, "uint16")))
+    return tirx.reinterpret("float16", bits).astype("float32") * tirx.const(unscale, "float32")
+
+
 def dequant_value(qw: te.Tensor, qs: te.Tensor, row, j, q: Quantization):
-    """Element (row, j) of the dequantized weight: (code - max_int) · scale of its group."""
+    """Element (row, j) of the dequantized weight, in the model dtype: (code - max_int) · scale of its group, or
+    for float8 code · scale of its row (the product in float32, the scale's dtype)."""
+    if q.kind == "float8":
+        return (float8_value(qw[row, j], q) * qs[row].astype("float32")).astype(q.model_dtype)
     code = tirx.bitwise_and(tirx.shift_right(qw[row, j // q.per_word],
                                              (j % q.per_word * q.bits).astype(q.storage_dtype)),
                             tirx.const(q.code_mask, q.storage_dtype))
@@ -51,17 +79,19 @@ def _dequant_matmul(x: Tensor, q_weight: nn.Parameter, q_scale: nn.Parameter, q:
 
 
 class GroupQuantLinear(nn.Module):
+    """A Linear in a group or float8 scheme: codes and scales shaped as the scheme says."""
+
     def __init__(self, in_features: int, out_features: int, bias: bool, q: Quantization):
         self.in_features, self.out_features, self.q = in_features, out_features, q
-        self.q_weight = nn.Parameter((out_features, in_features // q.per_word), q.storage_dtype)
-        self.q_scale = nn.Parameter((out_features, in_features // q.group_size), q.scale_dtype)
+        self.q_weight = nn.Parameter(q.weight_shape(out_features, in_features), q.storage_dtype)
+        self.q_scale = nn.Parameter(q.scale_shape(out_features, in_features), q.scale_dtype)
         self.bias = nn.Parameter((out_features,), q.model_dtype) if bias else None
 
     def forward(self, x: Tensor) -> Tensor:
         out = _dequant_matmul(x, self.q_weight, self.q_scale, self.q, self.in_features, self.out_features)
         return out + self.bias if self.bias is not None else out
 
-    # nn.Module.to() would cast uint32 codes; keep storage dtypes fixed.
+    # nn.Module.to() would cast the codes and float32 scales; keep storage dtypes fixed.
     def to(self, dtype: str | None = None) -> None:  # noqa: ARG002
         return None
 
@@ -69,8 +99,8 @@ class GroupQuantLinear(nn.Module):
 class GroupQuantEmbedding(nn.Module):
     def __init__(self, num: int, dim: int, q: Quantization):
         self.num, self.dim, self.q = num, dim, q
-        self.q_weight = nn.Parameter((num, dim // q.per_word), q.storage_dtype)
-        self.q_scale = nn.Parameter((num, dim // q.group_size), q.scale_dtype)
+        self.q_weight = nn.Parameter(q.weight_shape(num, dim), q.storage_dtype)
+        self.q_scale = nn.Parameter(q.scale_shape(num, dim), q.scale_dtype)
 
     def forward(self, ids: Tensor) -> Tensor:
         q, dim = self.q, self.dim
@@ -91,18 +121,23 @@ class GroupQuantEmbedding(nn.Module):
 # -- model surgery ---------------------------------------------------------------------------------------------
 
 def quantize_model(model: nn.Module, q: Quantization) -> nn.Module:
-    """Cast to the model dtype and, for group schemes, swap Linear/Embedding for their quantized forms."""
+    """Cast to the model dtype and, for quantized schemes, swap Linear/Embedding for their quantized forms (the
+    embedding and LM head only where the scheme quantizes them)."""
     model.to(q.model_dtype)
     if q.kind == "none":
         return model
 
     class _Swap(nn.Mutator):
         def visit_module(self, name: str, node: nn.Module):
-            if isinstance(node, nn.Linear):
+            if isinstance(node, nn.Linear) and (q.quantize_lm_head or name.split(".")[-1] != "lm_head"):
                 return GroupQuantLinear(node.in_features, node.out_features, node.bias is not None, q)
-            if isinstance(node, nn.Embedding):
+            if isinstance(node, nn.Embedding) and q.quantize_embedding:
                 return GroupQuantEmbedding(node.num, node.dim, q)
             if hasattr(node, "group_quantized"):  # stacked expert weights (relax_models/moe.py)
+                if q.kind != "group":
+                    raise UnsupportedQuantizationError(
+                        f"{q.name}: mixture-of-experts weights have no {q.kind} form yet; use q4f16_1 or q0f16 for "
+                        "this model")
                 return node.group_quantized(q)
             return self.visit(name, node)
 

@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from .quant_schemes import group_quantize
+from .quant_schemes import quantize_weight
 from .weights import ModelSource, float_param, source_fixups
 
 # a slice of ~4 MB of float32 per task: its temporaries stay in cache, and there are enough slices to keep every
@@ -136,7 +136,7 @@ def _sliced_job(built: Any, name: str, quantized: bool, specs: list[dict[str, An
         def task(lo: int, hi: int) -> int:
             w = read(lo, hi)
             if quantized:
-                outs[0][lo:hi], outs[1][lo:hi] = group_quantize(w, built.quant)
+                outs[0][lo:hi], outs[1][lo:hi] = quantize_weight(w, built.quant)
             else:
                 outs[0][lo:hi] = w
             return (hi - lo) * k
@@ -157,7 +157,7 @@ def _whole_job(source: ModelSource, built: Any, rank: int, ours: str, names: lis
         w = float_param(source, names, combine, fixups)
         w = built.family.shard_weight(ours, w, built.cfg, rank, built.cfg.tensor_parallel_shards)
         if f"{base}.q_weight" in wanted:
-            qw, qs = group_quantize(w, built.quant)
+            qw, qs = quantize_weight(w, built.quant)
             job.outputs[:] = [(f"{base}.q_weight", qw), (f"{base}.q_scale", qs)]
             return elements
         if spec is None:

@@ -84,6 +84,8 @@ def test_cuda_cross_compile_exports_kernels(hf_models, tmp_path):
     (["compile", "{hf}", "--target", "vulkan9", "--output", "{out}"], "unsupported target 'vulkan9'"),
     (["compile", "{unknown_arch}", "--output", "{out}"], "unknown architecture 'bert'"),
     (["compile", "{no_weights}", "--output", "{out}"], "no *.safetensors"),
+    (["compile", "{hf}", "--target", "webgpu", "--quant", "e4m3_e4m3_f16", "--output", "{out}"],
+     "e4m3_e4m3_f16 cannot run on target 'webgpu': WGSL has no 8-bit types"),
 ])
 def test_bad_input_is_one_clear_line(args, message, hf_models, tmp_path):
     unknown = tmp_path / "bert"

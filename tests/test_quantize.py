@@ -3,7 +3,14 @@
 import numpy as np
 import pytest
 
-from mlcc.compiler.quantize import QUANTIZATIONS, get_quantization, group_dequantize, group_quantize
+from mlcc.compiler.quantize import (
+    QUANTIZATIONS,
+    dequantize_weight,
+    get_quantization,
+    group_dequantize,
+    group_quantize,
+    quantize_weight,
+)
 
 
 def reference_q4(w: np.ndarray, scale_dtype: str):
@@ -66,3 +73,25 @@ def test_unknown_quantization_names_choices():
 def test_k_not_multiple_of_group_is_rejected():
     with pytest.raises(ValueError, match="multiple of 32"):
         group_quantize(np.zeros((4, 48), np.float32), get_quantization("q4f16_1"))
+
+
+def test_e4m3_rows_scale_to_448_and_round_to_the_nearest_code():
+    import ml_dtypes
+
+    q = get_quantization("e4m3_e4m3_f16")
+    rng = np.random.default_rng(2)
+    w = rng.standard_normal((6, 64)).astype(np.float32) * np.float32([[1e-3], [1.0], [30.0], [1.0], [1.0], [1.0]])
+    w[3] = 0.0                 # an all-zero row must not divide by zero
+    w[4, 5] = -7.5             # the row's absmax, negative
+    codes, scale = quantize_weight(w, q)
+    assert codes.dtype == np.dtype(ml_dtypes.float8_e4m3fn) and codes.shape == (6, 64)
+    assert scale.dtype == np.float32 and scale.shape == (6,)
+    np.testing.assert_allclose(scale, np.abs(w).max(axis=1) / 448, rtol=1e-7)
+    assert codes.astype(np.float32)[4, 5] == -448.0 and not np.isnan(codes.astype(np.float32)).any()
+    assert (codes.astype(np.float32)[3] == 0).all()
+    back = dequantize_weight(codes, scale, q)
+    # 3 mantissa bits: half a step is 1/16 of the value for normal codes; subnormals (below 2^-6) step by 2^-9
+    bound = np.maximum(np.abs(w) / 16, 2.0 ** -10 * scale[:, None]) * (1 + 1e-6)
+    assert np.all(np.abs(back - w) <= bound)
+    np.testing.assert_array_equal(codes.view(np.uint8), (w / np.where(scale == 0, 1, scale)[:, None])
+                                  .astype(ml_dtypes.float8_e4m3fn).view(np.uint8))
