@@ -408,6 +408,10 @@ def compile_model(model: str | Path, target: str, quant: str, output: str | Path
     built = export_module(source, preset, q, context_window, tensor_parallel, options)
     t1 = time.time()
     log.info("read %s and exported its model in %.1fs", source.path.name, t1 - t_read)
+    if source.fp8 is not None:
+        stored = f"re-quantized to {q.name}" if q.kind != "none" else f"kept as {q.model_dtype} ({q.name})"
+        log.info("FP8 checkpoint (%s): weights dequantized to float and %s on this target",
+                 source.fp8.format.describe(), stored)
     tmp = out.with_name(out.name + ".partial")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)

@@ -16,9 +16,12 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import ml_dtypes
 import numpy as np
 
 from mlcc.errors import ModelSourceError
+
+from .fp8_checkpoint import Fp8Checkpoint, Fp8Weight, checkpoint_quantization
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +38,8 @@ class ModelSource:
     # the 2-D tensors that can be read a few rows at a time, as float32 (rows, read(start, stop)): a big weight is
     # converted in slices instead of through one float copy of the whole matrix
     rows: dict[str, tuple[int, Callable[[int, int], np.ndarray]]] = dataclasses.field(default_factory=dict)
+    # an FP8 checkpoint's weights as published (codes + scales); `tensors` and `rows` give them dequantized
+    fp8: Fp8Checkpoint | None = None
 
     def _resolve(self, name: str) -> str | None:
         for alias in (name, *(name.replace(a, b, 1) for a, b in _PREFIX_ALIASES if name.startswith(a))):
@@ -50,6 +55,11 @@ class ModelSource:
         if stacked is not None:
             return stacked
         raise ModelSourceError(f"{self.path}: tensor '{name}' is missing from the checkpoint")
+
+    def fp8_weight(self, name: str) -> Fp8Weight | None:
+        """An FP8 checkpoint's weight `name` as its e4m3 codes and scales; None where it is not stored in FP8."""
+        alias = self._resolve(name)
+        return self.fp8.weight(alias) if self.fp8 is not None and alias is not None else None
 
     def row_reader(self, name: str) -> tuple[int, Callable[[int, int], np.ndarray]] | None:
         """(row count, read(start, stop) → float32 rows) of a 2-D tensor, or None where it is only read whole."""
@@ -76,11 +86,13 @@ _MERGED_EXPERTS = re.compile(r"^(.*\.experts)\.([A-Za-z_][A-Za-z0-9_]*)\.weight$
 # -- safetensors (read with numpy memmaps: bf16 has no numpy dtype, so we widen it ourselves) ------------------
 
 _ST_DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": np.uint16, "I64": np.int64,
-              "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_}
+              "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_,
+              # read raw: only an FP8 checkpoint's reader (fp8_checkpoint.py) may use them, with their scales
+              "F8_E4M3": ml_dtypes.float8_e4m3fn}
 
 
-def _safetensors_index(path: Path, rows: dict[str, tuple[int, Callable[[int, int], np.ndarray]]] | None = None
-                       ) -> dict[str, Callable[[], np.ndarray]]:
+def _safetensors_index(path: Path, rows: dict[str, tuple[int, Callable[[int, int], np.ndarray]]] | None = None,
+                       shapes: dict[str, tuple[str, list[int]]] | None = None) -> dict[str, Callable[[], np.ndarray]]:
     with open(path, "rb") as f:
         (n,) = struct.unpack("<Q", f.read(8))
         header = json.loads(f.read(n))
@@ -101,6 +113,8 @@ def _safetensors_index(path: Path, rows: dict[str, tuple[int, Callable[[int, int
             return np.asarray(arr).reshape(meta["shape"])
 
         out[name] = load
+        if shapes is not None:
+            shapes[name] = (meta["dtype"], list(meta["shape"]))
         if rows is not None and len(meta["shape"]) == 2:
             def read(start: int, stop: int, meta=meta) -> np.ndarray:
                 k = meta["shape"][1]
@@ -120,17 +134,34 @@ def load_hf_folder(path: Path) -> ModelSource:
     if not cfg_path.exists():
         raise ModelSourceError(f"{path}: no config.json; pass a Hugging Face model folder or a .gguf file")
     config = json.loads(cfg_path.read_text())
+    fp8_format = checkpoint_quantization(config, path)
     tensors: dict[str, Callable[[], np.ndarray]] = {}
     rows: dict[str, tuple[int, Callable[[int, int], np.ndarray]]] = {}
+    shapes: dict[str, tuple[str, list[int]]] = {}
     st_files = sorted(path.glob("*.safetensors"))
     if st_files:
         for f in st_files:
-            tensors.update(_safetensors_index(f, rows))
+            tensors.update(_safetensors_index(f, rows, shapes))
+    elif fp8_format is not None:
+        raise ModelSourceError(f"{path}: an FP8 checkpoint without *.safetensors files; mlcc reads FP8 weights from "
+                               "safetensors, as they are published: download those")
     elif (path / "pytorch_model.bin").exists() or list(path.glob("pytorch_model-*.bin")):
         tensors.update(_torch_bin_index(path))
     else:
         raise ModelSourceError(f"{path}: no *.safetensors or pytorch_model*.bin weights found")
-    return ModelSource("hf", path, config.get("model_type", "?"), config, tensors, rows)
+    fp8 = None
+    if fp8_format is not None:
+        fp8 = Fp8Checkpoint(fp8_format, path, tensors, shapes)
+        for name in fp8.names():   # every reader of `tensors` and `rows` gets float32, as from any checkpoint
+            tensors[name] = fp8.dequantized(name)
+            rows[name] = fp8.dequantized_rows(name)
+    else:
+        raw = [n for n, (dtype, _) in shapes.items() if dtype == "F8_E4M3"]
+        if raw:
+            raise ModelSourceError(f"{path}: '{raw[0]}' is float8_e4m3, but config.json has no FP8 "
+                                   "quantization_config saying how it is scaled; download the checkpoint's own "
+                                   "config.json")
+    return ModelSource("hf", path, config.get("model_type", "?"), config, tensors, rows, fp8)
 
 
 def _torch_bin_index(path: Path) -> dict[str, Callable[[], np.ndarray]]:
