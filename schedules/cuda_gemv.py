@@ -12,6 +12,10 @@ is applied in fp32 and the row is accumulated in fp32 (more accurate than the fp
 Layout: one warp slot of L lanes per row set; lane i reads groups i, i+L, ... of R rows with one 16-byte load each
 (a whole 32-code group), so a warp's loads of a row are contiguous. The cross-lane sum is a shuffle butterfly.
 
+e4m3 weights (e4m3_e4m3_f16) use the same layout with 16 codes per 16-byte load: each code's bits are moved into
+an fp16 that reads as its value / 256 (cuda/e4m3_gemv.cuh, two codes per HFMA2, zero and subnormals exact), a load's
+16 products summed in fp16 and the row's float32 scale (times 256) applied once to its fp32 sum.
+
 float16 weights (q0f16) use the same layout with 8 values per 16-byte load, multiplied in fp32. dlight's fp16 GEMV
 already streams at 3.8-4.4 TB/s, but it waits for its predecessor before its first load; this one issues its first
 weight loads before the PDL wait (cuda_pdl), which is what the ~130 GEMV launches of an 8B step lose otherwise.
@@ -34,13 +38,14 @@ import tvm
 from mlcc.quantization import weight_scheme
 
 from . import cuda_pdl
-from .cuda_source import q4_scheme
+from .cuda_source import decodes_e4m3, q4_scheme
 from .gemv_match import GATED, GemvShape, is_unscheduled_prim_func, match_gemv
 
 log = logging.getLogger(__name__)
 
 # Device helpers (cuda/*.cuh; schedules/cuda_source adds them to the generated source)
 Q4_HELPER = "mlcc_q4x8_hfma2_s1"   # eight q4 codes against their activations, one shift per word
+E4M3_HELPER = "mlcc_e4m3x4_hfma2"  # four e4m3 codes against their activations
 F16_HELPER = "mlcc_f16x2_fma"      # an fp16 pair of weights against one of activations, in fp32
 NORM_HELPER = "mlcc_h2_rms_scale"  # an fp16 pair of activations normalized
 
@@ -157,6 +162,24 @@ def _q4_accumulate(lay: _Layout, groups: int):
     return accumulate
 
 
+def _e4m3_accumulate(lay: _Layout):
+    """e4m3: 16 codes per unit (as value / 256), summed in fp16 per row, then into the row's fp32 sum; the row's
+    scale (times 256) is applied once, to the whole sum."""
+    from tvm.script import tirx as T
+
+    @T.macro
+    def accumulate(sf, wl, xl, accf, acc, bx, ty, tx, it):
+        for r in T.unroll(lay.rows_w):
+            acc[r] = T.uint32(0)
+        for c in T.unroll(4):
+            for r in T.unroll(lay.rows_w):
+                acc[r] = T.call_pure_extern("uint32", E4M3_HELPER, wl[r, c], xl[c * 2], xl[c * 2 + 1], acc[r])
+        for r in T.unroll(lay.rows_w):
+            accf[r] = accf[r] + T.call_pure_extern("float32", "mlcc_h2_sum", acc[r])
+
+    return accumulate
+
+
 def _f16_accumulate(lay: _Layout):
     """float16: 8 weights per unit, multiplied and summed in fp32."""
     from tvm.script import tirx as T
@@ -238,15 +261,17 @@ def make_gemv(shape: GemvShape, pdl: bool = False) -> tvm.tirx.PrimFunc:
 
     lay = _Layout.of(shape)
     n, k, epi = shape.n, shape.k, shape.epilogue
-    # (a scheme's sizes are those q4_gemv.cuh is compiled for: q4_scheme refuses any other)
-    q = q4_scheme(shape.weights) if weight_scheme(shape.weights) is not None else None
-    q4 = q is not None
+    # (a scheme's sizes are those q4_gemv.cuh / e4m3_gemv.cuh are compiled for: q4_scheme refuses any other)
+    q = weight_scheme(shape.weights)
+    e4m3 = decodes_e4m3(q)
+    q = q if e4m3 or q is None else q4_scheme(shape.weights)
+    q4 = q is not None and not e4m3
     swiglu, add = epi in GATED, epi == "add"
     act = _silu_times if epi == "swiglu" else _gelu_tanh_times
     n_w, units, rows, rows_w, lanes, ksplit = shape.weight_rows, lay.units, lay.rows, lay.rows_w, lay.lanes, lay.ksplit
     warps, slots, iters = lay.warps, lay.slots, lay.iters
     x_words = shape.unit // 2  # 32-bit words of x per unit
-    groups = k // q.group_size if q4 else 1
+    groups = k // q.group_size if q4 else 1   # scales per weight row
     norm = shape.norm_eps is not None
     eps = float(shape.norm_eps or 0.0)
     # The RMSNorm prologue differs by weight format. float16 weights multiply in fp32, so they take x * g
@@ -255,16 +280,19 @@ def make_gemv(shape: GemvShape, pdl: bool = False) -> tvm.tirx.PrimFunc:
     # projection at 3.1 TB/s on an H200). The q4 kernel sums fp16 products of 32 codes, which un-normalized
     # activations (the residual stream reaches the thousands) could overflow: its blocks normalize x once into
     # shared memory ("staged"; normalizing per warp, 4 rows each, cost more than the ALU-bound kernel had to spare).
-    defer = norm and not q4
-    staged = norm and q4
+    # e4m3 sums fp16 products too: staged.
+    defer = norm and q is None
+    staged = norm and q is not None
     n_acc = rows_w + defer  # the accumulators a thread reduces: its rows [, the sum of x²]
     stage_words = -(-(k // 2) // (warps * 32)) if staged else 1  # 32-bit words of x a thread stages
-    accumulate = _q4_accumulate(lay, groups) if q4 else _f16_accumulate(lay)
+    accumulate = _q4_accumulate(lay, groups) if q4 else _e4m3_accumulate(lay) if e4m3 else _f16_accumulate(lay)
     stage_normalized_x = _stage_normalized_x(k, eps, warps, stage_words) if staged else None
     # the weights a thread loads past the last row: every code max_int (zero), or 0
     out_of_range = sum(q.max_int << (i * q.bits) for i in range(q.per_word)) if q4 else 0
     row_of, wrow_of, unit_of = lay.row_of, lay.wrow_of, lay.unit_of
     out_dtype = shape.out_dtype
+    w_shape, w_dtype = ((n_w, k // q.per_word), q.storage_dtype) if q is not None else ((n_w, k), "float16")
+    s_shape, s_dtype = (q.scale_shape(n_w, k), q.scale_dtype) if q is not None else ((n_w, groups), "float16")
 
     @T.macro
     def load_weights(ww, wl, bx, ty, tx, it):
@@ -296,7 +324,7 @@ def make_gemv(shape: GemvShape, pdl: bool = False) -> tvm.tirx.PrimFunc:
                 accumulate(sf, wl, xl, accf, acc, bx, ty, tx, it)
 
     @T.macro
-    def reduce_and_store(rf, out, accf, red, bx, ty, tx):
+    def reduce_and_store(sf, rf, out, accf, red, bx, ty, tx):
         # each row summed over its lanes and its K-split warps, then the epilogue applied and written
         for r in T.unroll(n_acc):
             for o in T.unroll(5):
@@ -316,6 +344,10 @@ def make_gemv(shape: GemvShape, pdl: bool = False) -> tvm.tirx.PrimFunc:
         if defer:
             for r in T.unroll(rows_w):
                 accf[r] = accf[r] * T.rsqrt(accf[rows_w] / T.float32(k) + T.float32(eps))
+        if e4m3:
+            for r in T.unroll(rows_w):
+                if row_of(bx, ty, tx, r % rows) < n:
+                    accf[r] = accf[r] * (sf[wrow_of(bx, ty, tx, r)] * T.float32(256))
         for r in T.unroll(rows):
             if tx % lanes == 0 and ty % ksplit == 0 and row_of(bx, ty, tx, r) < n:
                 if add:
@@ -333,7 +365,7 @@ def make_gemv(shape: GemvShape, pdl: bool = False) -> tvm.tirx.PrimFunc:
         xw = T.decl_buffer((k // 2,), "uint32", data=x.data)
         gw = T.decl_buffer((k // 2,), "uint32", data=g.data)  # unread without the norm prologue
         ww = T.decl_buffer((n_w * units * 4,), "uint32", data=w.data)
-        sf = T.decl_buffer((n_w * groups,), "float16", data=s.data)  # unread for float16 weights
+        sf = T.decl_buffer((n_w * groups,), s_dtype, data=s.data)  # unread for float16 weights
         rf = T.decl_buffer((n,), "float16", data=res.data)  # unread unless epilogue == "add"
         for bx in T.thread_binding(lay.blocks, thread="blockIdx.x"):
             for ty in T.thread_binding(warps, thread="threadIdx.y"):
@@ -361,21 +393,20 @@ def make_gemv(shape: GemvShape, pdl: bool = False) -> tvm.tirx.PrimFunc:
                         if staged:
                             stage_normalized_x(xw, gw, xs, xr, rs, ssred, ty, tx)
                         dot_rows(xw, gw, ww, sf, xs, xl, wl, acc, accf, bx, ty, tx)
-                        reduce_and_store(rf, out, accf, red, bx, ty, tx)
+                        reduce_and_store(sf, rf, out, accf, red, bx, ty, tx)
 
     # TVMScript has no optional parameters: write the kernel with all six, then keep only those this shape reads
     # (the body is given an alias, x or W or out, for each one it does not read)
-    w_shape, w_dtype = ((n_w, k // q.per_word), q.storage_dtype) if q4 else ((n_w, k), "float16")
-    x_shape, g_shape, s_shape, r_shape = (1, 1, k), (k,), (n_w, groups), shape.residual_shape or (1, 1, n)
+    x_shape, g_shape, r_shape = (1, 1, k), (k,), shape.residual_shape or (1, 1, n)
 
     @T.prim_func(private=True, s_tir=True)
     def full(x: T.Buffer(x_shape, "float16"), g: T.Buffer(g_shape, "float16"), w: T.Buffer(w_shape, w_dtype),
-             s: T.Buffer(s_shape, "float16"), res: T.Buffer(r_shape, "float16"), out: T.Buffer((1, 1, n), out_dtype)):
+             s: T.Buffer(s_shape, s_dtype), res: T.Buffer(r_shape, "float16"), out: T.Buffer((1, 1, n), out_dtype)):
         T.func_attr({"tirx.is_scheduled": True, "tirx.noalias": True})
-        body(x, g if norm else x, w, s if q4 else w, res if add else out, out)
+        body(x, g if norm else x, w, s if q is not None else w, res if add else out, out)
 
     x_p, g_p, w_p, s_p, res_p, out_p = full.params
-    params = [x_p] + [g_p] * norm + [w_p] + [s_p] * q4 + [res_p] * add + [out_p]
+    params = [x_p] + [g_p] * norm + [w_p] + [s_p] * (q is not None) + [res_p] * add + [out_p]
     return tvm.tirx.PrimFunc(params, full.body, attrs=full.attrs)
 
 

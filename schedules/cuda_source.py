@@ -15,7 +15,7 @@ from mlcc.quantization import QUANTIZATIONS, Quantization, weight_scheme
 _DEFINED = re.compile(r"__device__\s+__forceinline__\s+[\w\s*]+?\b(\w+)\s*\(")
 
 # In dependency order: a group may call the groups listed before it (moe_gemv calls q4_gemv's).
-HELPER_FILES = ("q4_gemv.cuh", "q4_gemv_tokens.cuh", "f16_gemv.cuh", "rms_norm.cuh", "pdl.cuh", "tc_gemm.cuh",
+HELPER_FILES = ("q4_gemv.cuh", "q4_gemv_tokens.cuh", "e4m3_gemv.cuh", "f16_gemv.cuh", "rms_norm.cuh", "pdl.cuh", "tc_gemm.cuh",
                 "flash_prefill.cuh", "moe_gemv.cuh")
 HELPER_DIR = Path(__file__).with_name("cuda")
 # Each group is added whole where the code, or another group added, calls any function it defines.
@@ -28,6 +28,13 @@ def decodes_q4(q: Quantization | None) -> bool:
     row); those sizes are compiled into the helpers."""
     return q is not None and (q.kind, q.bits, q.storage_dtype, q.group_size, q.scale_dtype, q.symmetric) == \
         ("group", 4, "uint32", 32, "float16", True)
+
+
+def decodes_e4m3(q: Quantization | None) -> bool:
+    """Whether the e4m3 device code (e4m3_gemv.cuh) decodes scheme `q`: e4m3 codes, one float32 scale per row,
+    float16 activations."""
+    return q is not None and (q.kind, q.storage_dtype, q.scale_dtype, q.model_dtype) == \
+        ("float8", "float8_e4m3fn", "float32", "float16")
 
 
 def q4_scheme(weights: str | None = None) -> Quantization:

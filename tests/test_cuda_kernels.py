@@ -13,7 +13,7 @@ from mlcc.compiler.weights import load_source
 from mlcc.options import CompileOptions
 from mlcc.schedules import cuda_decode_attention as cda
 from mlcc.schedules import cuda_pdl
-from mlcc.schedules.cuda_gemv import F16_HELPER, Q4_HELPER, decode_gemv_pass, launch_config
+from mlcc.schedules.cuda_gemv import E4M3_HELPER, F16_HELPER, Q4_HELPER, decode_gemv_pass, launch_config
 from mlcc.schedules.cuda_source import add_cuda_helpers
 from mlcc.schedules.gemv_match import GemvShape, match_gemv
 from mlcc.targets import get_target
@@ -72,6 +72,31 @@ def test_every_decode_projection_and_only_those_get_the_q4_kernel(hf_models):
     ours = [f for f in _prim_funcs(after).values() if Q4_HELPER in f.script()]
     assert len(ours) == len(matched)
     assert all(f.attrs["tirx.is_scheduled"] for f in ours)
+
+
+def test_e4m3_decode_projections_get_the_e4m3_kernel_and_the_lm_head_the_float16_one(hf_models):
+    _, mod = _fused(hf_models, quant="e4m3_e4m3_f16")
+    matched = [s for s in map(match_gemv, _prim_funcs(mod).values()) if s is not None]
+    assert {(s.n, s.k, s.epilogue) for s in matched} == DECODE_PROJECTIONS
+    assert {s.weights for s in matched if s.epilogue != "cast"} == {"e4m3_e4m3_f16"}
+    assert {s.weights for s in matched if s.epilogue == "cast"} == {"float16"}
+    with get_target("cuda").tvm_target():
+        after = decode_gemv_pass(pdl=True)(mod)
+    assert len([f for f in _prim_funcs(after).values() if E4M3_HELPER in f.script()]) == len(matched) - 1
+
+
+def test_e4m3_helper_bit_moves_give_every_code_over_256():
+    """e4m3_gemv.cuh's decode (byte_perm to bytes 1/3, then (t >> 1) & 0x3F803F80 | t & 0x80008000), replayed in
+    numpy on every code: the fp16 it builds is the code's value / 256, zero and subnormals included."""
+    import ml_dtypes
+    import numpy as np
+
+    b = np.arange(256, dtype=np.uint32)
+    t = b << 8
+    h = (((t >> 1) & 0x3F80) | (t & 0x8000)).astype(np.uint16).view(np.float16).astype(np.float32) * 256
+    want = b.astype(np.uint8).view(ml_dtypes.float8_e4m3fn).astype(np.float32)
+    finite = ~np.isnan(want)
+    np.testing.assert_array_equal(h[finite], want[finite])
 
 
 def test_qwen2_qkv_bias_is_fused_as_an_add_epilogue(hf_models):
@@ -416,22 +441,22 @@ GEMV_CASES = [
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("pdl", [False, True])
-@pytest.mark.parametrize("weights", ["q4f16_1", "float16"])
+@pytest.mark.parametrize("weights", ["q4f16_1", "e4m3_e4m3_f16", "float16"])
 @pytest.mark.parametrize("n,k,epilogue,norm", GEMV_CASES)
 def test_gemv_kernel_matches_numpy_on_the_gpu(n, k, epilogue, norm, weights, pdl):
     import numpy as np
 
-    from mlcc.compiler.quantize import group_dequantize, group_quantize
+    from mlcc.compiler.quantize import dequantize_weight, quantize_weight
     from mlcc.schedules.cuda_gemv import make_gemv
 
     dev = _cuda_device()
     rng = np.random.default_rng(0)
     n_w = 2 * n if epilogue in ("swiglu", "geglu") else n
     w = rng.standard_normal((n_w, k)).astype(np.float32) * 0.05
-    if weights == "q4f16_1":
-        q = get_quantization("q4f16_1")
-        packed, scale = group_quantize(w, q)
-        weight_args, w = [packed, scale], group_dequantize(packed, scale, q)
+    if weights != "float16":
+        q = get_quantization(weights)
+        packed, scale = quantize_weight(w, q)
+        weight_args, w = [packed, scale], dequantize_weight(packed, scale, q)
     else:
         w = w.astype(np.float16)
         weight_args = [w]
