@@ -48,9 +48,12 @@ def vendor_gemm_passes(target: tvm.target.Target, options: CompileOptions) -> li
 
     if not cublaslt_shim.available(cache_root()):
         return []
+    from mlcc.schedules.cuda_pdl import sm_version
+
     from .vendor_gemm import vendor_gemm_pass
 
-    return [vendor_gemm_pass(q4_min_tokens=options.vendor_gemm_q4_tokens)]
+    # (cuBLASLt's outer-vector FP8 scales: sm_90+)
+    return [vendor_gemm_pass(q4_min_tokens=options.vendor_gemm_q4_tokens, fp8=sm_version(target) >= 90)]
 
 
 def kernel_passes(target: tvm.target.Target, options: CompileOptions) -> list[tvm.transform.Pass]:

@@ -12,6 +12,12 @@ their weights are first decoded into a scratch float16 [n, k] tensor (a third ou
 memory planner gives every projection's scratch one shared allocation), then multiplied. The decode costs a pass
 over the packed weights and a write of the float16 ones per call, which many tokens amortize; below the threshold
 the q4 tensor-core GEMM, which reads the packed weights once, stays faster.
+
+float8 projections (e4m3_e4m3_f16) take cuBLASLt's FP8 GEMM over more than MIN_TOKENS tokens on sm_90+: a kernel
+quantizes the activations per token (schedules/cuda_token_quantize.py) into two more outputs of the call_tir (e4m3
+codes shaped like x, float32 scales, one per token), and the shim multiplies them with the e4m3 weights, cuBLASLt
+applying both scale vectors (per channel, per token) in its epilogue (OUTER_VEC_32F scale mode) with the bias or
+residual epilogues of the float16 path.
 """
 
 from __future__ import annotations
@@ -21,8 +27,9 @@ import logging
 import tvm
 from tvm import relax, s_tir, te, tirx
 
-from mlcc.native.cublaslt_shim import MATMUL
+from mlcc.native.cublaslt_shim import MATMUL, MATMUL_FP8
 from mlcc.quantization import Quantization, weight_scheme
+from mlcc.schedules.cuda_token_quantize import quantize_tokens_func
 from mlcc.schedules.gemv_match import is_unscheduled_prim_func, match_many_token_projection, token_dim
 from mlcc.schedules.host_dispatch import size_dispatch
 
@@ -37,7 +44,14 @@ DTYPES = ("float16", "bfloat16")
 DEQUANT_THREADS = 256
 
 
-def _match(func, q4: bool) -> tuple[int, int, tuple, str, str, Quantization | None] | None:
+def takes_fp8(q: Quantization) -> bool:
+    """Whether the shim's FP8 GEMM multiplies scheme `q`: e4m3 weights with one float32 scale per row, activations
+    quantized per token to e4m3."""
+    return (q.kind, q.storage_dtype, q.scale_dtype, q.activations) == \
+        ("float8", "float8_e4m3fn", "float32", "float8_e4m3fn")
+
+
+def _match(func, q4: bool, fp8: bool = False) -> tuple[int, int, tuple, str, str, Quantization | None] | None:
     """(n, k, x shape, dtype, epilogue, weight scheme or None) of a projection cuBLASLt can take, else None."""
     for dtype in DTYPES:
         found = match_many_token_projection(func, dtype)
@@ -45,7 +59,8 @@ def _match(func, q4: bool) -> tuple[int, int, tuple, str, str, Quantization | No
             continue
         n, k, x_shape, weights, epilogue = found
         scheme = weight_scheme(weights)
-        if scheme is not None and not (q4 and scheme.kind == "group" and scheme.symmetric):
+        if scheme is not None and not (q4 and scheme.kind == "group" and scheme.symmetric) \
+                and not (fp8 and takes_fp8(scheme) and k % 16 == 0):
             continue
         # 16-byte aligned rows: what cuBLASLt's fast kernels need
         if (scheme is not None or weights == dtype) and epilogue in MATMUL and n % 8 == 0 and k % 8 == 0:
@@ -79,13 +94,27 @@ def dequantize_func(n: int, k: int, q: Quantization, threads: int | None = DEQUA
 
 
 def make_dispatch(func: tirx.PrimFunc, kernel: str, epilogue: str, x_shape: tuple, min_tokens: int,
-                  attrs: dict, dequantize: tuple[str, int, int, str] | None = None) -> tirx.PrimFunc:
+                  attrs: dict, dequantize: tuple[str, int, int, str] | None = None,
+                  quantize: tuple[str, str] | None = None) -> tirx.PrimFunc:
     """A host PrimFunc with `func`'s parameters and a workspace after them, calling `kernel` (the library function
     that was `func`) for up to `min_tokens` tokens, else the shim's global function. With `dequantize` (the
     decoding kernel's name, n, k, dtype) `func` reads packed weights and scales, and a scratch [n, k] parameter
-    after the workspace receives the decoded weights cuBLASLt multiplies."""
+    after the workspace receives the decoded weights cuBLASLt multiplies. With `quantize` (the token-quantizing
+    kernel's name, the activations' dtype) `func` reads float8 weights and row scales, and two scratch parameters
+    shaped like x (the codes) and like x less its last axis (float32 scales) receive the quantized activations."""
     params = list(func.params)
     workspace = tirx.decl_buffer((tvm.tirx.IntImm("int64", WORKSPACE_BYTES),), "uint8", name="workspace")
+    if quantize is not None:
+        name, act_dtype = quantize
+        x, qw, qs, *rest = params
+        *extra, y = rest
+        shape = list(x_shape)
+        xq = tirx.decl_buffer(shape, act_dtype, name="x_codes")
+        xs = tirx.decl_buffer(shape[:-1], "float32", name="x_scales")
+        return size_dispatch(params + [workspace, xq, xs], func.ret_type, token_dim(x_shape), min_tokens,
+                             tirx.call_cpacked(kernel, *params),
+                             [tirx.call_cpacked(name, x, xq, xs),
+                              tirx.call_packed(MATMUL_FP8[epilogue], xq, xs, qw, qs, *extra, workspace, y)], attrs)
     if dequantize is None:
         x, w, *rest = params
         *extra, y = rest
@@ -102,10 +131,11 @@ def make_dispatch(func: tirx.PrimFunc, kernel: str, epilogue: str, x_shape: tupl
                           tirx.call_packed(MATMUL[epilogue], x, scratch, *extra, workspace, y)], attrs)
 
 
-def vendor_gemm_pass(min_tokens: int = MIN_TOKENS, q4_min_tokens: int = 0) -> tvm.transform.Pass:
+def vendor_gemm_pass(min_tokens: int = MIN_TOKENS, q4_min_tokens: int = 0, fp8: bool = False
+                     ) -> tvm.transform.Pass:
     """Every matched projection behind a token-count dispatch to cuBLASLt (after FuseTIR, before mlcc's kernels):
     float16/bfloat16 weights over more than `min_tokens` tokens, group-quantized ones over more than
-    `q4_min_tokens` (0: never)."""
+    `q4_min_tokens` (0: never), and with `fp8` (sm_90+) float8 ones over more than `min_tokens`."""
 
     @tvm.transform.module_pass(opt_level=0, name="mlcc_cuda_vendor_gemm")
     def _pass(mod: tvm.ir.IRModule, _ctx) -> tvm.ir.IRModule:
@@ -114,7 +144,7 @@ def vendor_gemm_pass(min_tokens: int = MIN_TOKENS, q4_min_tokens: int = 0) -> tv
         for gv, func in list(mod.functions.items()):
             if not is_unscheduled_prim_func(func):
                 continue
-            found = _match(func, q4=q4_min_tokens > 0)
+            found = _match(func, q4=q4_min_tokens > 0, fp8=fp8)
             if found is None:
                 continue
             n, k, x_shape, dtype, epilogue, scheme = found
@@ -122,8 +152,16 @@ def vendor_gemm_pass(min_tokens: int = MIN_TOKENS, q4_min_tokens: int = 0) -> tv
             kernel = f"{name}_kernel"
             attrs = {a: v for a, v in func.attrs.items()} if func.attrs is not None else {}
             rewriter.builder_.add_func(func.with_attr("global_symbol", kernel), kernel)
-            dequantize = None
-            if scheme is not None:
+            dequantize = quantize = None
+            if scheme is not None and scheme.kind == "float8":
+                key = (k, scheme.name)
+                if key not in decoders:
+                    decoders[key] = f"quantize_tokens_{scheme.activations}_{k}"
+                    rewriter.builder_.add_func(quantize_tokens_func(k, scheme).with_attr(
+                        "global_symbol", decoders[key]), decoders[key])
+                quantize = (decoders[key], scheme.activations)
+                rewriter.quantized[name] = scheme.activations
+            elif scheme is not None:
                 key = (n, k, scheme.name)
                 if key not in decoders:
                     decoders[key] = f"mlcc_dequantize_{scheme.name}_{n}x{k}"
@@ -133,16 +171,17 @@ def vendor_gemm_pass(min_tokens: int = MIN_TOKENS, q4_min_tokens: int = 0) -> tv
                 rewriter.scratch[name] = (n, k, dtype)
             dispatch = f"{name}_cublaslt"
             rewriter.replaced[name] = rewriter.builder_.add_func(
-                make_dispatch(func, kernel, epilogue, x_shape, min_tokens if scheme is None else q4_min_tokens,
-                              {**attrs, "global_symbol": dispatch}, dequantize),
+                make_dispatch(func, kernel, epilogue, x_shape,
+                              q4_min_tokens if scheme is not None and scheme.kind == "group" else min_tokens,
+                              {**attrs, "global_symbol": dispatch}, dequantize, quantize),
                 dispatch)
         if not rewriter.replaced:
             return mod
         out = rewriter.rewrite()
         for name in rewriter.replaced:   # the old signature: no caller is left
             out = _remove(out, name)
-        log.debug("cuBLASLt projections: %d (%d through a decoded scratch)", len(rewriter.replaced),
-                  len(rewriter.scratch))
+        log.debug("cuBLASLt projections: %d (%d through a decoded scratch, %d FP8)", len(rewriter.replaced),
+                  len(rewriter.scratch), len(rewriter.quantized))
         return out
 
     return _pass
@@ -162,6 +201,7 @@ class _WithWorkspace(relax.PyExprMutator):
         self.mod_ = mod
         self.replaced: dict[str, tvm.ir.GlobalVar] = {}
         self.scratch: dict[str, tuple[int, int, str]] = {}   # projection -> its decoded weights' (n, k, dtype)
+        self.quantized: dict[str, str] = {}   # FP8 projection -> the dtype its activations are quantized to
         self.call_tir = tvm.ir.Op.get("relax.call_tir")
 
     def rewrite(self) -> tvm.ir.IRModule:
@@ -181,6 +221,9 @@ class _WithWorkspace(relax.PyExprMutator):
         if name in self.scratch:
             n, k, dtype = self.scratch[name]
             outs.append(relax.TensorType((n, k), dtype))
+        if name in self.quantized:   # codes shaped like x, one float32 scale per token
+            x_shape = list(call.args[1].fields[0].ty.shape.values)
+            outs += [relax.TensorType(x_shape, self.quantized[name]), relax.TensorType(x_shape[:-1], "float32")]
         both = relax.call_tir(self.replaced[name], call.args[1], outs)
         if len(call.args) > 2:  # (shape variables passed on)
             both = relax.Call(both.op, [*both.args, call.args[2]], both.attrs, both.ty_args)

@@ -25,6 +25,9 @@ log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).parent / "cublaslt" / "mlcc_cublaslt.cc"
 MATMUL = {"none": "mlcc.cublaslt.matmul", "bias": "mlcc.cublaslt.matmul_bias", "add": "mlcc.cublaslt.matmul_add"}
+# e4m3 activations (per-token scales) times e4m3 weights (per-channel scales): (xq, x_scale, w, w_scale, [extra,]
+# workspace, out)
+MATMUL_FP8 = {epi: name.replace("matmul", "matmul_fp8") for epi, name in MATMUL.items()}
 _BUILD_REV = "1"
 
 _loaded: Path | None = None

@@ -177,7 +177,7 @@ def same_shape(a, b) -> bool:
 
 def match_many_token_projection(func, dtype: str, cast: bool = False) -> tuple[int, int, tuple, str, str] | None:
     """(n, k, x shape, weights, epilogue) of a projection over several tokens with `dtype` activations: dequantize→
-    matmul in a tagged group scheme with `dtype` scales (weights: the scheme's name) or `dtype` NT_matmul weights
+    matmul in a tagged scheme of model dtype `dtype` (weights: the scheme's name) or `dtype` NT_matmul weights
     [→ + residual or bias], activations (1, m, K) or (m, 1, K) with m symbolic; None for anything else (batch-1
     GEMVs included). Epilogue: "none" | "add" | "bias", and with `cast` also "cast" (the output cast to float32:
     an LM head over several positions). Which schemes a kernel decodes is the caller's to check."""
@@ -188,7 +188,7 @@ def match_many_token_projection(func, dtype: str, cast: bool = False) -> tuple[i
     if {"dequantize", "matmul"} <= set(blocks):
         deq, mm = blocks["dequantize"], blocks["matmul"]
         q = tagged_scheme(func, deq)
-        if q is None or q.scale_dtype != dtype:
+        if q is None or q.model_dtype != dtype:
             return None
         core, weights = {"dequantize", "matmul"}, q.name
         if len(deq.reads) != 2 or len(mm.reads) != 2:

@@ -1,7 +1,9 @@
 """cuBLASLt projections (CompileOptions.vendor_gemm): the shim builds with g++ against pip's CUDA packages and
 registers its global functions (loading libcublasLt needs no GPU); a CUDA build of the tiny llama calls it for its
 float16 projections over many tokens and keeps the old kernels for few tokens; q4f16_1 projections over more tokens
-decode their weights into a scratch first; with the option off or the shim unavailable the build is what it was. The shim's numerics on a GPU are marked gpu."""
+decode their weights into a scratch first; e4m3_e4m3_f16 projections quantize their activations per token and take
+the FP8 GEMM (sm_90 only); with the option off or the shim unavailable the build is what it was. The shim's numerics
+on a GPU are marked gpu."""
 
 import numpy as np
 import pytest
@@ -32,13 +34,14 @@ def test_the_shim_builds_and_registers_its_functions():
 
     lib = _shim()
     assert lib.exists() and cublaslt.available(cache_root())
-    for name in (*cublaslt.MATMUL.values(), "mlcc.cublaslt.init", "mlcc.cublaslt.cache_size"):
+    for name in (*cublaslt.MATMUL.values(), *cublaslt.MATMUL_FP8.values(), "mlcc.cublaslt.init",
+                 "mlcc.cublaslt.cache_size"):
         assert tvm_ffi.get_global_func(name, allow_missing=True) is not None, name
     assert cublaslt.library_path(cache_root()) == lib   # cached: built once
 
 
-def _kernels(hf_models, quant: str, options: CompileOptions) -> tvm.IRModule:
-    built = export_module(load_source(hf_models("llama")), get_target("cuda"), get_quantization(quant),
+def _kernels(hf_models, quant: str, options: CompileOptions, target: str = "cuda") -> tvm.IRModule:
+    built = export_module(load_source(hf_models("llama")), get_target(target), get_quantization(quant),
                           options=options)
     with built.target:
         return tvm.transform.Sequential(kernel_passes(built.target, options))(built.mod)
@@ -92,6 +95,25 @@ def test_q4_projections_over_many_tokens_decode_into_a_scratch_then_call_cublasl
     # off: the q4 tensor-core GEMM at every size, as before
     off = _kernels(hf_models, "q4f16_1", CompileOptions(vendor_gemm_q4_tokens=0))
     assert not [gv for gv in off.functions if "cublaslt" in gv.name_hint or "dequantize_q4" in gv.name_hint]
+
+
+def test_e4m3_projections_over_many_tokens_quantize_their_activations_then_call_the_fp8_gemm(hf_models):
+    _shim()
+    mod = _kernels(hf_models, "e4m3_e4m3_f16", CompileOptions())
+    calls = [(n, t) for n, t in _calls(mod, "prefill") if n.endswith("_cublaslt")]
+    assert len(calls) == 8   # the LM head stays float16 and over one position: not among them
+    quantizers = {gv.name_hint for gv in mod.functions if gv.name_hint.startswith("quantize_tokens_")}
+    assert len(quantizers) == 2   # one per K: 64 (qkv, o, gate_up) and 128 (down)
+    for name, ty in calls:   # (y, workspace, the e4m3 activations shaped like x, one float32 scale per token)
+        codes, scales = ty.fields[2], ty.fields[3]
+        assert codes.dtype == "float8_e4m3fn" and len(codes.shape) == 3 and scales.dtype == "float32"
+        text = mod[name].script()
+        assert f"<= T.int64({MIN_TOKENS})" in text and "mlcc.cublaslt.matmul_fp8" in text
+        assert any(q in text for q in quantizers)
+    assert any("mlcc.cublaslt.matmul_fp8_add" in mod[n].script() for n, _ in calls)
+    # sm_80: no FP8 GEMM there; the projections keep their kernels at every size
+    sm80 = _kernels(hf_models, "e4m3_e4m3_f16", CompileOptions(), target="cuda-sm80")
+    assert not [gv for gv in sm80.functions if "cublaslt" in gv.name_hint or "quantize_tokens" in gv.name_hint]
 
 
 def test_the_q4_decoding_kernel_matches_numpy():
@@ -154,6 +176,50 @@ def test_shim_matches_float32(epilogue, dtype):
         ref = ref + cast[2].astype(np.float32)
     got = out.numpy().astype(np.float32)
     assert np.abs(got - ref).max() / np.abs(ref).max() < (2e-2 if dtype == "bfloat16" else 3e-3)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _cuda_present(), reason="no CUDA device")
+@pytest.mark.parametrize("epilogue", ["none", "bias", "add"])
+def test_fp8_gemm_with_per_token_activations_matches_float32(epilogue):
+    """The token quantizer and the shim's FP8 GEMM together against float32 on the dequantized weights and the
+    float16 activations: within e4m3's rounding of the activations (3 mantissa bits, relative 2^-4 at worst,
+    averaging out over K)."""
+    import tvm_ffi
+
+    from mlcc.compiler.quant_schemes import dequantize_weight, quantize_weight
+    from mlcc.schedules.cuda_token_quantize import quantize_tokens_func
+
+    _shim()
+    dev = tvm.cuda(0)
+    cublaslt.prepare_device(0)
+    q = get_quantization("e4m3_e4m3_f16")
+    rng = np.random.default_rng(0)
+    m, n, k = 300, 512, 1024
+    x = rng.standard_normal((1, m, k)).astype(np.float16)
+    x[0, 7] = 0   # an all-zero token
+    w, w_scale = quantize_weight((rng.standard_normal((n, k)) / k ** 0.5).astype(np.float32), q)
+    extra = {"none": None, "bias": rng.standard_normal(n), "add": rng.standard_normal((1, m, n))}[epilogue]
+    target = get_target("cuda").tvm_target()
+    quantize = tvm.compile(tvm.IRModule({"main": quantize_tokens_func(k, q).with_attr("global_symbol", "main")}),
+                           target)
+    xq = tvm.runtime.empty((1, m, k), "float8_e4m3fn", dev)
+    xs = tvm.runtime.empty((1, m), "float32", dev)
+    quantize["main"](tvm.runtime.tensor(x, dev), xq, xs)
+    want_xs = np.maximum(np.abs(x.astype(np.float32)).max(-1) / 448, 1e-12)
+    np.testing.assert_allclose(xs.numpy(), want_xs, rtol=1e-6)
+    ws = tvm.runtime.empty((WORKSPACE_BYTES,), "uint8", dev)
+    out = tvm.runtime.empty((1, m, n), "float16", dev)
+    args = [xq, xs, tvm.runtime.tensor(w, dev), tvm.runtime.tensor(w_scale, dev)]
+    if extra is not None:
+        args.append(tvm.runtime.tensor(extra.astype(np.float16), dev))
+    tvm_ffi.get_global_func(cublaslt.MATMUL_FP8[epilogue])(*args, ws, out)
+    ref = x.astype(np.float32) @ dequantize_weight(w, w_scale, q).T
+    if extra is not None:
+        ref = ref + extra.astype(np.float16).astype(np.float32)
+    got = out.numpy().astype(np.float32)
+    assert np.abs(got[0, 7] - (ref[0, 7] if extra is not None else 0)).max() < 1e-2
+    assert np.abs(got - ref).max() / np.abs(ref).max() < 3e-2
 
 
 def test_a_library_calling_cublaslt_is_refused_in_one_line_where_the_shim_cannot_build(tmp_path, monkeypatch):

@@ -2,6 +2,11 @@
 //   mlcc.cublaslt.matmul(x, w, workspace, out)               out = x @ w^T
 //   mlcc.cublaslt.matmul_bias(x, w, bias, workspace, out)    out = x @ w^T + bias[n]
 //   mlcc.cublaslt.matmul_add(x, w, residual, workspace, out) out = x @ w^T + residual
+//   mlcc.cublaslt.matmul_fp8[_bias|_add](xq, x_scale, w, w_scale, [extra,] workspace, out)
+//       out = (x_scale[m] xq[m, K]) @ (w_scale[n] w[N, K])^T [+ bias | + residual]: e4m3 activations quantized per
+//       token and e4m3 weights with one scale per output channel, out float16 or bfloat16. The scales are applied
+//       inside cuBLASLt's epilogue as outer vectors (CUBLASLT_MATMUL_MATRIX_SCALE_OUTER_VEC_32F: D[i, j] is
+//       multiplied by A's scale i and B's scale j), cuBLAS 12.9+ on sm_90+.
 //   mlcc.cublaslt.init(device_id)                            creates the handle (before any graph capture)
 //   mlcc.cublaslt.cache_size() -> int                        shapes planned so far
 // x: [..., K] (rows = the product of the leading dims), w: [N, K] (a Linear weight, [out, in]), fp16 or bf16;
@@ -50,7 +55,7 @@ enum Epilogue : int { kNone = 0, kBias = 1, kAdd = 2 };
     }                                                                                            \
   } while (0)
 
-// (M, N, K, dtype code, epilogue, device)
+// (M, N, K, dtype code (the inputs'), epilogue, device); FP8 plans add the output's code times 1000 to the first
 using ShapeKey = std::tuple<int64_t, int64_t, int64_t, int, int, int>;
 
 struct Plan {
@@ -102,6 +107,8 @@ cublasLtHandle_t Handle(State& s, int device, bool capturing) {
   return h;
 }
 
+bool IsE4m3(const DLDataType& t) { return t.code == kDLFloat8_e4m3fn && t.bits == 8 && t.lanes == 1; }
+
 cudaDataType_t DataType(const DLDataType& t) {
   if (t.code == kDLFloat && t.bits == 16 && t.lanes == 1) return CUDA_R_16F;
   if (t.code == kDLBfloat && t.bits == 16 && t.lanes == 1) return CUDA_R_16BF;
@@ -111,8 +118,10 @@ cudaDataType_t DataType(const DLDataType& t) {
 
 void* Data(const TensorView& t) { return static_cast<char*>(t.data_ptr()) + t.byte_offset(); }
 
-// Row-major out[M, N] = x[M, K] w[N, K]^T is column-major out^T[N, M] = w^T x with w read transposed ("TN").
-Plan MakePlan(cudaDataType_t dt, int64_t m, int64_t n, int64_t k, int epilogue, const void* bias) {
+// Row-major out[M, N] = x[M, K] w[N, K]^T is column-major out^T[N, M] = w^T x with w read transposed ("TN", also
+// the one layout FP8 GEMMs take on Hopper). `in` is the inputs' type (dt, or e4m3 with per-vector scales).
+Plan MakePlan(cudaDataType_t dt, int64_t m, int64_t n, int64_t k, int epilogue, const void* bias,
+              cudaDataType_t in) {
   Plan p;
   MLCC_CUBLAS_CHECK(cublasLtMatmulDescCreate(&p.desc, CUBLAS_COMPUTE_32F, CUDA_R_32F));
   cublasOperation_t ta = CUBLAS_OP_T, tb = CUBLAS_OP_N;
@@ -127,8 +136,16 @@ Plan MakePlan(cudaDataType_t dt, int64_t m, int64_t n, int64_t k, int epilogue, 
     MLCC_CUBLAS_CHECK(
         cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias, sizeof(bias)));
   }
-  MLCC_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p.a, dt, k, n, k));
-  MLCC_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p.b, dt, k, m, k));
+  if (in == CUDA_R_8F_E4M3) {
+    // A = the weights (n rows of D: one scale per channel), B = the activations (m columns: one per token)
+    const int32_t mode = CUBLASLT_MATMUL_MATRIX_SCALE_OUTER_VEC_32F;
+    MLCC_CUBLAS_CHECK(
+        cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_A_SCALE_MODE, &mode, sizeof(mode)));
+    MLCC_CUBLAS_CHECK(
+        cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_B_SCALE_MODE, &mode, sizeof(mode)));
+  }
+  MLCC_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p.a, in, k, n, k));
+  MLCC_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p.b, in, k, m, k));
   MLCC_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p.c, dt, n, m, n));
   return p;
 }
@@ -194,8 +211,21 @@ bool TimeBest(cublasLtHandle_t h, Plan* p, const std::vector<cublasLtMatmulHeuri
   return best >= 0;
 }
 
+// Per-vector scales of an FP8 product: the weights' (n) and the activations' (m), float32 on the device.
+struct Scales {
+  const TensorView* w;
+  const TensorView* x;
+};
+
+void SetScales(Plan& p, const void* w_scale, const void* x_scale) {
+  MLCC_CUBLAS_CHECK(
+      cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &w_scale, sizeof(w_scale)));
+  MLCC_CUBLAS_CHECK(
+      cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &x_scale, sizeof(x_scale)));
+}
+
 void Matmul(const TensorView& x, const TensorView& w, const TensorView* extra, int epilogue,
-            const TensorView& workspace, const TensorView& out) {
+            const TensorView& workspace, const TensorView& out, const Scales* scales = nullptr) {
   TVM_FFI_CHECK(x.device().device_type == kDLCUDA, ValueError) << "mlcc.cublaslt: CUDA tensors expected";
   TVM_FFI_CHECK(w.ndim() == 2 && x.ndim() >= 1 && out.ndim() == x.ndim(), ValueError)
       << "mlcc.cublaslt: x [..., K], w [N, K], out [..., N] expected";
@@ -204,9 +234,21 @@ void Matmul(const TensorView& x, const TensorView& w, const TensorView* extra, i
   TVM_FFI_CHECK(w.shape()[1] == k && out.shape()[out.ndim() - 1] == n && out.numel() == m * n, ValueError)
       << "mlcc.cublaslt: shapes disagree (x [" << m << ", " << k << "], w [" << w.shape()[0] << ", "
       << w.shape()[1] << "])";
-  const cudaDataType_t dt = DataType(x.dtype());
-  TVM_FFI_CHECK(DataType(w.dtype()) == dt && DataType(out.dtype()) == dt, TypeError)
-      << "mlcc.cublaslt: x, w and out must share one dtype";
+  const cudaDataType_t dt = DataType(out.dtype());
+  cudaDataType_t in = dt;
+  if (scales != nullptr) {
+    TVM_FFI_CHECK(IsE4m3(x.dtype()) && IsE4m3(w.dtype()), TypeError)
+        << "mlcc.cublaslt: float8_e4m3fn x and w expected";
+    for (const auto& [t, len] : {std::pair{scales->w, n}, std::pair{scales->x, m}}) {
+      TVM_FFI_CHECK(t->numel() == len && t->dtype().code == kDLFloat && t->dtype().bits == 32, ValueError)
+          << "mlcc.cublaslt: float32 scales, one per weight row and one per token, expected";
+    }
+    TVM_FFI_CHECK(k % 16 == 0, ValueError) << "mlcc.cublaslt: FP8 rows of a multiple of 16 bytes expected";
+    in = CUDA_R_8F_E4M3;
+  } else {
+    TVM_FFI_CHECK(DataType(x.dtype()) == dt && DataType(w.dtype()) == dt, TypeError)
+        << "mlcc.cublaslt: x, w and out must share one dtype";
+  }
   if (epilogue == kBias) {
     TVM_FFI_CHECK(extra->numel() == n && DataType(extra->dtype()) == dt, ValueError)
         << "mlcc.cublaslt: bias [N] expected";
@@ -226,11 +268,15 @@ void Matmul(const TensorView& x, const TensorView& w, const TensorView* extra, i
   State& s = state();
   std::lock_guard<std::mutex> lock(s.mu);
   cublasLtHandle_t h = Handle(s, device, capturing);
-  const ShapeKey key{m, n, k, static_cast<int>(dt), epilogue, device};
+  const int code = static_cast<int>(in) + (in != dt ? 1000 * static_cast<int>(dt) : 0);
+  const ShapeKey key{m, n, k, code, epilogue, device};
+  const void* w_scale = scales != nullptr ? Data(*scales->w) : nullptr;
+  const void* x_scale = scales != nullptr ? Data(*scales->x) : nullptr;
   auto it = s.plans.find(key);
   if (it == s.plans.end()) {
-    Plan p = MakePlan(dt, m, n, k, epilogue, bias);
-    const ShapeKey bucket{Bucket(m), n, k, static_cast<int>(dt), epilogue, device};
+    Plan p = MakePlan(dt, m, n, k, epilogue, bias, in);
+    if (scales != nullptr) SetScales(p, w_scale, x_scale);
+    const ShapeKey bucket{Bucket(m), n, k, code, epilogue, device};
     auto t = s.tuned.find(bucket);
     cublasLtMatmulHeuristicResult_t check{};
     if (t != s.tuned.end() && t->second.second <= ws_bytes &&
@@ -254,6 +300,7 @@ void Matmul(const TensorView& x, const TensorView& w, const TensorView* extra, i
     it = s.plans.emplace(key, p).first;
   }
   Plan& p = it->second;
+  if (scales != nullptr) SetScales(p, w_scale, x_scale);  // (pointers are part of the descriptor, as the bias's)
   if (epilogue == kBias) {  // the bias pointer is part of the descriptor
     MLCC_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias,
                                                      sizeof(bias)));
@@ -277,6 +324,24 @@ TVM_FFI_STATIC_INIT_BLOCK() {
       .def("mlcc.cublaslt.matmul_add",
            [](TensorView x, TensorView w, TensorView residual, TensorView workspace, TensorView out) {
              Matmul(x, w, &residual, kAdd, workspace, out);
+           })
+      .def("mlcc.cublaslt.matmul_fp8",
+           [](TensorView xq, TensorView x_scale, TensorView w, TensorView w_scale, TensorView workspace,
+              TensorView out) {
+             const Scales sc{&w_scale, &x_scale};
+             Matmul(xq, w, nullptr, kNone, workspace, out, &sc);
+           })
+      .def("mlcc.cublaslt.matmul_fp8_bias",
+           [](TensorView xq, TensorView x_scale, TensorView w, TensorView w_scale, TensorView bias,
+              TensorView workspace, TensorView out) {
+             const Scales sc{&w_scale, &x_scale};
+             Matmul(xq, w, &bias, kBias, workspace, out, &sc);
+           })
+      .def("mlcc.cublaslt.matmul_fp8_add",
+           [](TensorView xq, TensorView x_scale, TensorView w, TensorView w_scale, TensorView residual,
+              TensorView workspace, TensorView out) {
+             const Scales sc{&w_scale, &x_scale};
+             Matmul(xq, w, &residual, kAdd, workspace, out, &sc);
            })
       .def("mlcc.cublaslt.init",
            [](int device) {
