@@ -141,9 +141,11 @@ class _Layout:
         return (it * self.ksplit + ty % self.ksplit) * self.lanes + tx % self.lanes
 
 
-def _q4_accumulate(lay: _Layout, groups: int):
-    """q4f16_1: a 32-code group per unit, summed in fp16 per row (acc), then scaled by the group's scale into the
-    row's fp32 sum (accf)."""
+def _packed_accumulate(lay: _Layout, helper: str, x_per_word: int, groups: int | None = None):
+    """Packed codes, 4 words a unit: each word against its `x_per_word` words of activations through `helper`,
+    summed in fp16 per row (acc), then into the row's fp32 sum (accf). q4f16_1 (`groups` scales a row): a unit is
+    one 32-code group, its scale applied here; e4m3 (16 codes a unit, as value / 256; groups None): the row's
+    scale, times 256, is applied once to the whole sum after the reduction."""
     from tvm.script import tirx as T
 
     @T.macro
@@ -152,30 +154,17 @@ def _q4_accumulate(lay: _Layout, groups: int):
             acc[r] = T.uint32(0)
         for c in T.unroll(4):
             for r in T.unroll(lay.rows_w):
-                acc[r] = T.call_pure_extern("uint32", Q4_HELPER, wl[r, c], xl[c * 4], xl[c * 4 + 1], xl[c * 4 + 2],
-                                            xl[c * 4 + 3], acc[r])
+                if x_per_word == 4:
+                    acc[r] = T.call_pure_extern("uint32", helper, wl[r, c], xl[c * 4], xl[c * 4 + 1], xl[c * 4 + 2],
+                                                xl[c * 4 + 3], acc[r])
+                else:
+                    acc[r] = T.call_pure_extern("uint32", helper, wl[r, c], xl[c * 2], xl[c * 2 + 1], acc[r])
         for r in T.unroll(lay.rows_w):
-            if lay.row_of(bx, ty, tx, r % lay.rows) < lay.n:
+            if groups is None:
+                accf[r] = accf[r] + T.call_pure_extern("float32", "mlcc_h2_sum", acc[r])
+            elif lay.row_of(bx, ty, tx, r % lay.rows) < lay.n:
                 accf[r] = accf[r] + T.call_pure_extern("float32", "mlcc_h2_sum", acc[r]) * \
                     T.Cast("float32", sf[lay.wrow_of(bx, ty, tx, r) * groups + lay.unit_of(it, ty, tx)])
-
-    return accumulate
-
-
-def _e4m3_accumulate(lay: _Layout):
-    """e4m3: 16 codes per unit (as value / 256), summed in fp16 per row, then into the row's fp32 sum; the row's
-    scale (times 256) is applied once, to the whole sum."""
-    from tvm.script import tirx as T
-
-    @T.macro
-    def accumulate(sf, wl, xl, accf, acc, bx, ty, tx, it):
-        for r in T.unroll(lay.rows_w):
-            acc[r] = T.uint32(0)
-        for c in T.unroll(4):
-            for r in T.unroll(lay.rows_w):
-                acc[r] = T.call_pure_extern("uint32", E4M3_HELPER, wl[r, c], xl[c * 2], xl[c * 2 + 1], acc[r])
-        for r in T.unroll(lay.rows_w):
-            accf[r] = accf[r] + T.call_pure_extern("float32", "mlcc_h2_sum", acc[r])
 
     return accumulate
 
@@ -285,7 +274,8 @@ def make_gemv(shape: GemvShape, pdl: bool = False) -> tvm.tirx.PrimFunc:
     staged = norm and q is not None
     n_acc = rows_w + defer  # the accumulators a thread reduces: its rows [, the sum of x²]
     stage_words = -(-(k // 2) // (warps * 32)) if staged else 1  # 32-bit words of x a thread stages
-    accumulate = _q4_accumulate(lay, groups) if q4 else _e4m3_accumulate(lay) if e4m3 else _f16_accumulate(lay)
+    accumulate = _packed_accumulate(lay, Q4_HELPER, 4, groups) if q4 else \
+        _packed_accumulate(lay, E4M3_HELPER, 2) if e4m3 else _f16_accumulate(lay)
     stage_normalized_x = _stage_normalized_x(k, eps, warps, stage_words) if staged else None
     # the weights a thread loads past the last row: every code max_int (zero), or 0
     out_of_range = sum(q.max_int << (i * q.bits) for i in range(q.per_word)) if q4 else 0
