@@ -7,14 +7,53 @@ transformers can do this too, but its GGUF path needs torch, which the install m
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 from typing import Any
 
-from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 
 from mlcc.errors import UnsupportedTokenizerError
 
+log = logging.getLogger(__name__)
+
 _CONTROL, _USER_DEFINED = 3, 4
+
+# How a byte-level vocabulary splits text before its merges (`tokenizer.ggml.pre`): the regexes of the models' own
+# tokenizer.json files, as llama.cpp's llama-vocab.cpp and transformers' GGUF loader map them. Splitting otherwise
+# gives other tokens for the same text (Qwen2's "(x" or "):\n" become two tokens under GPT-2's regex).
+_LLAMA3 = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+           r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_QWEN2 = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+          r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_QWEN35 = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}"
+           r"| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_TEKKEN = (r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
+           r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
+           r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_GPT4O = (r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+          r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+          r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_SPLITS = {**dict.fromkeys(("llama3", "llama-v3", "llama-bpe", "falcon3", "pixtral", "dbrx", "smaug-bpe"), _LLAMA3),
+           **dict.fromkeys(("qwen2", "deepseek-r1-qwen", "megrez"), _QWEN2), "qwen35": _QWEN35,
+           "tekken": _TEKKEN, **dict.fromkeys(("gpt-4o", "llama4"), _GPT4O)}
+# GPT-2's regex after every digit split off alone (SmolLM's, StarCoder's)
+_DIGITS_THEN_GPT2 = {"smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva"}
+_GPT2 = {None, "default", "gpt2", "gpt-2", "mpt", "olmo", "jais"}
+
+
+def byte_level_pre_tokenizer(pre: str | None) -> pre_tokenizers.PreTokenizer:
+    """The pre-tokenizer of a byte-level BPE vocabulary whose GGUF names its splitting `pre`."""
+    if pre in _SPLITS:
+        return pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(_SPLITS[pre]), behavior="isolated"),
+                                        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    if pre in _DIGITS_THEN_GPT2:
+        return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
+                                        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)])
+    if pre not in _GPT2:
+        log.warning("GGUF pre-tokenizer '%s' is not known here: splitting text as GPT-2 does, so some texts may "
+                    "tokenize differently from the model's own tokenizer", pre)
+    return pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
 
 
 def write_gguf_tokenizer(gguf_path: Path, out: Path) -> None:
@@ -37,7 +76,7 @@ def write_gguf_tokenizer(gguf_path: Path, out: Path) -> None:
         merges = [tuple(m.split(" ", 1)) for m in field("tokenizer.ggml.merges", [])]
         tok = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges, fuse_unk=False,
                                    byte_fallback=False))
-        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+        tok.pre_tokenizer = byte_level_pre_tokenizer(field("tokenizer.ggml.pre"))
         tok.decoder = decoders.ByteLevel()
     else:
         tok = _sentencepiece_bpe(tokens, field("tokenizer.ggml.scores"), bool(field("tokenizer.ggml.add_space_prefix",
