@@ -3,9 +3,15 @@ every kernel that decodes quantized weights. No TVM import here, so runtime-only
 
 A group scheme stores each weight row as `bits`-bit codes packed low code first into `storage_dtype` words, with
 one scale (in `scale_dtype`) per `group_size` consecutive codes along K. Symmetric schemes decode a code as
-(code - max_int) · scale; a zero-point scheme would carry a second per-group tensor and no kernel decodes one yet.
+(code - zero_code) · scale; a zero-point scheme carries a second per-group tensor, the zero points packed like the
+codes (uint32[out, ceil(groups/per_word)], group g in word g // per_word), and decodes (code - zero) · scale.
 q4f16_1 / q4f32_1 are bit-compatible with MLC-LLM: uint32[out, in/8] of 8 nibbles, scale[out, in/32] in the model
 dtype, q = clamp(round(w/scale) + 7, 0, 14).
+
+The published 4-bit checkpoints (AWQ, GPTQ, compressed-tensors pack-quantized; compiler/int4_checkpoint.py) keep
+their codes and group size: q4f16_awq / q4f32_awq carry their zero points (AWQ, asymmetric GPTQ and
+compressed-tensors), q4f16_g128 / q4f32_g128 are their symmetric form, codes 0..15 centred on 8. Both use group 128,
+what those checkpoints are published with, and leave the embedding and LM head in the model dtype, as they do.
 
 A float8 scheme stores each weight as one 8-bit float (`storage_dtype`, e.g. float8_e4m3fn) with one float32 scale
 per output channel (row), w ≈ code · scale, scale = absmax(row) / the format's largest finite value. Its embedding
@@ -37,7 +43,8 @@ class Quantization:
     group_size: int = 32      # codes along K sharing one scale (float8: 0, one scale per row)
     bits: int = 4             # per code
     storage_dtype: str = "uint32"  # the words codes are packed into
-    symmetric: bool = True    # codes centred on max_int; False: a per-group zero point (no kernel decodes it yet)
+    symmetric: bool = True    # codes centred on zero_code; False: a per-group zero point (the q_zero tensor)
+    zero: int | None = None   # the code that decodes to 0 in a symmetric scheme where it is not max_int
     # int -> float by OR-ing the code into a float's mantissa (exact, and cheaper than a convert on GPUs);
     # off for WGSL, which has no 16-bit integers to build the f16 bit pattern from
     magic_int_to_float: bool = True
@@ -62,6 +69,15 @@ class Quantization:
     def scale_shape(self, n: int, k: int) -> tuple[int, ...]:
         """The scales of a [n, k] weight: one per group of a row, or one per row (float8)."""
         return (n,) if self.kind == "float8" else (n, k // self.group_size)
+
+    def zero_shape(self, n: int, k: int) -> tuple[int, int]:
+        """The packed zero points of a [n, k] weight in a zero-point scheme: one code per group, per_word a word."""
+        return n, -(-(k // self.group_size) // self.per_word)
+
+    @property
+    def zero_code(self) -> int:
+        """The code that decodes to zero in a symmetric scheme."""
+        return self.max_int if self.zero is None else self.zero
 
     @property
     def max_int(self) -> int:
@@ -96,6 +112,10 @@ QUANTIZATIONS: dict[str, Quantization] = {
     "e4m3_e4m3_f16": Quantization("e4m3_e4m3_f16", "float16", "float8", group_size=0, bits=8,
                                   storage_dtype="float8_e4m3fn", scale="float32", activations="float8_e4m3fn",
                                   quantize_embedding=False, quantize_lm_head=False),
+    **{f"q4{f}_{kind}": Quantization(f"q4{f}_{kind}", dtype, "group", group_size=128, symmetric=kind == "g128",
+                                     zero=8 if kind == "g128" else None, quantize_embedding=False,
+                                     quantize_lm_head=False)
+       for kind in ("awq", "g128") for f, dtype in (("f16", "float16"), ("f32", "float32"))},
 }
 
 

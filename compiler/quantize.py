@@ -49,33 +49,47 @@ def float8_value(code, q: Quantization):
     return tirx.reinterpret("float16", bits).astype("float32") * tirx.const(unscale, "float32")
 
 
-def dequant_value(qw: te.Tensor, qs: te.Tensor, row, j, q: Quantization):
-    """Element (row, j) of the dequantized weight, in the model dtype: (code - max_int) · scale of its group, or
-    for float8 code · scale of its row (the product in float32, the scale's dtype)."""
+def dequant_value(qw: te.Tensor, qs: te.Tensor, row, j, q: Quantization, qz: te.Tensor | None = None):
+    """Element (row, j) of the dequantized weight, in the model dtype: (code - zero) · scale of its group, the zero
+    being the scheme's zero_code or, in a zero-point scheme, the group's code in `qz`; for float8 code · scale of its
+    row (the product in float32, the scale's dtype)."""
     if q.kind == "float8":
         return (float8_value(qw[row, j], q) * qs[row].astype("float32")).astype(q.model_dtype)
-    code = tirx.bitwise_and(tirx.shift_right(qw[row, j // q.per_word],
-                                             (j % q.per_word * q.bits).astype(q.storage_dtype)),
-                            tirx.const(q.code_mask, q.storage_dtype))
+    code = _code(qw[row, j // q.per_word], j % q.per_word, q)
+    group = j // q.group_size
+    if q.symmetric:
+        zero = tirx.const(q.zero_code, qs.dtype)
+    else:
+        zero = _code(qz[row, group // q.per_word], group % q.per_word, q).astype(qs.dtype)
     if not q.magic_int_to_float:
-        return (code.astype(qs.dtype) - tirx.const(q.max_int, qs.dtype)) * qs[row, j // q.group_size]
+        return (code.astype(qs.dtype) - zero) * qs[row, group]
     bits_dtype, magic, base = _MAGIC[str(qs.dtype)]
     as_float = tirx.reinterpret(qs.dtype, tirx.bitwise_or(code.astype(bits_dtype), tirx.const(magic, bits_dtype)))
-    return (as_float - tirx.const(base + q.max_int, qs.dtype)) * qs[row, j // q.group_size]
+    # (base + code) - base is exact, and so is the small integer difference that follows
+    return (as_float - tirx.const(base, qs.dtype) - zero) * qs[row, group] if not q.symmetric else \
+        (as_float - tirx.const(base + q.zero_code, qs.dtype)) * qs[row, group]
 
 
-def _dequant_matmul(x: Tensor, q_weight: nn.Parameter, q_scale: nn.Parameter, q: Quantization, k: int, n: int
-                    ) -> Tensor:
+def _code(word, index, q: Quantization):
+    """Code `index` of a packed storage word, low code first."""
+    return tirx.bitwise_and(tirx.shift_right(word, (index * q.bits).astype(q.storage_dtype)),
+                            tirx.const(q.code_mask, q.storage_dtype))
+
+
+def _dequant_matmul(x: Tensor, q_weight: nn.Parameter, q_scale: nn.Parameter, q: Quantization, k: int, n: int,
+                    q_zero: nn.Parameter | None = None) -> Tensor:
     """x[..., k] @ W[n, k]^T with W unpacked inside the same PrimFunc: a block named "dequantize" (dlight
     inlines blocks by that name into the consumer), tagged with the scheme, feeding the "matmul" block."""
 
-    def compute(x: te.Tensor, qw: te.Tensor, qs: te.Tensor) -> te.Tensor:
-        w = te.compute((n, k), lambda i, j: dequant_value(qw, qs, i, j, q), name="dequantize", attrs={TAG: q.name})
+    def compute(x: te.Tensor, qw: te.Tensor, qs: te.Tensor, qz: te.Tensor | None = None) -> te.Tensor:
+        w = te.compute((n, k), lambda i, j: dequant_value(qw, qs, i, j, q, qz), name="dequantize",
+                       attrs={TAG: q.name})
         r = te.reduce_axis((0, k), name="k")
         return te.compute(list(x.shape[:-1]) + [n], lambda *idx: te.sum(x[(*idx[:-1], r)] * w[idx[-1], r], axis=r),
                           name="matmul")
 
-    return op.tensor_expr_op(compute, "dequantize_matmul", [x, q_weight, q_scale])
+    args = [x, q_weight, q_scale] + ([q_zero] if q_zero is not None else [])
+    return op.tensor_expr_op(compute, "dequantize_matmul", args)
 
 
 class GroupQuantLinear(nn.Module):
@@ -85,10 +99,12 @@ class GroupQuantLinear(nn.Module):
         self.in_features, self.out_features, self.q = in_features, out_features, q
         self.q_weight = nn.Parameter(q.weight_shape(out_features, in_features), q.storage_dtype)
         self.q_scale = nn.Parameter(q.scale_shape(out_features, in_features), q.scale_dtype)
+        self.q_zero = None if q.symmetric else nn.Parameter(q.zero_shape(out_features, in_features), q.storage_dtype)
         self.bias = nn.Parameter((out_features,), q.model_dtype) if bias else None
 
     def forward(self, x: Tensor) -> Tensor:
-        out = _dequant_matmul(x, self.q_weight, self.q_scale, self.q, self.in_features, self.out_features)
+        out = _dequant_matmul(x, self.q_weight, self.q_scale, self.q, self.in_features, self.out_features,
+                              self.q_zero)
         return out + self.bias if self.bias is not None else out
 
     # nn.Module.to() would cast the codes and float32 scales; keep storage dtypes fixed.
@@ -132,11 +148,14 @@ def quantize_model(model: nn.Module, q: Quantization) -> nn.Module:
             if isinstance(node, nn.Linear) and (q.quantize_lm_head or name.split(".")[-1] != "lm_head"):
                 return GroupQuantLinear(node.in_features, node.out_features, node.bias is not None, q)
             if isinstance(node, nn.Embedding) and q.quantize_embedding:
+                if not q.symmetric:
+                    raise UnsupportedQuantizationError(f"{q.name}: zero-point schemes quantize projections only")
                 return GroupQuantEmbedding(node.num, node.dim, q)
             if hasattr(node, "group_quantized"):  # stacked expert weights (relax_models/moe.py)
-                if q.kind != "group":
+                if q.kind != "group" or q.zero_code != q.max_int or not q.symmetric:
                     raise UnsupportedQuantizationError(
-                        f"{q.name}: mixture-of-experts weights have no {q.kind} form yet; use q4f16_1 or q0f16 for "
+                        f"{q.name}: mixture-of-experts weights have no {q.kind if q.kind != 'group' else q.name} form "
+                        "yet; use q4f16_1 or q0f16 for "
                         "this model")
                 return node.group_quantized(q)
             return self.visit(name, node)
