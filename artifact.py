@@ -241,6 +241,18 @@ def built_options(config: dict[str, Any]) -> CompileOptions:
     return CompileOptions.from_dict(config.get("stamp", {}).get("options"))
 
 
+def check_kv_cache_dtype(config: dict[str, Any], wanted: str | None, model_dir: Path) -> None:
+    """Refuse an artifacts folder whose KV cache stores another dtype than the caller asks for (None: any): the
+    cache's layout and the attention kernels reading it are compiled into the library."""
+    have = built_options(config).kv_cache_dtype
+    if wanted is not None and wanted != have:
+        stamp = config.get("stamp", {})
+        raise ArtifactError(f"{model_dir}: asked for --kv-cache-dtype {wanted} but it was compiled with {have}; "
+                            f"recompile with `mlcc compile SOURCE --target {stamp.get('target', '?')} --quant "
+                            f"{stamp.get('quantization', '?')} --option kv_cache_dtype={wanted} --output {model_dir}` or "
+                            "drop --kv-cache-dtype")
+
+
 def check_options(config: dict[str, Any], wanted: CompileOptions | None, model_dir: Path) -> None:
     """Refuse an artifacts folder built with other compile options than the caller asks for (None: any)."""
     if wanted is None:

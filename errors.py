@@ -47,6 +47,10 @@ class UnsupportedQuantizationError(MlccError, ValueError):
     """A quantization scheme the chosen target or model cannot run: names which part cannot and the alternatives."""
 
 
+class UnsupportedKVCacheDtypeError(MlccError, ValueError):
+    """A --kv-cache-dtype the chosen target, model or feature cannot run with: names why and the alternative."""
+
+
 class UnsupportedTargetError(MlccError, ValueError):
     """A target name that is not one of the presets."""
 

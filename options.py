@@ -16,6 +16,7 @@ import json
 from typing import Any
 
 from mlcc.errors import CompileOptionsError, EngineConfigError
+from mlcc.kv_cache_format import KV_CACHE_DTYPES
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,15 +52,21 @@ class CompileOptions:
     # CUDA, with vendor_gemm: q4f16_1 projections over more than this many tokens decode their weights into a
     # float16 scratch and run on cuBLASLt (0: mlcc's q4 tensor-core GEMM at every size; off until timed on a GPU)
     vendor_gemm_q4_tokens: int = 0
+    # what the paged KV cache stores K and V as: "auto" (the model's dtype), "int8" or "fp8_e4m3" (8-bit codes with
+    # a float32 scale per token and KV head; mlcc/kv_cache_format.py)
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
             v = getattr(self, f.name)
-            want = bool if f.type in ("bool", bool) else int
+            want = _KINDS.get(f.type, int)
             if type(v) is not want:
                 raise CompileOptionsError(f"compile option {f.name} must be {want.__name__}, got {v!r}")
             if want is int and v < 0:
                 raise CompileOptionsError(f"compile option {f.name} must be >= 0, got {v}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise CompileOptionsError(f"compile option kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
+                                      f"got {self.kv_cache_dtype!r}")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -83,7 +90,9 @@ class CompileOptions:
             if not sep or key not in kinds:
                 raise CompileOptionsError(f"--option {item!r}: expected KEY=VALUE with KEY one of {cls.names()}")
             raw = raw.strip().lower()
-            if kinds[key] in ("bool", bool):
+            if _KINDS.get(kinds[key]) is str:
+                d[key] = raw
+            elif kinds[key] in ("bool", bool):
                 if raw not in _BOOLS:
                     raise CompileOptionsError(f"--option {item!r}: {key} takes 1/0, true/false or on/off")
                 d[key] = _BOOLS[raw]
@@ -114,6 +123,7 @@ class CompileOptions:
                             help=f"compile option, repeatable ({cls.names()}; see mlcc/options.py){help_suffix}")
 
 
+_KINDS = {"bool": bool, bool: bool, "int": int, int: int, "str": str, str: str}
 _BOOLS = {"1": True, "true": True, "on": True, "yes": True, "0": False, "false": False, "off": False, "no": False}
 
 
@@ -161,6 +171,9 @@ class EngineConfig:
     page_size: int = 16
     # how <think>...</think> is split from the answer (runtime/api/reasoning.py; vLLM's names; None: not split)
     reasoning_parser: str | None = None
+    # what the KV cache stores K and V as ("auto": the model's dtype, "int8", "fp8_e4m3"): a compile-time choice,
+    # so a model compiled on first use is built with it and an artifacts folder must have been (None: as compiled)
+    kv_cache_dtype: str | None = None
 
     def __post_init__(self) -> None:
         positive = ("max_batch", "prefill_chunk", "page_size", "context_window", "kv_cache_tokens",
@@ -180,6 +193,9 @@ class EngineConfig:
         if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
             raise EngineConfigError(f"reasoning_parser must be one of {', '.join(REASONING_PARSERS)}, got "
                                     f"{self.reasoning_parser!r}")
+        if self.kv_cache_dtype is not None and self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise EngineConfigError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got "
+                                    f"{self.kv_cache_dtype!r}")
         if self.options is not None and not isinstance(self.options, CompileOptions):
             raise EngineConfigError(f"options must be a CompileOptions, got {type(self.options).__name__}")
 
@@ -234,6 +250,11 @@ class EngineConfig:
         parser.add_argument("--reasoning-parser", choices=REASONING_PARSERS, default=None,
                             help="return <think>...</think> as message.reasoning_content (deepseek_r1: up to "
                                  "</think>, the template may open <think>; qwen3: only where the reply opens <think>)")
+        parser.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default=None,
+                            help="what the KV cache stores K and V as: auto (the model's dtype), int8 or fp8_e4m3 "
+                                 "(8-bit codes with a scale per token and head: about half a float16 cache, a "
+                                 "quarter of a float32 one); an artifacts folder must have been compiled with it "
+                                 "(default: as compiled, auto when compiling on first use)")
         CompileOptions.add_cli_argument(parser, "; what a model compiled on first use is built with: an artifacts "
                                                 "folder must have been built with it")
 
@@ -245,7 +266,7 @@ class EngineConfig:
                    gpu_memory_utilization=args.gpu_memory_utilization, prefill_chunk=args.prefill_chunk,
                    policy=args.policy, prefix_cache=args.prefix_cache, num_threads=args.num_threads,
                    speculative_config=args.speculative_config, tensor_parallel=args.tensor_parallel,
-                   reasoning_parser=args.reasoning_parser,
+                   reasoning_parser=args.reasoning_parser, kv_cache_dtype=args.kv_cache_dtype,
                    options=CompileOptions.parse(args.option) if args.option else None)
 
     def describe(self) -> str:

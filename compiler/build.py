@@ -17,8 +17,8 @@ from typing import Any, Iterator
 
 import numpy as np
 
-from mlcc import artifact
-from mlcc.errors import UnsupportedQuantizationError
+from mlcc import artifact, kv_cache_format
+from mlcc.errors import UnsupportedKVCacheDtypeError, UnsupportedQuantizationError
 from mlcc.options import CompileOptions
 from mlcc.relax_models import Family, family_for
 from mlcc.targets import TargetPreset, cpu_record, get_target
@@ -28,6 +28,9 @@ from .sampler import attach_argmax, attach_logit_functions, attach_sampler
 from .weights import ModelSource, load_source
 
 log = logging.getLogger(__name__)
+
+# the tvm target kinds whose attention kernels read a quantized KV cache (mlcc/kv_cache_format.py)
+QUANTIZED_KV_TARGETS = ("llvm",)
 
 
 @dataclasses.dataclass
@@ -66,6 +69,8 @@ def export_module(source: ModelSource, preset: TargetPreset, quant: Quantization
     check_target_reads(preset, quant)
     family.check_tensor_parallel(cfg, tensor_parallel, quant.group_size if quant.kind == "group" else None)
     cfg.tensor_parallel_shards = tensor_parallel
+    check_kv_cache_dtype(preset, cfg, options.kv_cache_dtype)
+    cfg.kv_cache_dtype = options.kv_cache_dtype
     target = preset.tvm_target()
     if target.kind.name == "webgpu":
         quant = dataclasses.replace(quant, magic_int_to_float=False)
@@ -76,8 +81,9 @@ def export_module(source: ModelSource, preset: TargetPreset, quant: Quantization
     if target.kind.name == "llvm":
         from mlcc.schedules.cpu_attention import replace_cpu_attention
 
+        kv = options.kv_cache_dtype if kv_cache_format.is_quantized(options.kv_cache_dtype) else None
         mod = replace_cpu_attention(mod, cfg.num_key_value_heads, cfg.num_attention_heads, cfg.head_dim,
-                                    quant.model_dtype, cfg.sliding_window, cfg.attn_softcap)
+                                    quant.model_dtype, cfg.sliding_window, cfg.attn_softcap, kv)
     elif cfg.attn_softcap:
         from mlcc.schedules.attention_softcap import apply_attention_softcap
 
@@ -105,6 +111,23 @@ def check_target_reads(preset: TargetPreset, quant: Quantization) -> None:
         raise UnsupportedQuantizationError(
             f"{quant.name} cannot run on target '{preset.name}': WGSL has no 8-bit types to load float8 weights "
             "with; use q4f16_1 or q0f16 there")
+
+
+def check_kv_cache_dtype(preset: TargetPreset, cfg, kv_cache_dtype: str) -> None:
+    """Refuse a quantized KV cache where its kernels do not exist (targets, model shapes), in one line."""
+    if not kv_cache_format.is_quantized(kv_cache_dtype):
+        return
+    if not hasattr(cfg, "kv_cache_dtype"):
+        raise UnsupportedKVCacheDtypeError(f"--kv-cache-dtype {kv_cache_dtype}: this model family's attention does "
+                                           "not support a quantized KV cache; use --kv-cache-dtype auto")
+    kind = preset.tvm_target().kind.name
+    if kind not in QUANTIZED_KV_TARGETS:
+        raise UnsupportedKVCacheDtypeError(
+            f"--kv-cache-dtype {kv_cache_dtype} cannot run on target '{preset.name}': its attention kernels read "
+            f"quantized K/V only on {', '.join(QUANTIZED_KV_TARGETS)}; use --kv-cache-dtype auto there")
+    reason = kv_cache_format.unsupported_reason(kv_cache_dtype, cfg.head_dim)
+    if reason:
+        raise UnsupportedKVCacheDtypeError(reason)
 
 
 def _check_quantizable(model, quant: Quantization) -> None:

@@ -25,7 +25,10 @@ from tvm.relax.frontend.nn import Tensor, op
 from tvm.relax.frontend.nn.llm.kv_cache import PagedKVCache, RopeMode, TIRPagedKVCache
 from tvm.target import Target
 
+from mlcc import kv_cache_format
+
 from . import rope
+from .kv_quant import QuantKVLayout, pack_qkv, unpack_output
 
 
 @dataclasses.dataclass
@@ -64,6 +67,7 @@ class DecoderConfig:
     rope_local_theta: float = 0.0     # Gemma 3: the sliding layers' RoPE base; 0 → rope_theta
     max_prefill_chunk: int = 0        # tokens one prefill chunk may hold (sliding windows need ≤ window); 0: any
     weight_prefix: str = "model"      # where the checkpoint keeps the decoder (Gemma 3's multimodal ones elsewhere)
+    kv_cache_dtype: str = "auto"      # "auto" (the model's dtype) | "int8" | "fp8_e4m3" (kv_quant.py)
 
     def __post_init__(self) -> None:
         if not self.head_dim:
@@ -78,10 +82,11 @@ class DecoderConfig:
     @property
     def rope_in_model(self) -> bool:
         """Whether q/k are rotated by the model (rope.py) rather than by the KV cache: TVM's cache has one RoPE base
-        and full rotary for every layer, and with sliding layers it switches to rotating keys inside attention."""
+        and full rotary for every layer, and with sliding layers it switches to rotating keys inside attention. A
+        quantized cache stores keys rotated, as float keys are rotated before they are quantized."""
         kind = (self.rope_scaling or {}).get("rope_type", "default")
         return bool(self.layer_sliding or self.rope_local_theta or self.rotary_dim != self.head_dim
-                    or kind not in ("default", "llama3"))
+                    or kind not in ("default", "llama3") or kv_cache_format.is_quantized(self.kv_cache_dtype))
 
     def is_sliding(self, layer_id: int) -> bool:
         return bool(self.layer_sliding and self.layer_sliding[layer_id])
@@ -184,7 +189,15 @@ class Attention(nn.Module):
             qkv = self.rope(qkv, positions, self.num_q_heads + self.num_kv_heads,
                             before=self._head_norm() if fused_norm else None)
         scale = self.cfg.attention_scale or self.head_dim**-0.5
-        out = kv_cache.attention_with_fused_qkv(self.layer_id, qkv, self.num_q_heads, sm_scale=scale)
+        if kv_cache_format.is_quantized(self.cfg.kv_cache_dtype):
+            layout = QuantKVLayout(self.cfg.kv_cache_dtype, qkv.dtype, self.num_q_heads, self.num_kv_heads,
+                                   self.head_dim)
+            packed = op.reshape(pack_qkv(op.reshape(qkv, (b * s, heads, self.head_dim)), layout),
+                                (b, s, layout.cache_q_heads + 2 * self.num_kv_heads, layout.row))
+            out = kv_cache.attention_with_fused_qkv(self.layer_id, packed, layout.cache_q_heads, sm_scale=scale)
+            out = unpack_output(op.reshape(out, (b * s, layout.cache_q_heads, layout.row)), layout)
+        else:
+            out = kv_cache.attention_with_fused_qkv(self.layer_id, qkv, self.num_q_heads, sm_scale=scale)
         out = self.o_proj(op.reshape(out, (b, s, self.num_q_heads * self.head_dim)))
         return _allreduce_across_shards(out, self.shards)
 
@@ -304,18 +317,24 @@ class DecoderForCausalLM(nn.Module):
             # kind at the end (its pages cost 1/layers of the cache)
             kinds.append("mha")
         layers = len(kinds)
+        q_heads = cfg.num_attention_heads // cfg.tensor_parallel_shards
+        kv_heads = cfg.num_key_value_heads // cfg.tensor_parallel_shards
+        head_dim, dtype = cfg.head_dim, self.dtype
+        if kv_cache_format.is_quantized(cfg.kv_cache_dtype):
+            # the byte geometry of kv_quant.py: int8 pages of (codes, scale) rows, q and output as raw bytes
+            layout = QuantKVLayout(cfg.kv_cache_dtype, self.dtype, q_heads, kv_heads, cfg.head_dim)
+            q_heads, head_dim, dtype = layout.cache_q_heads, layout.row, "int8"
         return TIRPagedKVCache(
             attn_kind=kinds if cfg.layer_sliding else "mha", max_batch_size=max_batch_size,
             max_total_seq_len=max_total_seq_len, prefill_chunk_size=prefill_chunk_size, page_size=page_size,
             support_sliding_window=support_sliding_window,
             layer_partition=rx.ShapeExpr([0, layers]), num_hidden_layers=layers,
-            num_attention_heads=cfg.num_attention_heads // cfg.tensor_parallel_shards,
-            num_key_value_heads=cfg.num_key_value_heads // cfg.tensor_parallel_shards, qk_head_dim=cfg.head_dim,
-            v_head_dim=cfg.head_dim, mla_original_qk_head_dim=0, mla_original_v_head_dim=0,
+            num_attention_heads=q_heads, num_key_value_heads=kv_heads, qk_head_dim=head_dim,
+            v_head_dim=head_dim, mla_original_qk_head_dim=0, mla_original_v_head_dim=0,
             rope_mode=RopeMode.NONE if cfg.rope_in_model else RopeMode.NORMAL, rope_scale=1,
             rope_theta=cfg.rope_theta, rope_scaling={} if cfg.rope_in_model else (cfg.rope_scaling or {}),
-            rope_ext_factors=rx.prim_value(0), rotary_dim=cfg.head_dim, enable_disaggregation=False,
-            dtype=self.dtype, target=self.target,
+            rope_ext_factors=rx.prim_value(0), rotary_dim=head_dim, enable_disaggregation=False,
+            dtype=dtype, target=self.target,
             **({"layer_sliding_window_size": cfg.sliding_window} if cfg.layer_sliding else {}),
         )
 

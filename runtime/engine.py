@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, AsyncIterator, Iterator
 
 
-from mlcc import artifact, hub
+from mlcc import artifact, hub, kv_cache_format
 from mlcc.errors import EngineConfigError, RequestError, SpeculativeConfigError
 from mlcc.options import EngineConfig
 from mlcc.runtime.api import prepare, protocol, structured, tool_calls
@@ -30,8 +30,9 @@ log = logging.getLogger(__name__)
 
 def _kv_bytes_per_token(cfg: dict[str, Any]) -> int:
     m = cfg["model_config"]
-    itemsize = 2 if cfg["model_dtype"] == "float16" else 4
-    return 2 * m["num_hidden_layers"] * m["num_key_value_heads"] * m["head_dim"] * itemsize
+    kv_dtype = artifact.built_options(cfg).kv_cache_dtype
+    return kv_cache_format.bytes_per_token(kv_dtype, cfg["model_dtype"], m["num_hidden_layers"],
+                                           m["num_key_value_heads"], m["head_dim"])
 
 
 class Engine:
@@ -58,7 +59,8 @@ class Engine:
         if cfg.target == "auto":
             cfg = dataclasses.replace(cfg, target=detect_local())
         self.speculative_config = parse_speculative_config(cfg.speculative_config)   # refused before any loading
-        self.model_dir = resolve_model(model, cfg.target, cfg.quant, cfg.tensor_parallel or 1, cfg.options)
+        self.model_dir = resolve_model(model, cfg.target, cfg.quant, cfg.tensor_parallel or 1, cfg.options,
+                                       cfg.kv_cache_dtype)
         built_tp = int(artifact.read_config(self.model_dir).get("tensor_parallel", 1))
         if cfg.tensor_parallel is not None and cfg.tensor_parallel != built_tp:
             raise artifact.ArtifactError(

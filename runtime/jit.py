@@ -63,14 +63,17 @@ def build_dir(source: Path, target: str, quant: str, tensor_parallel: int, optio
 
 
 def resolve_model(model: str | Path | None, target: str, quant: str | None, tensor_parallel: int = 1,
-                  options: CompileOptions | None = None) -> Path:
+                  options: CompileOptions | None = None, kv_cache_dtype: str | None = None) -> Path:
     """Artifacts folder for (model, target, quant, options): as given, from the JIT cache, or freshly compiled.
     model: an artifacts folder, an HF folder, a .gguf, a Hugging Face repo name (`org/name`, `org/name-GGUF:QUANT`:
     downloaded first, see mlcc.hub) or None (the bundled model). options=None: the defaults when compiling; any for
-    an artifacts folder (else it must have been built with exactly these)."""
+    an artifacts folder (else it must have been built with exactly these). kv_cache_dtype (None: any, "auto" when
+    compiling) overrides the options' and is checked on its own, so it may be asked for alone."""
     path = hub.resolve(model) if model is not None else default_model_path()
     if path.is_dir() and (path / artifact.CONFIG_FILE).exists():
-        artifact.check_options(artifact.read_config(path), options, path)
+        config = artifact.read_config(path)
+        artifact.check_options(config, options, path)
+        artifact.check_kv_cache_dtype(config, kv_cache_dtype, path)
         return path
     if not path.exists():
         raise FileNotFoundError(f"{path}: no such model folder or file (nor a Hugging Face repo name: org/name or "
@@ -85,6 +88,8 @@ def resolve_model(model: str | Path | None, target: str, quant: str | None, tens
             f"{preset.name} --output DIR`")
     quant = quant or DEFAULT_QUANT.get(preset.device, "q4f16_1")
     options = options or CompileOptions()
+    if kv_cache_dtype is not None:
+        options = dataclasses.replace(options, kv_cache_dtype=kv_cache_dtype)
     out = build_dir(path, preset.name, quant, tensor_parallel, options)
     with cache_lock(out):
         if (out / artifact.CONFIG_FILE).exists():

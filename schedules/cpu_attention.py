@@ -11,6 +11,11 @@ thread.
 
 RoPE is never applied here: mlcc's models rotate q/k before the cache (in the model or in TVM's split kernel),
 so the `rotary_mode` argument is always 0 for them.
+
+With a quantized cache (`kv`: "int8" or "fp8_e4m3", relax_models/kv_quant.py) the same kernels take the cache's
+byte geometry: q and the output are int8 buffers read and written through model-dtype views of head_dim + 4
+elements a head, and each K/V row is head_dim codes then a float32 scale, decoded on load (the key's scale
+multiplies its score, the value's its elements).
 """
 
 from __future__ import annotations
@@ -21,6 +26,8 @@ import re
 import tvm
 from tvm.ir import IRModule
 from tvm.script import tirx as T
+
+from mlcc import kv_cache_format
 
 LOG2E = math.log2(math.e)
 
@@ -75,12 +82,36 @@ def _exp2(x):
     return p * T.reinterpret("float32", T.shift_left(T.Cast("int32", xi) + 127, 23))
 
 
-def _flash_prefill(h_kv: int, h_q: int, d: int, dtype: str, window: int, softcap: float):
+def _element(kv: str | None, buf, idx):
+    """float32 value of K/V element idx of buf, before its row's scale."""
+    return kv_cache_format.decode(kv, buf[idx]) if kv else T.Cast("float32", buf[idx])
+
+
+def _scaled(kv: str | None, value, scale):
+    return value * scale if kv else value
+
+
+class _Geometry:
+    """The buffers' shapes for a model attention shape: as is, or the quantized cache's bytes (see the module
+    docstring); `q_heads`/`width` are the cache's, `h_q`/`d` the model's."""
+
+    def __init__(self, h_q: int, d: int, dtype: str, kv: str | None):
+        self.kv = kv
+        itemsize = {"float16": 2, "bfloat16": 2, "float32": 4}[dtype] if kv else 1
+        self.q_heads = h_q * itemsize
+        self.width = d + kv_cache_format.SCALE_BYTES if kv else d
+        self.storage = "int8" if kv else dtype
+
+
+def _flash_prefill(h_kv: int, h_q: int, d: int, dtype: str, window: int, softcap: float, kv: str | None = None,
+                   width: int = 0):
     """The macro computing one sequence's prefill attention: every (KV head, query block) task of it in parallel.
 
     window > 0: TVM's sliding cross mask (with causal, row i sees the last window - i - 1 keys) instead of the
-    causal one. key_base(b, j) is the flat offset of key j's row in kf; its value row is v_delta further in vf."""
+    causal one. key_base(b, j) is the flat offset of key j's row in kf; its value row is v_delta further in vf.
+    Quantized (kv): kf/vf hold rows of `width` codes whose float32 scales sf/svf read at row offset + d."""
     group = h_q // h_kv
+    quantized = kv is not None
     nk = math.gcd(NK, d)
     rv = group  # row vectors of a task (QB == LANES)
     rows = rv * LANES
@@ -113,7 +144,7 @@ def _flash_prefill(h_kv: int, h_q: int, d: int, dtype: str, window: int, softcap
         return T.if_then_else(causal > 0, T.min(kv_len, kv_len - qo_len + q_last + 1), kv_len)
 
     @T.macro
-    def body(q, output, lse, kf, vf, key_base, v_delta, b, q0, qo_len, kv_len, causal, sm_scale):
+    def body(q, output, lse, kf, vf, sf, svf, key_base, v_delta, b, q0, qo_len, kv_len, causal, sm_scale):
         nqb: T.let[T.int32] = (qo_len + QB - 1) // QB
         for task in T.parallel(h_kv * nqb):
             with T.sblock("flash"):
@@ -126,6 +157,8 @@ def _flash_prefill(h_kv: int, h_q: int, d: int, dtype: str, window: int, softcap
                 den = T.sblock_alloc_buffer((rows,), "float32")
                 alpha = T.sblock_alloc_buffer((rows,), "float32")
                 koff = T.sblock_alloc_buffer((KB,), "int32")
+                kscale = T.sblock_alloc_buffer((KB,), "float32")
+                vscale = T.sblock_alloc_buffer((KB,), "float32")
                 acc = T.sblock_alloc_buffer((nk, NV * LANES), "float32", scope="local")
                 mx = T.sblock_alloc_buffer((LANES,), "float32", scope="local")
                 sm = T.sblock_alloc_buffer((LANES,), "float32", scope="local")
@@ -150,6 +183,9 @@ def _flash_prefill(h_kv: int, h_q: int, d: int, dtype: str, window: int, softcap
                     j0: T.let[T.int32] = lo + kb * KB
                     for j in T.serial(KB):
                         koff[j] = key_base(b, T.min(j0 + j, hi - 1), kvh)  # past the end: a real key, weight 0
+                        if quantized:
+                            kscale[j] = sf[(koff[j] + d) // 4]
+                            vscale[j] = svf[(koff[j] + v_delta + d) // 4]
                     # scores: S[j, row] = K[j] . Q[row]
                     for tile in T.unroll(tiles):
                         for jt in T.serial(KB // nk):
@@ -163,14 +199,19 @@ def _flash_prefill(h_kv: int, h_q: int, d: int, dtype: str, window: int, softcap
                                     for v in T.unroll(NV):
                                         if tile * NV + v < rv:
                                             for ln in T.vectorized(LANES):
-                                                acc[jj, v * LANES + ln] = acc[jj, v * LANES + ln] + T.Cast(
-                                                    "float32", kf[koff[jt * nk + jj] + i]) * qt[
+                                                acc[jj, v * LANES + ln] = acc[jj, v * LANES + ln] + _element(
+                                                    kv, kf, koff[jt * nk + jj] + i) * qt[
                                                     i, (tile * NV + v) * LANES + ln]
                             for jj in T.unroll(nk):
                                 for v in T.unroll(NV):
                                     if tile * NV + v < rv:
                                         for ln in T.vectorized(LANES):
-                                            s[jt * nk + jj, (tile * NV + v) * LANES + ln] = acc[jj, v * LANES + ln]
+                                            if quantized:
+                                                s[jt * nk + jj, (tile * NV + v) * LANES + ln] = acc[
+                                                    jj, v * LANES + ln] * kscale[jt * nk + jj]
+                                            else:
+                                                s[jt * nk + jj, (tile * NV + v) * LANES + ln] = acc[
+                                                    jj, v * LANES + ln]
                     # online softmax, element-wise over the rows
                     for g in T.serial(rv):
                         for ln in T.vectorized(LANES):
@@ -206,9 +247,9 @@ def _flash_prefill(h_kv: int, h_q: int, d: int, dtype: str, window: int, softcap
                                     for v in T.unroll(NV):
                                         if tile * NV + v < rv:
                                             for ln in T.vectorized(LANES):
-                                                acc[ii, v * LANES + ln] = acc[ii, v * LANES + ln] + T.Cast(
-                                                    "float32", vf[koff[j] + v_delta + it * nk + ii]) * s[
-                                                    j, (tile * NV + v) * LANES + ln]
+                                                acc[ii, v * LANES + ln] = acc[ii, v * LANES + ln] + _scaled(
+                                                    kv, _element(kv, vf, koff[j] + v_delta + it * nk + ii),
+                                                    vscale[j]) * s[j, (tile * NV + v) * LANES + ln]
                             for ii in T.unroll(nk):
                                 for v in T.unroll(NV):
                                     if tile * NV + v < rv:
@@ -225,12 +266,14 @@ def _flash_prefill(h_kv: int, h_q: int, d: int, dtype: str, window: int, softcap
 
 
 def paged_prefill(h_kv: int, h_q: int, d: int, dtype: str, sliding_window: bool, window: int = 0,
-                  softcap: float = 0.0, page_size: int = 16):
+                  softcap: float = 0.0, page_size: int = 16, kv: str | None = None):
     from tvm.relax.frontend.nn.llm._kernel_common import _declare_length_info, _get_kv_chunk_len, _get_seq_offset
 
+    g = _Geometry(h_q, d, dtype, kv)
+    w, hq_c, st = g.width, g.q_heads, g.storage
     symbol = "batch_prefill_paged_kv_cpu" + ("_sliding_window" if sliding_window else "")
-    body = _flash_prefill(h_kv, h_q, d, dtype, window if sliding_window else 0, softcap)
-    v_delta = h_kv * page_size * d  # pages[p, 1] is pages[p, 0] one (h_kv, page_size, d) slab further
+    body = _flash_prefill(h_kv, h_q, d, dtype, window if sliding_window else 0, softcap, kv)
+    v_delta = h_kv * page_size * w  # pages[p, 1] is pages[p, 0] one (h_kv, page_size, width) slab further
 
     @T.prim_func(s_tir=True)
     def batch_prefill_paged_kv_cpu(
@@ -250,9 +293,9 @@ def paged_prefill(h_kv: int, h_q: int, d: int, dtype: str, sliding_window: bool,
         k_rope_pos_offset_elem_offset = T.int32()
         q_rope_position_elem_offset = T.int32()
         length_info_elem_offset = T.int32()
-        q = T.match_buffer(var_q, (total_len, h_q, d), dtype)
+        q_c = T.match_buffer(var_q, (total_len, hq_c, w), st)
         q_indptr = T.match_buffer(var_q_indptr, (batch_size + 1,), "int32", elem_offset=q_indptr_elem_offset)
-        pages = T.match_buffer(var_pages, (max_num_pages, 2, h_kv, page_size, d), dtype)
+        pages = T.match_buffer(var_pages, (max_num_pages, 2, h_kv, page_size, w), st)
         page_indptr = T.match_buffer(var_page_indptr, (batch_size + 1,), "int32",
                                      elem_offset=page_indptr_elem_offset)
         page_values = T.match_buffer(var_page_values, (nnz_pages,), "int32", elem_offset=page_values_elem_offset)
@@ -260,30 +303,36 @@ def paged_prefill(h_kv: int, h_q: int, d: int, dtype: str, sliding_window: bool,
                                            elem_offset=k_rope_pos_offset_elem_offset)
         q_rope_position = T.match_buffer(var_q_rope_position, (total_len,), "int32",  # noqa: F841 (binds the signature)
                                          elem_offset=q_rope_position_elem_offset)
-        output = T.match_buffer(var_output, (total_len, h_q, d), dtype)
-        lse = T.match_buffer(var_lse, (total_len, h_q), "float32")
+        output_c = T.match_buffer(var_output, (total_len, hq_c, w), st)
+        lse = T.match_buffer(var_lse, (total_len, hq_c), "float32")
         length_info = _declare_length_info(var_length_info, batch_size, sliding_window, length_info_elem_offset)
-        flat = T.decl_buffer((max_num_pages * 2 * h_kv * page_size * d,), dtype, data=pages.data)
+        q = T.decl_buffer((total_len, h_q, w), dtype, data=q_c.data)
+        output = T.decl_buffer((total_len, h_q, w), dtype, data=output_c.data)
+        flat = T.decl_buffer((max_num_pages * 2 * h_kv * page_size * w,), st, data=pages.data)
+        scales = T.decl_buffer((max_num_pages * 2 * h_kv * page_size * w // 4,), "float32", data=pages.data)
 
         for b in T.serial(batch_size):
             begin: T.let[T.int32] = page_indptr[b]
             end: T.let[T.int32] = page_indptr[b + 1]
             kv_len: T.let[T.int32] = T.if_then_else(begin != end, _get_kv_chunk_len(
                 end - begin, page_size, b, length_info, sliding_window), 0)
-            body(q, output, lse, flat, flat,
+            body(q, output, lse, flat, flat, scales, scales,
                  lambda b, j, kvh: ((page_values[begin + _get_seq_offset(j, b, length_info, sliding_window)
                                                  // page_size] * 2 * h_kv + kvh) * page_size
-                                    + _get_seq_offset(j, b, length_info, sliding_window) % page_size) * d,
+                                    + _get_seq_offset(j, b, length_info, sliding_window) % page_size) * w,
                  v_delta, b, q_indptr[b], q_indptr[b + 1] - q_indptr[b], kv_len, causal, sm_scale)
 
     return batch_prefill_paged_kv_cpu
 
 
-def ragged_prefill(h_kv: int, h_q: int, d_qk: int, d_v: int, dtype: str, softcap: float = 0.0):
+def ragged_prefill(h_kv: int, h_q: int, d_qk: int, d_v: int, dtype: str, softcap: float = 0.0,
+                   kv: str | None = None):
     if d_qk != d_v:
         raise ValueError("the CPU prefill kernel needs equal q/k and v head dims")
     d = d_qk
-    body = _flash_prefill(h_kv, h_q, d, dtype, 0, softcap)
+    g = _Geometry(h_q, d, dtype, kv)
+    w, hq_c, st = g.width, g.q_heads, g.storage
+    body = _flash_prefill(h_kv, h_q, d, dtype, 0, softcap, kv)
 
     @T.prim_func(s_tir=True)
     def batch_prefill_ragged_kv(
@@ -299,31 +348,38 @@ def ragged_prefill(h_kv: int, h_q: int, d_qk: int, d_v: int, dtype: str, softcap
         kv_indptr_elem_offset = T.int32()
         q_rope_position_elem_offset = T.int32()
         k_rope_pos_offset_elem_offset = T.int32()
-        q = T.match_buffer(var_q, (qo_total, h_q, d), dtype)
+        q_c = T.match_buffer(var_q, (qo_total, hq_c, w), st)
         q_indptr = T.match_buffer(var_q_indptr, (batch_size + 1,), "int32", elem_offset=q_indptr_elem_offset)
-        k = T.match_buffer(var_k, (kv_total, h_kv, d), dtype)
-        v = T.match_buffer(var_v, (kv_total, h_kv, d), dtype)
+        k = T.match_buffer(var_k, (kv_total, h_kv, w), st)
+        v = T.match_buffer(var_v, (kv_total, h_kv, w), st)
         kv_indptr = T.match_buffer(var_kv_indptr, (batch_size + 1,), "int32", elem_offset=kv_indptr_elem_offset)
         q_rope_position = T.match_buffer(var_q_rope_position, (qo_total,), "int32",  # noqa: F841 (binds the signature)
                                          elem_offset=q_rope_position_elem_offset)
         k_rope_pos_offset = T.match_buffer(var_k_rope_pos_offset, (batch_size,), "int32",  # noqa: F841 (binds the signature)
                                            elem_offset=k_rope_pos_offset_elem_offset)
-        output = T.match_buffer(var_output, (qo_total, h_q, d), dtype)
-        lse = T.match_buffer(var_lse, (qo_total, h_q), "float32")
-        kflat = T.decl_buffer((kv_total * h_kv * d,), dtype, data=k.data)
-        vflat = T.decl_buffer((kv_total * h_kv * d,), dtype, data=v.data)
+        output_c = T.match_buffer(var_output, (qo_total, hq_c, w), st)
+        lse = T.match_buffer(var_lse, (qo_total, hq_c), "float32")
+        q = T.decl_buffer((qo_total, h_q, w), dtype, data=q_c.data)
+        output = T.decl_buffer((qo_total, h_q, w), dtype, data=output_c.data)
+        kflat = T.decl_buffer((kv_total * h_kv * w,), st, data=k.data)
+        vflat = T.decl_buffer((kv_total * h_kv * w,), st, data=v.data)
+        kscales = T.decl_buffer((kv_total * h_kv * w // 4,), "float32", data=k.data)
+        vscales = T.decl_buffer((kv_total * h_kv * w // 4,), "float32", data=v.data)
 
         for b in T.serial(batch_size):
-            body(q, output, lse, kflat, vflat, lambda b, j, kvh: ((kv_indptr[b] + j) * h_kv + kvh) * d, 0,
+            body(q, output, lse, kflat, vflat, kscales, vscales,
+                 lambda b, j, kvh: ((kv_indptr[b] + j) * h_kv + kvh) * w, 0,
                  b, q_indptr[b], q_indptr[b + 1] - q_indptr[b], kv_indptr[b + 1] - kv_indptr[b], causal, sm_scale)
 
     return batch_prefill_ragged_kv
 
 
 def paged_decode(h_kv: int, h_q: int, d: int, dtype: str, sliding_window: bool, softcap: float = 0.0,
-                 page_size: int = 16):
+                 page_size: int = 16, kv: str | None = None):
     from tvm.relax.frontend.nn.llm._kernel_common import _declare_length_info, _get_kv_chunk_len, _get_seq_offset
 
+    g = _Geometry(h_q, d, dtype, kv)
+    w, hq_c, st = g.width, g.q_heads, g.storage
     group = h_q // h_kv
     symbol = "batch_decode_paged_kv_cpu" + ("_sliding_window" if sliding_window else "")
 
@@ -343,8 +399,8 @@ def paged_decode(h_kv: int, h_q: int, d: int, dtype: str, sliding_window: bool, 
         k_rope_pos_offset_elem_offset = T.int32()
         q_rope_position_elem_offset = T.int32()
         length_info_elem_offset = T.int32()
-        Q = T.match_buffer(Q_handle, (B, h_q, d), dtype)
-        pages = T.match_buffer(pages_handle, (max_num_pages, 2, h_kv, page_size, d), dtype)
+        Q_c = T.match_buffer(Q_handle, (B, hq_c, w), st)
+        pages = T.match_buffer(pages_handle, (max_num_pages, 2, h_kv, page_size, w), st)
         page_indptr = T.match_buffer(page_table_indptr_handle, (B + 1,), "int32", elem_offset=page_indptr_elem_offset)
         page_values = T.match_buffer(page_table_values_handle, (nnz_pages,), "int32",
                                      elem_offset=page_values_elem_offset)
@@ -352,9 +408,12 @@ def paged_decode(h_kv: int, h_q: int, d: int, dtype: str, sliding_window: bool, 
                                            elem_offset=k_rope_pos_offset_elem_offset)
         q_rope_position = T.match_buffer(q_rope_position_handle, (B,), "int32",  # noqa: F841 (binds the signature)
                                          elem_offset=q_rope_position_elem_offset)
-        output = T.match_buffer(output_handle, (B, h_q, d), dtype)
-        lse = T.match_buffer(lse_handle, (B, h_q), "float32")
+        output_c = T.match_buffer(output_handle, (B, hq_c, w), st)
+        lse = T.match_buffer(lse_handle, (B, hq_c), "float32")
         length_info = _declare_length_info(var_length_info, B, sliding_window, length_info_elem_offset)
+        Q = T.decl_buffer((B, h_q, w), dtype, data=Q_c.data)
+        output = T.decl_buffer((B, h_q, w), dtype, data=output_c.data)
+        scales = T.decl_buffer((max_num_pages * 2 * h_kv * page_size * w // 4,), "float32", data=pages.data)
 
         for bh in T.parallel(B * h_q):
             with T.sblock("attn"):
@@ -378,18 +437,54 @@ def paged_decode(h_kv: int, h_q: int, d: int, dtype: str, sliding_window: bool, 
                     pos: T.let[T.int32] = _get_seq_offset(j, b, length_info, sliding_window)
                     page: T.let[T.int32] = page_values[begin + pos // page_size]
                     off: T.let[T.int32] = pos % page_size
+                    # a row's float32 scale, after its codes (quantized caches only)
+                    row: T.let[T.int32] = ((page * 2 * h_kv + h // group) * page_size + off) * w
                     s[0] = T.float32(0)
                     for i in T.serial(d):
-                        s[0] = s[0] + T.Cast("float32", Q[b, h, i]) * T.Cast(
-                            "float32", pages[page, 0, h // group, off, i])
-                    s[0] = _score(s[0], sm_scale, softcap)
-                    _online_softmax_step(m, den, o, s, d,
-                                         lambda i: T.Cast("float32", pages[page, 1, h // group, off, i]))
+                        s[0] = s[0] + T.Cast("float32", Q[b, h, i]) * _element(
+                            kv, pages, (page, 0, h // group, off, i))
+                    s[0] = _score(_scaled(kv, s[0], scales[(row + d) // 4]), sm_scale, softcap)
+                    _online_softmax_step(m, den, o, s, d, lambda i: _scaled(
+                        kv, _element(kv, pages, (page, 1, h // group, off, i)),
+                        scales[(row + h_kv * page_size * w + d) // 4]))
                 for i in T.serial(d):
                     output[b, h, i] = T.Cast(dtype, o[i] / den[0])
                 lse[b, h] = m[0] + T.log2(den[0])
 
     return batch_decode_paged_kv
+
+
+def merge_state(h_q: int, d: int, dtype: str, kv: str):
+    """TVM's merge of two partial attention states (output, log2-sum-exp) of one query, for the quantized cache's
+    byte outputs: o = o * w + o_other * w_other, through model-dtype views."""
+    g = _Geometry(h_q, d, dtype, kv)
+    w, hq_c = g.width, g.q_heads
+
+    @T.prim_func(s_tir=True)
+    def merge_state_inplace_cpu(v: T.handle, s: T.handle, v_other: T.handle, s_other: T.handle):
+        T.func_attr({"tirx.is_scheduled": True, "tirx.noalias": True})
+        N = T.int32()
+        V_c = T.match_buffer(v, (N, hq_c, w), "int8")
+        S = T.match_buffer(s, (N, hq_c), "float32")
+        V_other_c = T.match_buffer(v_other, (N, hq_c, w), "int8")
+        S_other = T.match_buffer(s_other, (N, hq_c), "float32")
+        V = T.decl_buffer((N, h_q, w), dtype, data=V_c.data)
+        V_other = T.decl_buffer((N, h_q, w), dtype, data=V_other_c.data)
+        for nh in T.parallel(N * h_q):
+            with T.sblock("merge"):
+                T.reads()
+                T.writes()
+                n: T.let[T.int32] = nh // h_q
+                h: T.let[T.int32] = nh % h_q
+                s_max: T.let[T.float32] = T.max(S[n, h], S_other[n, h])
+                a: T.let[T.float32] = T.exp2(S[n, h] - s_max)
+                b: T.let[T.float32] = T.exp2(S_other[n, h] - s_max)
+                for i in T.serial(d):
+                    V[n, h, i] = T.Cast(dtype, (T.Cast("float32", V[n, h, i]) * a
+                                                + T.Cast("float32", V_other[n, h, i]) * b) / (a + b))
+                S[n, h] = T.log2(a + b) + s_max
+
+    return merge_state_inplace_cpu
 
 
 # TVM's other CPU KV-cache kernels, which the cache's C++ always calls with distinct tensors, marked noalias too:
@@ -402,17 +497,22 @@ _DISTINCT_ARGS = {"tree_attn_paged_kv_cpu", "batch_tree_attn", "merge_state_inpl
                   "compact_kv_copy_cpu"}
 
 
-def replace_cpu_attention(mod: IRModule, h_kv: int, h_q: int, d: int, dtype: str, window: int, softcap: float
-                          ) -> IRModule:
-    """`mod` (an exported model for an llvm target) with TVM's CPU attention kernels swapped for these."""
+def replace_cpu_attention(mod: IRModule, h_kv: int, h_q: int, d: int, dtype: str, window: int, softcap: float,
+                          kv: str | None = None) -> IRModule:
+    """`mod` (an exported model for an llvm target) with TVM's CPU attention kernels swapped for these; kv: the
+    quantized cache's code ("int8", "fp8_e4m3"), None for a cache in the model's dtype."""
     # keyed by the names TVM's KV-cache builder gives its CPU kernels
     kernels = {
-        "batch_prefill_ragged_kv": lambda: ragged_prefill(h_kv, h_q, d, d, dtype, softcap),
-        "batch_prefill_paged_kv_cpu_sliding_window": lambda: paged_prefill(h_kv, h_q, d, dtype, True, window, softcap),
-        "batch_prefill_paged_kv_cpu": lambda: paged_prefill(h_kv, h_q, d, dtype, False, 0, softcap),
-        "batch_decode_paged_kv_cpu_sliding_window": lambda: paged_decode(h_kv, h_q, d, dtype, True, softcap),
-        "batch_decode_paged_kv_cpu": lambda: paged_decode(h_kv, h_q, d, dtype, False, softcap),
+        "batch_prefill_ragged_kv": lambda: ragged_prefill(h_kv, h_q, d, d, dtype, softcap, kv),
+        "batch_prefill_paged_kv_cpu_sliding_window": lambda: paged_prefill(h_kv, h_q, d, dtype, True, window, softcap,
+                                                                           kv=kv),
+        "batch_prefill_paged_kv_cpu": lambda: paged_prefill(h_kv, h_q, d, dtype, False, 0, softcap, kv=kv),
+        "batch_decode_paged_kv_cpu_sliding_window": lambda: paged_decode(h_kv, h_q, d, dtype, True, softcap, kv=kv),
+        "batch_decode_paged_kv_cpu": lambda: paged_decode(h_kv, h_q, d, dtype, False, softcap, kv=kv),
     }
+    if kv:
+        # TVM's merge reads the byte outputs as int8 numbers
+        kernels["merge_state_inplace_cpu"] = lambda: merge_state(h_q, d, dtype, kv)
     replaced = set()
     mod = tvm.IRModule(mod.functions, attrs=mod.attrs)
     for gv in list(mod.functions.keys()):
@@ -427,6 +527,8 @@ def replace_cpu_attention(mod: IRModule, h_kv: int, h_q: int, d: int, dtype: str
         if re.sub(r"\d+$", "", gv.name_hint) in _DISTINCT_ARGS and not (func.attrs and func.attrs.get("tirx.noalias")):
             mod[gv] = func.with_attr("tirx.noalias", True)
     missing = {"batch_prefill_ragged_kv", "batch_prefill_paged_kv_cpu", "batch_decode_paged_kv_cpu"} - replaced
+    if kv:
+        missing |= {"merge_state_inplace_cpu"} - replaced
     if missing:  # TVM renamed its kernels: fail the build rather than run the broken ones
         raise RuntimeError(f"TVM's CPU attention kernels {sorted(missing)} not found in the exported module")
     return mod
