@@ -12,9 +12,10 @@ from mlcc.runtime.engine import Engine
 
 # Llama-3-8B's attention: 32 layers, 8 KV heads of 128
 LLAMA3_8B = {"layers": 32, "kv_heads": 8, "head_dim": 128}
-# measured on the tiny llama (prefill + 32 decode steps, teacher-forced): max |Δlogit| / max |logit| was
-# 1.5e-3 (int8) and 6.7e-3 (fp8_e4m3); every argmax agreed
+# measured on the tiny llama (prefill in two chunks + 32 decode steps, teacher-forced): max |Δlogit| / max |logit|
+# 1.5e-3 (int8) and 6.3e-3 (fp8_e4m3); the argmax agreed at 33 of 33 and 32 of 33 positions
 TOLERANCE = {"int8": 0.01, "fp8_e4m3": 0.03}
+AGREEMENT = {"int8": 0.95, "fp8_e4m3": 0.9}
 PROMPT = [(3 + 7 * i) % 250 + 3 for i in range(37)]
 
 
@@ -54,9 +55,9 @@ def test_quantized_cache_logits_follow_the_float_cache(builds, kv):
     ref, ref_ids = _run(builds("auto"), None)
     got, got_ids = _run(builds(kv), ref_ids)   # teacher-forced: both see the same tokens
     rel = np.abs(got - ref).max() / np.abs(ref).max()
-    assert 0 < rel < TOLERANCE[kv], rel   # (0: the cache did quantize)
     agree = np.mean(np.array(got_ids) == np.array(ref_ids))
-    assert agree >= 0.95, agree
+    assert 0 < rel < TOLERANCE[kv], rel   # (0: the cache did quantize)
+    assert agree >= AGREEMENT[kv], agree
 
 
 def test_batched_decode_matches_one_at_a_time(builds):
@@ -110,8 +111,9 @@ def test_a_mismatched_kv_cache_dtype_is_refused(builds):
 def test_unsupported_targets_and_shapes_are_refused(hf_models, tmp_path):
     from mlcc.compiler.build import compile_model
 
-    with pytest.raises(UnsupportedKVCacheDtypeError, match="cannot run on target 'webgpu'"):
-        compile_model(hf_models("llama"), "webgpu", "q4f16_1", tmp_path / "w",
-                      options=CompileOptions(kv_cache_dtype="int8"))
+    for target in ("cuda", "webgpu"):   # (CUDA: its attention kernels do not decode the codes yet)
+        with pytest.raises(UnsupportedKVCacheDtypeError, match=f"cannot run on target '{target}'"):
+            compile_model(hf_models("llama"), target, "q4f16_1", tmp_path / target,
+                          options=CompileOptions(kv_cache_dtype="int8"))
     assert "multiple of 4" in kv_cache_format.unsupported_reason("int8", 66)
     assert kv_cache_format.unsupported_reason("auto", 66) is None
