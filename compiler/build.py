@@ -113,6 +113,18 @@ def check_target_reads(preset: TargetPreset, quant: Quantization) -> None:
             "with; use q4f16_1 or q0f16 there")
 
 
+def _log_int4(source: ModelSource, q: Quantization) -> None:
+    """One line saying whether a published 4-bit checkpoint is kept as it is, and the scheme that would keep it."""
+    fmt = source.int4.format
+    keeps = fmt.scheme(q.model_dtype)
+    if q.name in (keeps, keeps.replace("g128", "awq")):
+        log.info("4-bit checkpoint (%s): codes, scales and zero points kept as published in %s", fmt.describe(), q.name)
+    else:
+        log.info("4-bit checkpoint (%s): weights dequantized to float and %s; --quant %s keeps them as published",
+                 fmt.describe(), "re-quantized to " + q.name if q.kind != "none" else "kept as " + q.model_dtype,
+                 keeps)
+
+
 def check_kv_cache_dtype(preset: TargetPreset, cfg, kv_cache_dtype: str) -> None:
     """Refuse a quantized KV cache where its kernels do not exist (targets, model shapes), in one line."""
     if not kv_cache_format.is_quantized(kv_cache_dtype):
@@ -134,8 +146,10 @@ def _check_quantizable(model, quant: Quantization) -> None:
     if quant.kind != "group":
         return
     for name, p in model.named_parameters():
-        if name.endswith("q_scale") and p.shape[1] == 0:
-            raise ValueError(f"{name}: input dim smaller than the {quant.name} group size {quant.group_size}")
+        if name.endswith("q_weight") and (p.shape[-1] * quant.per_word) % quant.group_size:
+            raise UnsupportedQuantizationError(
+                f"{name.removesuffix('.q_weight')}: its {p.shape[-1] * quant.per_word} inputs are not a multiple of "
+                f"the {quant.name} group size {quant.group_size}; use a scheme of smaller groups (q4f16_1) or q0f16")
 
 
 def _attach_metadata(mod, stamp: dict[str, Any]):
@@ -435,6 +449,8 @@ def compile_model(model: str | Path, target: str, quant: str, output: str | Path
         stored = f"re-quantized to {q.name}" if q.kind != "none" else f"kept as {q.model_dtype} ({q.name})"
         log.info("FP8 checkpoint (%s): weights dequantized to float and %s on this target",
                  source.fp8.format.describe(), stored)
+    if source.int4 is not None:
+        _log_int4(source, q)
     tmp = out.with_name(out.name + ".partial")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)

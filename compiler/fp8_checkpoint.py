@@ -11,7 +11,8 @@ Two formats are read:
 Both mean weight = codes × the scale of the block the element lies in. Which layers are FP8 is read from the
 tensors themselves (a float8 weight with its scale), so `ignore` lists need no matching here.
 
-Anything else a config can ask for (int4/int8 packing, NVFP4, 2:4 sparsity, rotations, asymmetric FP8, other
+4-bit checkpoints (AWQ, GPTQ, compressed-tensors pack-quantized) are read by int4_checkpoint.py. Anything else a
+config can ask for (int8 packing, NVFP4, 2:4 sparsity, rotations, asymmetric FP8, other
 quantization methods) is one ModelSourceError naming it and the way out.
 """
 
@@ -100,7 +101,8 @@ def checkpoint_quantization(config: dict[str, Any], where: Path) -> Fp8Format | 
     if method == "fp8":
         return _finegrained_fp8(qc, where)
     raise ModelSourceError(f"{where}: a checkpoint quantized with '{method}', which mlcc does not read (it reads FP8 "
-                           f"checkpoints: compressed-tensors float-quantized, transformers' fp8); {_FLOAT_FIX}")
+                           "checkpoints: compressed-tensors float-quantized, transformers' fp8; and 4-bit AWQ, GPTQ "
+                           f"and compressed-tensors pack-quantized ones); {_FLOAT_FIX}")
 
 
 def _refuse(where: Path, what: str, fix: str = _FLOAT_FIX) -> ModelSourceError:
@@ -109,7 +111,6 @@ def _refuse(where: Path, what: str, fix: str = _FLOAT_FIX) -> ModelSourceError:
 
 _CT_FP8_FORMATS = ("float-quantized", "naive-quantized")
 _CT_FORMAT_NAMES = {
-    "pack-quantized": "int4/int8 pack-quantized weights (W4A16/W8A16, GPTQ/AWQ-style)",
     "int-quantized": "int8 weights and activations (W8A8-INT8)",
     "nvfp4-pack-quantized": "NVFP4 weights", "mxfp4-pack-quantized": "MXFP4 weights",
     "mxfp6-pack-quantized": "MXFP6 weights", "mxfp8-quantized": "MXFP8 weights",

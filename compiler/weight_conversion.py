@@ -22,7 +22,12 @@ from typing import Any
 
 import numpy as np
 
-from .quant_schemes import quantize_weight
+from mlcc.errors import ModelSourceError
+from mlcc.quantization import Quantization
+from mlcc.relax_models.weight_plans import _concat as plan_concat
+
+from .int4_checkpoint import Int4Weight
+from .quant_schemes import pack_codes, pack_zeros, quantize_weight, stored_names
 from .weights import ModelSource, float_param, source_fixups
 
 # a slice of ~4 MB of float32 per task: its temporaries stay in cache, and there are enough slices to keep every
@@ -49,7 +54,7 @@ class _Job:
 
 def total_elements(built: Any) -> int:
     """Source elements the conversion goes through (the unit of its progress)."""
-    return sum(_elements(built, p) for p in built.params if not p["name"].endswith(".q_scale"))
+    return sum(_elements(built, p) for p in built.params if not p["name"].endswith((".q_scale", ".q_zero")))
 
 
 def _elements(built: Any, spec: dict[str, Any]) -> int:
@@ -113,7 +118,10 @@ def _jobs(source: ModelSource, built: Any, rank: int) -> Iterator[_Job]:
     for ours, (names, combine) in built.family.weight_plan(built.cfg).items():
         base = ours.removesuffix(".weight")
         quantized = f"{base}.q_weight" in wanted
-        specs = [wanted[f"{base}.q_weight"], wanted[f"{base}.q_scale"]] if quantized else [wanted.get(ours)]
+        if quantized and keeps_int4(source, built.quant, names, combine, fixups):
+            yield _int4_job(source, built, rank, ours, names, wanted)
+            continue
+        specs = [wanted[f"{base}.{s}"] for s in stored_names(built.quant)] if quantized else [wanted.get(ours)]
         reader = (source.row_reader(names[0]) if shards == 1 and len(names) == 1 and combine is None
                   and names[0] not in fixups and specs[0] is not None else None)
         if reader is not None and reader[0] == specs[0]["shape"][0] and len(specs[0]["shape"]) == 2:
@@ -130,13 +138,14 @@ def _sliced_job(built: Any, name: str, quantized: bool, specs: list[dict[str, An
 
     def start() -> list[Callable[[], int]]:
         outs = [np.empty(s["shape"], s["dtype"]) for s in specs]
-        job.outputs[:] = ([(f"{name}.q_weight", outs[0]), (f"{name}.q_scale", outs[1])] if quantized
+        job.outputs[:] = (list(zip([f"{name}.{s}" for s in stored_names(built.quant)], outs)) if quantized
                           else [(name, outs[0])])
 
         def task(lo: int, hi: int) -> int:
             w = read(lo, hi)
             if quantized:
-                outs[0][lo:hi], outs[1][lo:hi] = quantize_weight(w, built.quant)
+                for out, part in zip(outs, quantize_weight(w, built.quant)):
+                    out[lo:hi] = part
             else:
                 outs[0][lo:hi] = w
             return (hi - lo) * k
@@ -157,8 +166,8 @@ def _whole_job(source: ModelSource, built: Any, rank: int, ours: str, names: lis
         w = float_param(source, names, combine, fixups)
         w = built.family.shard_weight(ours, w, built.cfg, rank, built.cfg.tensor_parallel_shards)
         if f"{base}.q_weight" in wanted:
-            qw, qs = quantize_weight(w, built.quant)
-            job.outputs[:] = [(f"{base}.q_weight", qw), (f"{base}.q_scale", qs)]
+            job.outputs[:] = list(zip([f"{base}.{s}" for s in stored_names(built.quant)],
+                                      quantize_weight(w, built.quant)))
             return elements
         if spec is None:
             raise ValueError(f"weight plan produced '{ours}', which the model does not have")
@@ -170,3 +179,62 @@ def _whole_job(source: ModelSource, built: Any, rank: int, ours: str, names: lis
 
     job = _Job(elements, lambda: [task])
     return job
+
+
+# -- published 4-bit weights, kept as they are ------------------------------------------------------------------
+
+def keeps_int4(source: ModelSource, q: Quantization, names: list[str], combine: Callable | None,
+               fixups: dict[str, Callable]) -> bool:
+    """Whether parameter sources `names` are a published 4-bit checkpoint's weights that scheme `q` stores as they
+    are: q is one of the 4-bit group schemes such checkpoints map to (mlcc.quantization), and the plan joins the
+    sources by rows and corrects none of them (a value change would mean re-rounding)."""
+    if source.int4 is None or q.kind != "group" or q.bits != 4 or q.storage_dtype != "uint32" or \
+            not (not q.symmetric or q.zero_code == 8):
+        return False
+    if not all(source.stored_int4(n) for n in names):
+        return False
+    return combine in (None, plan_concat) and not any(n in fixups for n in names)
+
+
+def _int4_job(source: ModelSource, built: Any, rank: int, ours: str, names: list[str],
+              wanted: dict[str, dict[str, Any]]) -> _Job:
+    """One projection of a published 4-bit checkpoint into scheme built.quant: its codes, scales and zero points
+    repacked (codes and zero points bit for bit, scales converted exactly into the scheme's dtype)."""
+    q, base = built.quant, ours.removesuffix(".weight")
+    specs = [wanted[f"{base}.{s}"] for s in stored_names(q)]
+    elements = _elements(built, specs[0])
+
+    def task() -> int:
+        parts = [_regrouped(source, n, q) for n in names]
+        codes = np.concatenate([p.codes for p in parts])
+        scale = np.concatenate([p.scale for p in parts])
+        zero = np.concatenate([np.full(p.scale.shape, 8, np.uint8) if p.zero is None else p.zero for p in parts])
+        codes, scale, zero = (built.family.shard_weight(ours, a, built.cfg, rank, built.cfg.tensor_parallel_shards)
+                              for a in (codes, scale, zero))
+        if q.symmetric and (zero != q.zero_code).any():
+            raise ModelSourceError(f"{source.path}: '{names[0]}' has zero points other than {q.zero_code}, which "
+                                   f"{q.name} does not store; compile with --quant {q.name.replace('g128', 'awq')}")
+        stored = scale.astype(q.scale_dtype)
+        if not np.array_equal(stored.astype(np.float32), scale):
+            raise ModelSourceError(f"{source.path}: the scales of '{names[0]}' are not all {q.scale_dtype} values "
+                                   f"(too small or large for it); compile with --quant "
+                                   f"{q.name.replace('f16', 'f32')}, whose scales are float32")
+        arrays = [pack_codes(codes, q), stored] + ([] if q.symmetric else [pack_zeros(zero, q)])
+        for spec, a in zip(specs, arrays):
+            if list(a.shape) != spec["shape"]:
+                raise ValueError(f"{source.path}: '{ours}' comes to {list(a.shape)}, the config implies "
+                                 f"{spec['shape']}; the checkpoint and config.json disagree")
+        job.outputs[:] = list(zip([f"{base}.{s}" for s in stored_names(q)], arrays))
+        return elements
+
+    job = _Job(elements, lambda: [task])
+    return job
+
+
+def _regrouped(source: ModelSource, name: str, q: Quantization) -> Int4Weight:
+    try:
+        return source.int4_weight(name).regrouped(q.group_size)
+    except ValueError as e:
+        raise ModelSourceError(f"{source.path}: '{name}' cannot be kept as published in {q.name}: {e}; compile "
+                               f"with --quant q4{q.name[2:5]}_1 (re-quantized from its dequantized values) or "
+                               f"q0{q.name[2:5]}") from None

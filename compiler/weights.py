@@ -22,6 +22,7 @@ import numpy as np
 from mlcc.errors import ModelSourceError
 
 from .fp8_checkpoint import Fp8Checkpoint, Fp8Weight, checkpoint_quantization
+from .int4_checkpoint import Int4Checkpoint, Int4Weight, int4_format, is_int4
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +41,8 @@ class ModelSource:
     rows: dict[str, tuple[int, Callable[[int, int], np.ndarray]]] = dataclasses.field(default_factory=dict)
     # an FP8 checkpoint's weights as published (codes + scales); `tensors` and `rows` give them dequantized
     fp8: Fp8Checkpoint | None = None
+    # a published 4-bit checkpoint's weights as stored (codes, scales, zero points); `tensors` gives them dequantized
+    int4: Int4Checkpoint | None = None
 
     def _resolve(self, name: str) -> str | None:
         for alias in (name, *(name.replace(a, b, 1) for a, b in _PREFIX_ALIASES if name.startswith(a))):
@@ -60,6 +63,16 @@ class ModelSource:
         """An FP8 checkpoint's weight `name` as its e4m3 codes and scales; None where it is not stored in FP8."""
         alias = self._resolve(name)
         return self.fp8.weight(alias) if self.fp8 is not None and alias is not None else None
+
+    def int4_weight(self, name: str) -> Int4Weight | None:
+        """A 4-bit checkpoint's weight `name` as published; None where it is not stored in 4 bits."""
+        alias = self._resolve(name)
+        return self.int4.weight(alias) if self.int4 is not None and alias is not None else None
+
+    def stored_int4(self, name: str) -> bool:
+        """Whether weight `name` is stored in 4 bits (without reading it)."""
+        alias = self._resolve(name)
+        return self.int4 is not None and alias is not None and self.int4.holds(alias)
 
     def row_reader(self, name: str) -> tuple[int, Callable[[int, int], np.ndarray]] | None:
         """(row count, read(start, stop) → float32 rows) of a 2-D tensor, or None where it is only read whole."""
@@ -134,7 +147,9 @@ def load_hf_folder(path: Path) -> ModelSource:
     if not cfg_path.exists():
         raise ModelSourceError(f"{path}: no config.json; pass a Hugging Face model folder or a .gguf file")
     config = json.loads(cfg_path.read_text())
-    fp8_format = checkpoint_quantization(config, path)
+    qc = config.get("quantization_config") or config.get("compression_config") or {}
+    q4_format = int4_format(qc, path) if is_int4(qc) else None
+    fp8_format = checkpoint_quantization(config, path) if q4_format is None else None
     tensors: dict[str, Callable[[], np.ndarray]] = {}
     rows: dict[str, tuple[int, Callable[[int, int], np.ndarray]]] = {}
     shapes: dict[str, tuple[str, list[int]]] = {}
@@ -142,9 +157,9 @@ def load_hf_folder(path: Path) -> ModelSource:
     if st_files:
         for f in st_files:
             tensors.update(_safetensors_index(f, rows, shapes))
-    elif fp8_format is not None:
-        raise ModelSourceError(f"{path}: an FP8 checkpoint without *.safetensors files; mlcc reads FP8 weights from "
-                               "safetensors, as they are published: download those")
+    elif fp8_format is not None or q4_format is not None:
+        raise ModelSourceError(f"{path}: a quantized checkpoint without *.safetensors files; mlcc reads quantized "
+                               "weights from safetensors, as they are published: download those")
     elif (path / "pytorch_model.bin").exists() or list(path.glob("pytorch_model-*.bin")):
         tensors.update(_torch_bin_index(path))
     else:
@@ -161,7 +176,12 @@ def load_hf_folder(path: Path) -> ModelSource:
             raise ModelSourceError(f"{path}: '{raw[0]}' is float8_e4m3, but config.json has no FP8 "
                                    "quantization_config saying how it is scaled; download the checkpoint's own "
                                    "config.json")
-    return ModelSource("hf", path, config.get("model_type", "?"), config, tensors, rows, fp8)
+    int4 = None
+    if q4_format is not None:
+        int4 = Int4Checkpoint(q4_format, path, tensors, shapes)
+        for name in int4.names():   # every float reader gets them dequantized
+            tensors[name] = int4.dequantized(name)
+    return ModelSource("hf", path, config.get("model_type", "?"), config, tensors, rows, fp8, int4)
 
 
 def _torch_bin_index(path: Path) -> dict[str, Callable[[], np.ndarray]]:

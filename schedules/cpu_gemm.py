@@ -77,7 +77,7 @@ def make_gemm(shape: GemmShape, tiles: GemmTiles | None = None) -> tirx.PrimFunc
     w_shape = (T.int64(n), T.int64(k // q.per_word)) if q4 else (T.int64(n), T.int64(k))
     w_dtype = q.storage_dtype if q4 else "float32"
     s_shape = (T.int64(n), T.int64(k // q.group_size)) if q4 else None
-    per, bits, mask, zero = (q.per_word, q.bits, q.code_mask, q.max_int) if q4 else (1, 0, 0, 0)
+    per, bits, mask, zero = (q.per_word, q.bits, q.code_mask, q.zero_code) if q4 else (1, 0, 0, 0)
     words_per_group = q.words_per_group if q4 else 1
     add = shape.epilogue in ("add", "bias")
     bias = shape.epilogue == "bias"
@@ -208,8 +208,8 @@ def match_gemm(func: tirx.PrimFunc) -> GemmShape | None:
 
 
 def decodes(q: Quantization) -> bool:
-    """Whether the dequantizing tile decodes scheme `q`: symmetric codes in uint32 words, whole words to a scale
-    group, float32 scales."""
+    """Whether the dequantizing tile decodes scheme `q`: symmetric codes (centred on its zero_code) in uint32 words,
+    whole words to a scale group, float32 scales. Zero-point schemes keep the generic rule of schedules/cpu.py."""
     return (q.storage_dtype, q.symmetric, q.scale_dtype) == ("uint32", True, "float32") and \
         q.group_size % q.per_word == 0
 

@@ -26,8 +26,8 @@ def decodes_q4(q: Quantization | None) -> bool:
     """Whether the q4 device code (q4_gemv*.cuh, tc_gemm.cuh, moe_gemv.cuh) decodes scheme `q`: symmetric 4-bit
     codes centred on 7, 8 a uint32 word low code first, one float16 scale per 32 codes (one 16-byte load of a
     row); those sizes are compiled into the helpers."""
-    return q is not None and (q.kind, q.bits, q.storage_dtype, q.group_size, q.scale_dtype, q.symmetric) == \
-        ("group", 4, "uint32", 32, "float16", True)
+    return q is not None and (q.kind, q.bits, q.storage_dtype, q.group_size, q.scale_dtype, q.symmetric,
+                              q.zero_code) == ("group", 4, "uint32", 32, "float16", True, 7)
 
 
 def decodes_e4m3(q: Quantization | None) -> bool:

@@ -50,6 +50,9 @@ FAMILY_CONFIGS = {
     # rows of 256: the block size of GGUF's K-quants
     "qwen3_256": ("Qwen3ForCausalLM", dict(hidden_size=256, intermediate_size=512, head_dim=64,
                                            tie_word_embeddings=False)),
+    # widths of whole 128-channel groups (the published 4-bit checkpoints'; 384: three groups, an odd count)
+    "llama_g128": ("LlamaForCausalLM", dict(hidden_size=128, intermediate_size=384, head_dim=32,
+                                            tie_word_embeddings=False)),
     "granite": ("GraniteForCausalLM", dict(embedding_multiplier=6.0, residual_multiplier=0.5,
                                            attention_multiplier=0.2, logits_scaling=4.0, tie_word_embeddings=True)),
     # mixture of experts (tests/test_moe.py): Mixtral's renormalised top 2; Qwen2-MoE's shared expert, a dense layer

@@ -249,8 +249,8 @@ REFUSALS = {
     "int4 pack-quantized": ("ct_channel_dynamic", lambda qc: (
         qc.update(format="pack-quantized"), _group(qc).update(format="pack-quantized"),
         _group(qc)["weights"].update(type="int", num_bits=4, strategy="group", group_size=128)), None,
-        (r"int4/int8 pack-quantized weights \(W4A16/W8A16, GPTQ/AWQ-style\) \(config group 'group_0'\): not supported "
-        r"yet.*use the model's unquantized")),
+        # (read as a 4-bit checkpoint: tests/test_awq_gptq.py)
+        r"int4 weights with quantized activations \(config group 'group_0'\): not supported, mlcc reads W4A16"),
     "int8 weights": ("ct_channel_dynamic", lambda qc: _group(qc)["weights"].update(type="int"), None,
                      r"int8 weights \(compressed-tensors config group 'group_0'\): not supported yet"),
     "2:4 sparse": ("ct_channel_dynamic", lambda qc: qc.update(sparsity_config={
@@ -278,7 +278,7 @@ REFUSALS = {
     "ue8m0 scales": ("hf_block", lambda qc: qc.update(scale_fmt="ue8m0"), None,
                      r"an fp8 checkpoint with ue8m0 \(power-of-two\) scales: not supported yet"),
     "gptq": ("hf_block", lambda qc: (qc.clear(), qc.update(quant_method="gptq", bits=4)), None,
-             r"a checkpoint quantized with 'gptq', which mlcc does not read"),
+             r"is float8_e4m3, but config.json has no FP8 quantization_config"),
     "float8 without a config": ("hf_block", lambda qc: qc.clear(), None,
                                 r"is float8_e4m3, but config.json has no FP8 quantization_config"),
 }
@@ -303,5 +303,5 @@ def test_mlcc_compile_refuses_in_one_line(fp8_checkpoints, tmp_path):
                        capture_output=True, text=True, timeout=600, check=False)
     assert r.returncode == 2, r.stderr[-3000:]
     lines = [ln for ln in r.stderr.splitlines() if ln.startswith("mlcc: error:")]
-    assert len(lines) == 1 and "int4/int8 pack-quantized weights" in lines[0], r.stderr[-3000:]
+    assert len(lines) == 1 and "int4 weights with quantized activations" in lines[0], r.stderr[-3000:]
     assert "Traceback" not in r.stderr and not (tmp_path / "out").exists()
