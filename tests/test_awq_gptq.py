@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import PROMPT, write_tokenizer
+from test_cuda_nvrtc import nvrtc  # noqa: F401 - the fixture
 
 from mlcc.errors import ModelSourceError
 
@@ -431,3 +432,22 @@ def test_config_and_tensors_that_disagree_are_one_error(int4_checkpoints, tmp_pa
                        r"gptq, group 64, symmetric of a \[128, 384\] weight stores \[6, 16\]: the checkpoint and "
                        r"its config.json disagree"):
         load_source(folder)
+
+
+@pytest.mark.parametrize("quant", ["q4f16_awq", "q4f16_g128"])
+def test_cuda_library_compiles_through_nvrtc(quant, int4_checkpoints, tmp_path, nvrtc):  # noqa: F811
+    """mlcc's q4 CUDA kernels (GEMVs, the tensor-core GEMM) decode groups of 32 centred on 7 and refuse these
+    schemes: the projections take dlight's kernels of the Relax dequantize block (and q4*_g128's prefill the
+    dequantize-to-scratch + cuBLASLt path), and the whole library's source compiles for sm_90."""
+    from test_cuda_nvrtc import _assert_compiles, _cuda_source
+
+    from mlcc.compiler.build import compile_library, export_module
+    from mlcc.compiler.weights import load_source
+    from mlcc.quantization import QUANTIZATIONS
+    from mlcc.schedules.cuda_gemv import Q4_HELPER
+    from mlcc.targets import get_target
+
+    built = export_module(load_source(int4_checkpoints("awq")[0]), get_target("cuda"), QUANTIZATIONS[quant])
+    src = _cuda_source(compile_library(built, tmp_path / "model.so").mod)
+    assert f"{Q4_HELPER}(" not in src
+    _assert_compiles(nvrtc, src)
