@@ -58,7 +58,9 @@ def _lowered_primfuncs(hf_folder, target_name, quant):
 @pytest.mark.parametrize("target", ["llvm", "cuda"])
 def test_dequantize_is_fused_into_its_matmul(target, hf_models):
     funcs = _lowered_primfuncs(hf_models("llama"), target, "q4f16_1")
-    deq = {n: f for n, f in funcs.items() if "dequantize" in n}
+    # (mlcc_dequantize_*: the decoder into cuBLASLt's float16 scratch for long prefill chunks, a weight in memory
+    # by design; compiler/vendor_gemm.py)
+    deq = {n: f for n, f in funcs.items() if "dequantize" in n and not n.startswith("mlcc_dequantize_")}
     assert len(deq) >= 5, sorted(funcs)
     for name, f in deq.items():
         script = f.script()
