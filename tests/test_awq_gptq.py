@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from checkpoint_support import assert_matches_reference, edited, reference_model, rel_err
 from conftest import PROMPT, write_tokenizer
 from test_cuda_nvrtc import nvrtc  # noqa: F401 - the fixture
 
@@ -212,26 +213,11 @@ def int4_checkpoints(tmp_path_factory, hf_models):
     return get
 
 
-def _reference_model(src: Path, weights: dict[str, torch.Tensor]):
-    import transformers as tf
-
-    model = tf.AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.copy_(weights[name].to(torch.float32))
-    return model
-
-
-def _rel_err(a, b) -> float:
-    return float(np.abs(np.asarray(a, np.float64) - b).max() / np.abs(b).max())
-
-
 @pytest.mark.parametrize("name", KEPT)
 def test_checkpoint_kept_4bit_matches_transformers_on_its_dequantized_weights(name, int4_checkpoints, hf_models,
                                                                              tmp_path, caplog):
     from mlcc.compiler.build import compile_model
     from mlcc.compiler.weights import load_source
-    from mlcc.runtime.device.model import LoadedModel
 
     folder, weights, _ = int4_checkpoints(name)
     _, scheme, described = CASES[name]
@@ -242,22 +228,7 @@ def test_checkpoint_kept_4bit_matches_transformers_on_its_dequantized_weights(na
     assert [r.getMessage() for r in caplog.records if "4-bit checkpoint" in r.getMessage()] == \
         [f"4-bit checkpoint ({described}): codes, scales and zero points kept as published in {scheme}"]
 
-    m = LoadedModel(tmp_path / "art")
-    m.create_kv_cache(2, 256, 64)
-    hf = _reference_model(hf_models(KIND), weights)
-    m.add_sequence(0)
-    ours = m.prefill([0], [PROMPT]).numpy()[0]   # 13 tokens: the many-token projections
-    ids, errs = list(PROMPT), []
-    for _ in range(16):
-        with torch.no_grad():
-            errs.append(_rel_err(ours, hf(torch.tensor([ids])).logits[0, -1].double().numpy()))
-        ids.append(int(np.argmax(ours)))
-        ours = m.decode([0], [ids[-1]]).numpy()[0]
-    assert max(errs) <= 1e-4, errs
-    with torch.no_grad():
-        ref = hf.generate(torch.tensor([PROMPT]), max_new_tokens=16, do_sample=False, eos_token_id=None,
-                          pad_token_id=0)[0, len(PROMPT):].tolist()
-    assert ids[len(PROMPT):] == ref
+    assert_matches_reference(tmp_path / "art", reference_model(hf_models(KIND), weights))
 
 
 def _converted(folder: Path, scheme: str) -> dict[str, np.ndarray]:
@@ -349,8 +320,8 @@ def test_float16_scheme_runs_the_published_weights(int4_checkpoints, hf_models, 
     m.add_sequence(0)
     ours = m.prefill([0], [PROMPT]).numpy()[0]
     with torch.no_grad():
-        ref = _reference_model(hf_models(KIND), weights)(torch.tensor([PROMPT])).logits[0, -1].double().numpy()
-    assert _rel_err(ours, ref) < 2e-2
+        ref = reference_model(hf_models(KIND), weights)(torch.tensor([PROMPT])).logits[0, -1].double().numpy()
+    assert rel_err(ours, ref) < 2e-2
 
 
 def test_asymmetric_scheme_quantizes_float_weights_itself():
@@ -365,14 +336,6 @@ def test_asymmetric_scheme_quantizes_float_weights_itself():
         assert [p.shape for p in parts] == [(16, 48), (16, 3)] + ([(16, 1)] if name.endswith("awq") else [])
         step = np.repeat(parts[1], GROUP, axis=1)
         assert (np.abs(dequantize_weight(parts[0], parts[1], q, *parts[2:]) - w) <= step * 0.5001).all()
-
-
-def _edited(folder: Path, out: Path, config=None) -> Path:
-    shutil.copytree(folder, out)
-    cfg = json.loads((out / "config.json").read_text())
-    config(cfg["quantization_config"])
-    (out / "config.json").write_text(json.dumps(cfg))
-    return out
 
 
 def _ct_weights(qc: dict) -> dict:
@@ -407,7 +370,7 @@ def test_what_cannot_be_read_is_one_error_naming_the_problem(case, int4_checkpoi
     from mlcc.compiler.weights import load_source
 
     checkpoint, config, message = REFUSALS[case]
-    folder = _edited(int4_checkpoints(checkpoint)[0], tmp_path / "model", config)
+    folder = edited(int4_checkpoints(checkpoint)[0], tmp_path / "model", config)
     with pytest.raises(ModelSourceError, match=message):
         load_source(folder)
 
@@ -427,7 +390,7 @@ def test_groups_of_64_are_read_but_not_kept(int4_checkpoints):
 def test_config_and_tensors_that_disagree_are_one_error(int4_checkpoints, tmp_path):
     from mlcc.compiler.weights import load_source
 
-    folder = _edited(int4_checkpoints("gptq_sym")[0], tmp_path / "model", lambda qc: qc.update(group_size=64))
+    folder = edited(int4_checkpoints("gptq_sym")[0], tmp_path / "model", lambda qc: qc.update(group_size=64))
     with pytest.raises(ModelSourceError, match=r"'model.layers.0.mlp.down_proj.qzeros' has shape \[3, 16\]; gptq "
                        r"gptq, group 64, symmetric of a \[128, 384\] weight stores \[6, 16\]: the checkpoint and "
                        r"its config.json disagree"):

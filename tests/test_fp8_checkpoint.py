@@ -14,7 +14,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import PROMPT, write_tokenizer
+from checkpoint_support import assert_matches_reference, edited, reference_model
+from conftest import write_tokenizer
 
 from mlcc.errors import ModelSourceError
 
@@ -112,22 +113,6 @@ def fp8_checkpoints(tmp_path_factory, hf_models):
     return get
 
 
-def _reference_model(src: Path, weights: dict[str, torch.Tensor]):
-    """transformers float32 with the checkpoint's dequantized weights."""
-    import transformers as tf
-
-    model = tf.AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name in weights:
-                p.copy_(weights[name].to(torch.float32))
-    return model
-
-
-def _rel_err(a, b) -> float:
-    return float(np.abs(np.asarray(a, np.float64) - b).max() / np.abs(b).max())
-
-
 CASES = {  # checkpoint → (family whose random model it quantizes, what config.json says)
     "ct_channel_dynamic": ("llama", ("compressed-tensors", "channel", None, "dynamic", "token")),
     "ct_tensor_static": ("qwen2", ("compressed-tensors", "tensor", None, "static", "tensor")),
@@ -140,7 +125,6 @@ def test_fp8_checkpoint_compiles_and_matches_transformers_on_its_dequantized_wei
                                                                                     hf_models, tmp_path, caplog):
     from mlcc.compiler.build import compile_model
     from mlcc.compiler.weights import load_source
-    from mlcc.runtime.device.model import LoadedModel
 
     folder, weights = fp8_checkpoints(name)
     kind, (method, strategy, block, act, act_strategy) = CASES[name]
@@ -155,22 +139,7 @@ def test_fp8_checkpoint_compiles_and_matches_transformers_on_its_dequantized_wei
     assert notes == [(f"FP8 checkpoint ({fmt.describe()}): weights dequantized to float and kept as float32 (q0f32) "
                      "on this target")]
 
-    m = LoadedModel(tmp_path / "art")
-    m.create_kv_cache(2, 256, 64)
-    hf = _reference_model(hf_models(kind), weights)
-    m.add_sequence(0)
-    ours = m.prefill([0], [PROMPT]).numpy()[0]
-    ids, errs = list(PROMPT), []
-    for _ in range(16):
-        with torch.no_grad():
-            errs.append(_rel_err(ours, hf(torch.tensor([ids])).logits[0, -1].double().numpy()))
-        ids.append(int(np.argmax(ours)))
-        ours = m.decode([0], [ids[-1]]).numpy()[0]
-    assert max(errs) <= 1e-4, errs
-    with torch.no_grad():
-        ref = hf.generate(torch.tensor([PROMPT]), max_new_tokens=16, do_sample=False, eos_token_id=None,
-                          pad_token_id=0)[0, len(PROMPT):].tolist()
-    assert ids[len(PROMPT):] == ref
+    assert_matches_reference(tmp_path / "art", reference_model(hf_models(kind), weights, keep_missing=True))
 
 
 def test_fp8_weights_read_raw_or_dequantized_a_few_rows_at_a_time(fp8_checkpoints):
@@ -213,7 +182,7 @@ def test_fp8_weights_requantized_as_the_float_checkpoint_of_the_same_weights(nam
 
     folder, weights = fp8_checkpoints(name)
     kind = CASES[name][0]
-    _reference_model(hf_models(kind), weights).save_pretrained(tmp_path / "float")
+    reference_model(hf_models(kind), weights, keep_missing=True).save_pretrained(tmp_path / "float")
     fp8, plain = load_source(folder), load_source(tmp_path / "float")
     built = export_module(plain, get_target("llvm"), QUANTIZATIONS["q4f32_1"])
     monkeypatch.setattr(weight_conversion, "SLICE_ELEMENTS", 1000)   # every matrix in several slices
@@ -222,22 +191,6 @@ def test_fp8_weights_requantized_as_the_float_checkpoint_of_the_same_weights(nam
     assert [n for n, _ in got] == [n for n, _ in ref]
     for (n, a), (_, b) in zip(got, ref):
         assert a.dtype == b.dtype and a.tobytes() == b.tobytes(), n
-
-
-def _edited(folder: Path, out: Path, config=None, tensors=None) -> Path:
-    """A copy of `folder` with config.json's quantization_config edited by `config` and its tensors by `tensors`."""
-    from safetensors.torch import load_file, save_file
-
-    shutil.copytree(folder, out)
-    if config is not None:
-        cfg = json.loads((out / "config.json").read_text())
-        config(cfg["quantization_config"])
-        (out / "config.json").write_text(json.dumps(cfg))
-    if tensors is not None:
-        state = load_file(out / "model.safetensors")
-        tensors(state)
-        save_file(state, out / "model.safetensors")
-    return out
 
 
 def _group(qc):
@@ -289,7 +242,7 @@ def test_what_cannot_be_served_is_one_error_naming_the_problem_and_the_fix(case,
     from mlcc.compiler.weights import load_source
 
     checkpoint, config, tensors, message = REFUSALS[case]
-    folder = _edited(fp8_checkpoints(checkpoint)[0], tmp_path / "model", config, tensors)
+    folder = edited(fp8_checkpoints(checkpoint)[0], tmp_path / "model", config, tensors)
     with pytest.raises(ModelSourceError, match=message):
         load_source(folder)
 
@@ -298,7 +251,7 @@ def test_mlcc_compile_refuses_in_one_line(fp8_checkpoints, tmp_path):
     import subprocess
     import sys
 
-    folder = _edited(fp8_checkpoints("ct_channel_dynamic")[0], tmp_path / "model", REFUSALS["int4 pack-quantized"][1])
+    folder = edited(fp8_checkpoints("ct_channel_dynamic")[0], tmp_path / "model", REFUSALS["int4 pack-quantized"][1])
     r = subprocess.run([sys.executable, "-m", "mlcc", "compile", str(folder), "--output", str(tmp_path / "out")],
                        capture_output=True, text=True, timeout=600, check=False)
     assert r.returncode == 2, r.stderr[-3000:]
