@@ -136,3 +136,13 @@ def test_q4_weights_are_stored_packed(compiled):
     assert qkv["dtype"] == "uint32" and qkv["shape"] == [(4 + 2 * 2) * 16, 64 // 8]
     assert params["model.layers.0.self_attn.qkv_proj.q_scale"]["dtype"] == "float16"
     assert "model.embed_tokens.q_weight" in params and "lm_head.q_weight" in params
+
+
+def test_e4m3_builds_load_random_weights_for_speed_runs(compiled):
+    """The benchmarks' `weights="random"` gives float8 parameters codes of the format (numpy has no float8 name of
+    its own) and finite logits."""
+    m = LoadedModel(compiled("llama", "e4m3_e4m3_f16"), weights="random")
+    m.create_kv_cache(1, 256, 64)
+    m.add_sequence(0)
+    logits = m.prefill([0], [PROMPT]).numpy()
+    assert np.isfinite(logits).all() and np.abs(logits).max() > 0

@@ -29,6 +29,12 @@ def _random_param(spec: dict[str, Any], rng: np.random.Generator) -> np.ndarray:
     n = int(np.prod(shape))
     if dtype == "uint32":
         block = rng.integers(0, 1 << 32, size=min(n, 1 << 20), dtype=np.uint32)
+    elif dtype.startswith("float8"):
+        import ml_dtypes
+
+        # codes spread over the format's range, as a quantizer's per-channel scale makes them; the scale (q_scale,
+        # 0.002) brings them back to the other weights' size
+        block = (rng.standard_normal(min(n, 1 << 20), dtype=np.float32) * 16).astype(getattr(ml_dtypes, dtype))
     else:
         scale = 0.002 if spec["name"].endswith("q_scale") else 0.02
         block = (rng.standard_normal(min(n, 1 << 20), dtype=np.float32) * scale).astype(dtype)
