@@ -149,8 +149,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("model", help=MODEL_HELP)
     c.add_argument("--target", default="llvm", help="target preset (see `mlcc targets`)")
     c.add_argument("--quant", default="q4f16_1",
-                   help="weight scheme: q0f32/q0f16 (float), q4f16_1/q4f32_1 (4-bit, groups of 32), q4f16_awq/"
-                        "q4f16_g128 (an AWQ/GPTQ checkpoint's 4-bit codes kept), e4m3_e4m3_f16 (FP8)")
+                   help="weight scheme: q0f32/q0f16 (float), q4f16_1/q4f32_1 (4-bit, groups of 32), q8f16_1/"
+                        "q8f32_1 (int8 weight-only, groups of 32), q4f16_awq/q4f16_g128 (an AWQ/GPTQ "
+                        "checkpoint's 4-bit codes kept), e4m3_e4m3_f16 (FP8)")
     c.add_argument("--output", "-o", required=True, help="artifacts folder to write")
     c.add_argument("--context-window", type=int, default=None, help="override the model's context window")
     c.add_argument("--tuning-db", default=None, help="apply tuned kernels from this database (see `mlcc tune`)")

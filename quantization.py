@@ -8,6 +8,16 @@ codes (uint32[out, ceil(groups/per_word)], group g in word g // per_word), and d
 q4f16_1 / q4f32_1 are bit-compatible with MLC-LLM: uint32[out, in/8] of 8 nibbles, scale[out, in/32] in the model
 dtype, q = clamp(round(w/scale) + 7, 0, 14).
 
+q8f16_1 / q8f32_1 are int8 weight-only quantization (TensorRT-LLM's "INT8 weight-only"): symmetric 8-bit codes,
+4 a uint32 word low byte first (uint32[out, in/4], the same words every target reads: WGSL has no 8-bit types),
+stored offset by 128 (the int8 value with its sign bit flipped, so code - 128 decodes it, the form the magic-number
+int-to-float decode wants), and one scale in the model dtype per group of 32 along K, absmax / 127. Group scales
+rather than TensorRT-LLM's one scale per output row: groups of 32 are the machinery every kernel here already
+decodes (CPU GEMM, the CUDA cuBLASLt scratch decoder, dlight, WebGPU) and tensor-parallel splits already respect,
+and they are llama.cpp's Q8_0 block (32 int8 codes, one fp16 scale), so a GGUF Q8_0 tensor re-quantizes to the
+same codes and scales; the cost is 0.5 (f16) or 1 (f32) bit per weight of scales over per-row ones. Like q4f16_1
+they quantize the embedding and LM head too.
+
 The published 4-bit checkpoints (AWQ, GPTQ, compressed-tensors pack-quantized; compiler/int4_checkpoint.py) keep
 their codes and group size: q4f16_awq / q4f32_awq carry their zero points (AWQ, asymmetric GPTQ and
 compressed-tensors), q4f16_g128 / q4f32_g128 are their symmetric form, codes 0..15 centred on 8. Both use group 128,
@@ -109,6 +119,8 @@ QUANTIZATIONS: dict[str, Quantization] = {
     "q0f16": Quantization("q0f16", "float16", "none"),
     "q4f16_1": Quantization("q4f16_1", "float16", "group"),
     "q4f32_1": Quantization("q4f32_1", "float32", "group"),
+    "q8f16_1": Quantization("q8f16_1", "float16", "group", bits=8, zero=128),
+    "q8f32_1": Quantization("q8f32_1", "float32", "group", bits=8, zero=128),
     "e4m3_e4m3_f16": Quantization("e4m3_e4m3_f16", "float16", "float8", group_size=0, bits=8,
                                   storage_dtype="float8_e4m3fn", scale="float32", activations="float8_e4m3fn",
                                   quantize_embedding=False, quantize_lm_head=False),

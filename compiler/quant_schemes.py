@@ -61,6 +61,8 @@ def pack_codes(codes: np.ndarray, q: Quantization) -> np.ndarray:
         # two codes per byte, bytes in word order: the words are those bytes read as little-endian integers
         c = codes.astype(np.uint8)
         return np.ascontiguousarray(c[:, 0::2] | (c[:, 1::2] << 4)).view(word)
+    if q.bits == 8 and sys.byteorder == "little":
+        return np.ascontiguousarray(codes.astype(np.uint8)).view(word)   # one code per byte, likewise
     c = codes.astype(word).reshape(n, k // q.per_word, q.per_word)
     shifts = np.arange(q.per_word, dtype=word) * q.bits
     return np.bitwise_or.reduce(c << shifts, axis=-1).astype(word)

@@ -30,6 +30,12 @@ def test_each_scheme_describes_its_layout():
     q4 = get_quantization("q4f16_1")
     assert (q4.bits, q4.group_size, q4.storage_dtype, q4.symmetric, q4.per_word, q4.max_int) == \
         (4, 32, "uint32", True, 8, 7)
+    for name, dtype in (("q8f16_1", "float16"), ("q8f32_1", "float32")):
+        q8 = get_quantization(name)   # int8 codes + 128, four a word, one scale per 32 codes, like Q8_0
+        assert (q8.kind, q8.bits, q8.group_size, q8.storage_dtype, q8.symmetric, q8.per_word, q8.zero_code,
+                q8.max_int, q8.scale_dtype) == ("group", 8, 32, "uint32", True, 4, 128, 127, dtype)
+        assert q8.weight_shape(96, 64) == (96, 16) and q8.scale_shape(96, 64) == (96, 2)
+        assert q8.quantize_embedding and q8.quantize_lm_head   # as q4f16_1
     e4m3 = get_quantization("e4m3_e4m3_f16")
     assert (e4m3.kind, e4m3.storage_dtype, e4m3.model_dtype, e4m3.activations, e4m3.float_max) == \
         ("float8", "float8_e4m3fn", "float16", "float8_e4m3fn", 448.0)
@@ -175,3 +181,70 @@ def test_float8_refuses_expert_weights_in_one_line(hf_models):
 
     with pytest.raises(UnsupportedQuantizationError, match="e4m3_e4m3_f16: mixture-of-experts weights have no float8"):
         export_module(load_source(hf_models("mixtral")), get_target("llvm"), get_quantization("e4m3_e4m3_f16"))
+
+
+@pytest.mark.parametrize("name", ["q8f16_1", "q8f32_1"])
+def test_int8_codes_are_bytes_of_the_words_offset_by_128(name):
+    """Code j of a row is byte j of its words (little-endian uint32), the int8 value + 128; the row's largest
+    magnitude in a group becomes ±127, and dequantizing is within half a step of the weight."""
+    from mlcc.compiler.quant_schemes import group_dequantize, group_quantize, unpack_codes
+
+    q = get_quantization(name)
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((6, 96)).astype(np.float32)
+    w[0, :32] = 0   # an all-zero group: scale 0, every code 128
+    packed, scale = group_quantize(w, q)
+    assert packed.dtype == np.uint32 and packed.shape == (6, 24) and scale.shape == (6, 3)
+    assert scale.dtype == np.dtype(q.scale_dtype)
+    codes = packed.view(np.uint8).reshape(6, 96)   # the bytes in memory order, one code each
+    np.testing.assert_array_equal(codes, unpack_codes(packed, q))
+    assert (codes[0, :32] == 128).all() and scale[0, 0] == 0
+    values = codes.astype(np.int32) - 128
+    assert values.min() >= -127 and values.max() <= 127
+    assert (np.abs(values[1:].reshape(5, 3, 32)).max(axis=-1) == 127).all()
+    step = np.repeat(scale.astype(np.float32), 32, axis=1)
+    deq = group_dequantize(packed, scale, q)
+    np.testing.assert_array_equal(deq, values.astype(np.float32) * step)
+    # within half a step, plus float16 rounding of the scale (the quantizer rounds against the stored scale)
+    assert (np.abs(deq - w) <= 0.5 * step + 1e-6).all()
+
+
+@pytest.mark.parametrize("name", ["q8f16_1", "q8f32_1"])
+def test_gguf_q8_0_blocks_requantize_to_the_same_codes_and_scales(name):
+    """A Q8_0 block (an fp16 scale d, 32 int8 codes, what llama.cpp writes: d = absmax / 127) dequantized and
+    quantized again gives back d and the codes: q8*_1's groups are Q8_0's blocks."""
+    from mlcc.compiler.quant_schemes import group_quantize
+
+    q = get_quantization(name)
+    rng = np.random.default_rng(1)
+    codes = rng.integers(-127, 128, (8, 64)).astype(np.int8)
+    codes[:, ::32] = 127 * rng.choice([-1, 1], (8, 2))   # llama.cpp's rounding puts ±127 in every block
+    d = (rng.random((8, 2)) * 0.01 + 1e-3).astype(np.float16)
+    w = codes.astype(np.float32) * np.repeat(d.astype(np.float32), 32, axis=1)   # what the GGUF reader gives
+    packed, scale = group_quantize(w, q)
+    np.testing.assert_array_equal(packed.view(np.uint8).reshape(8, 64).astype(np.int32) - 128, codes)
+    np.testing.assert_allclose(scale.astype(np.float32), d.astype(np.float32), rtol=2e-7)
+
+
+@pytest.mark.parametrize("name", ["q8f16_1", "q8f32_1"])
+@pytest.mark.parametrize("magic", [True, False])
+def test_every_int8_code_decodes_exactly_in_tir(name, magic):
+    """The quantizer's TIR decode of all 256 byte values in every position of a word, with the magic-number
+    int-to-float (CPU, CUDA) and the plain convert (WebGPU), against numpy."""
+    import tvm
+    from tvm import te
+
+    from mlcc.compiler.quant_schemes import group_dequantize
+    from mlcc.compiler.quantize import dequant_value
+
+    q = dataclasses.replace(get_quantization(name), magic_int_to_float=magic)
+    # every byte value, at another position of its word in each row
+    words = np.stack([np.roll(np.arange(256, dtype=np.uint8), 63 * i) for i in range(4)]).view(np.uint32)
+    scale = np.array([[0.5] * 8] * 4, dtype=q.scale_dtype)   # [4 rows, 256 codes / 32]
+    qw = te.placeholder(words.shape, q.storage_dtype, "qw")
+    qs = te.placeholder(scale.shape, q.scale_dtype, "qs")
+    out = te.compute((4, 256), lambda i, j: dequant_value(qw, qs, i, j, q), name="decode")
+    lib = tvm.compile(te.create_prim_func([qw, qs, out]), target="llvm")
+    got = tvm.runtime.empty((4, 256), q.model_dtype, tvm.cpu())
+    lib(tvm.runtime.tensor(words, tvm.cpu()), tvm.runtime.tensor(scale, tvm.cpu()), got)
+    np.testing.assert_array_equal(got.numpy().astype(np.float32), group_dequantize(words, scale, q))
