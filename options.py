@@ -130,8 +130,8 @@ _BOOLS = {"1": True, "true": True, "on": True, "yes": True, "0": False, "false":
 
 
 POLICIES = ("no_evict", "max_util")
-# the <think> splitters of runtime/api/reasoning.py, named as vLLM's --reasoning-parser
-REASONING_PARSERS = ("deepseek_r1", "qwen3")
+# the <think> splitters of runtime/api/reasoning.py and the harmony one (gpt-oss), named as vLLM's --reasoning-parser
+REASONING_PARSERS = ("deepseek_r1", "qwen3", "openai_gptoss")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -251,7 +251,8 @@ class EngineConfig:
                                  "compiled)")
         parser.add_argument("--reasoning-parser", choices=REASONING_PARSERS, default=None,
                             help="return <think>...</think> as message.reasoning_content (deepseek_r1: up to "
-                                 "</think>, the template may open <think>; qwen3: only where the reply opens <think>)")
+                                 "</think>, the template may open <think>; qwen3: only where the reply opens <think>; "
+                                 "openai_gptoss: harmony's analysis channel, the default for a harmony template)")
         parser.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default=None,
                             help="what the KV cache stores K and V as: auto (the model's dtype), int8 or fp8_e4m3 "
                                  "(8-bit codes with a scale per token and head: about half a float16 cache, a "

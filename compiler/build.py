@@ -18,7 +18,7 @@ from typing import Any, Iterator
 import numpy as np
 
 from mlcc import artifact, kv_cache_format
-from mlcc.errors import UnsupportedKVCacheDtypeError, UnsupportedQuantizationError
+from mlcc.errors import UnsupportedConfigError, UnsupportedKVCacheDtypeError, UnsupportedQuantizationError
 from mlcc.options import CompileOptions
 from mlcc.relax_models import Family, family_for
 from mlcc.targets import TargetPreset, cpu_record, get_target
@@ -72,6 +72,7 @@ def export_module(source: ModelSource, preset: TargetPreset, quant: Quantization
     check_kv_cache_dtype(preset, cfg, options.kv_cache_dtype)
     cfg.kv_cache_dtype = options.kv_cache_dtype
     target = preset.tvm_target()
+    check_attention_kernels(preset, cfg)
     if target.kind.name == "webgpu":
         quant = dataclasses.replace(quant, magic_int_to_float=False)
     model = family.model_cls(cfg, target)
@@ -83,7 +84,8 @@ def export_module(source: ModelSource, preset: TargetPreset, quant: Quantization
 
         kv = options.kv_cache_dtype if kv_cache_format.is_quantized(options.kv_cache_dtype) else None
         mod = replace_cpu_attention(mod, cfg.num_key_value_heads, cfg.num_attention_heads, cfg.head_dim,
-                                    quant.model_dtype, cfg.sliding_window, cfg.attn_softcap, kv)
+                                    quant.model_dtype, cfg.sliding_window, cfg.attn_softcap, kv,
+                                    getattr(cfg, "attention_sinks", False))
     elif cfg.attn_softcap:
         from mlcc.schedules.attention_softcap import apply_attention_softcap
 
@@ -125,6 +127,14 @@ def _log_int4(source: ModelSource, q: Quantization) -> None:
                  keeps)
 
 
+def check_attention_kernels(preset: TargetPreset, cfg) -> None:
+    """Refuse a model whose attention the target's kernels cannot compute, in one line."""
+    if getattr(cfg, "attention_sinks", False) and preset.tvm_target().kind.name != "llvm":
+        raise UnsupportedConfigError(
+            f"this model's attention sinks (gpt-oss) are computed only by mlcc's CPU attention kernels, not TVM's "
+            f"{preset.name} ones; compile it for --target llvm")
+
+
 def check_kv_cache_dtype(preset: TargetPreset, cfg, kv_cache_dtype: str) -> None:
     """Refuse a quantized KV cache where its kernels do not exist (targets, model shapes), in one line."""
     if not kv_cache_format.is_quantized(kv_cache_dtype):
@@ -137,6 +147,9 @@ def check_kv_cache_dtype(preset: TargetPreset, cfg, kv_cache_dtype: str) -> None
         raise UnsupportedKVCacheDtypeError(
             f"--kv-cache-dtype {kv_cache_dtype} cannot run on target '{preset.name}': its attention kernels read "
             f"quantized K/V only on {', '.join(QUANTIZED_KV_TARGETS)}; use --kv-cache-dtype auto there")
+    if getattr(cfg, "attention_sinks", False):
+        raise UnsupportedKVCacheDtypeError(f"--kv-cache-dtype {kv_cache_dtype}: the attention kernels with sinks "
+                                           "(gpt-oss) read a float KV cache only; use --kv-cache-dtype auto")
     reason = kv_cache_format.unsupported_reason(kv_cache_dtype, cfg.head_dim)
     if reason:
         raise UnsupportedKVCacheDtypeError(reason)

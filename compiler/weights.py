@@ -23,6 +23,7 @@ from mlcc.errors import ModelSourceError
 
 from .fp8_checkpoint import Fp8Checkpoint, Fp8Weight, checkpoint_quantization
 from .int4_checkpoint import Int4Checkpoint, Int4Weight, int4_format, is_int4
+from .mxfp4_checkpoint import add_dequantized_experts, is_mxfp4
 
 log = logging.getLogger(__name__)
 
@@ -149,7 +150,7 @@ def load_hf_folder(path: Path) -> ModelSource:
     config = json.loads(cfg_path.read_text())
     qc = config.get("quantization_config") or config.get("compression_config") or {}
     q4_format = int4_format(qc, path) if is_int4(qc) else None
-    fp8_format = checkpoint_quantization(config, path) if q4_format is None else None
+    fp8_format = checkpoint_quantization(config, path) if q4_format is None and not is_mxfp4(qc) else None
     tensors: dict[str, Callable[[], np.ndarray]] = {}
     rows: dict[str, tuple[int, Callable[[int, int], np.ndarray]]] = {}
     shapes: dict[str, tuple[str, list[int]]] = {}
@@ -176,6 +177,8 @@ def load_hf_folder(path: Path) -> ModelSource:
             raise ModelSourceError(f"{path}: '{raw[0]}' is float8_e4m3, but config.json has no FP8 "
                                    "quantization_config saying how it is scaled; download the checkpoint's own "
                                    "config.json")
+    if is_mxfp4(qc):  # (gpt-oss's experts)
+        add_dequantized_experts(tensors, path)
     int4 = None
     if q4_format is not None:
         int4 = Int4Checkpoint(q4_format, path, tensors, shapes)

@@ -1,9 +1,9 @@
 """The decoder-only transformer every family shares, in TVM's relax.frontend.nn, shaped like HF's modeling_llama.
 
 One block with switches covers the families: where the RMSNorms sit (before and/or after attention and MLP), q/k
-RMSNorm (per head or over the whole projection), attention and final-logit soft-capping, a sliding window per layer,
-partial rotary and per-layer RoPE bases, Granite's multipliers. A family file only parses its config into
-`DecoderConfig` and says where its weights live.
+RMSNorm (per head or over the whole projection), attention and final-logit soft-capping, attention sinks, a sliding
+window per layer, partial rotary and per-layer RoPE bases, Granite's multipliers. A family file only parses its config
+into `DecoderConfig` and says where its weights live.
 
 Attention goes through TVM's PagedKVCache, so the model never manages cache memory. q/k/v and gate/up are fused into
 single projections as in MLC-LLM (the weight loader concatenates HF's tensors), which is also what the CUDA decode
@@ -68,6 +68,7 @@ class DecoderConfig:
     max_prefill_chunk: int = 0        # tokens one prefill chunk may hold (sliding windows need ≤ window); 0: any
     weight_prefix: str = "model"      # where the checkpoint keeps the decoder (Gemma 3's multimodal ones elsewhere)
     kv_cache_dtype: str = "auto"      # "auto" (the model's dtype) | "int8" | "fp8_e4m3" (kv_quant.py)
+    attention_sinks: bool = False     # a learned logit per head in every softmax's denominator (gpt-oss)
 
     def __post_init__(self) -> None:
         if not self.head_dim:
@@ -90,6 +91,12 @@ class DecoderConfig:
 
     def is_sliding(self, layer_id: int) -> bool:
         return bool(self.layer_sliding and self.layer_sliding[layer_id])
+
+    @property
+    def sink_heads(self) -> int:
+        """The extra q heads that carry the attention sinks to the attention kernels (head_dim sinks each)."""
+        q_heads = self.num_attention_heads // self.tensor_parallel_shards
+        return -(-q_heads // self.head_dim) if self.attention_sinks else 0
 
 
 class TiedEmbedding(nn.Embedding):
@@ -156,6 +163,10 @@ class Attention(nn.Module):
             self.q_norm = _rms_norm(cfg, self.num_q_heads * self.head_dim)
             self.k_norm = _rms_norm(cfg, self.num_kv_heads * self.head_dim)
         self.rope = rope.rope_for_layer(cfg, layer_id) if cfg.rope_in_model else None
+        if cfg.attention_sinks:
+            # The sinks reach the attention kernels as extra q heads after the real ones (schedules/cpu_attention.py
+            # reads them there), so the KV cache stores nothing more than without them.
+            self.sinks = nn.Parameter((cfg.sink_heads * self.head_dim,))
 
     def _head_norm(self) -> tuple:
         """The per-head q/k RMSNorm as (te function of qkv [tokens, heads, d] and the two weights, weights)."""
@@ -189,7 +200,14 @@ class Attention(nn.Module):
             qkv = self.rope(qkv, positions, self.num_q_heads + self.num_kv_heads,
                             before=self._head_norm() if fused_norm else None)
         scale = self.cfg.attention_scale or self.head_dim**-0.5
-        if kv_cache_format.is_quantized(self.cfg.kv_cache_dtype):
+        if self.cfg.attention_sinks:
+            extra = self.cfg.sink_heads
+            q, kv = op.split(qkv, [self.num_q_heads], axis=2)
+            sinks = op.broadcast_to(op.reshape(self.sinks, (1, 1, extra, self.head_dim)), (b, s, extra, self.head_dim))
+            out = kv_cache.attention_with_fused_qkv(self.layer_id, op.concat([q, sinks, kv], dim=2),
+                                                    self.num_q_heads + extra, sm_scale=scale)
+            out = op.split(out, [self.num_q_heads], axis=2)[0]
+        elif kv_cache_format.is_quantized(self.cfg.kv_cache_dtype):
             layout = QuantKVLayout(self.cfg.kv_cache_dtype, qkv.dtype, self.num_q_heads, self.num_kv_heads,
                                    self.head_dim)
             packed = op.reshape(pack_qkv(op.reshape(qkv, (b * s, heads, self.head_dim)), layout),
@@ -317,7 +335,7 @@ class DecoderForCausalLM(nn.Module):
             # kind at the end (its pages cost 1/layers of the cache)
             kinds.append("mha")
         layers = len(kinds)
-        q_heads = cfg.num_attention_heads // cfg.tensor_parallel_shards
+        q_heads = cfg.num_attention_heads // cfg.tensor_parallel_shards + cfg.sink_heads
         kv_heads = cfg.num_key_value_heads // cfg.tensor_parallel_shards
         head_dim, dtype = cfg.head_dim, self.dtype
         if kv_cache_format.is_quantized(cfg.kv_cache_dtype):

@@ -1,9 +1,9 @@
 """Rotary position embedding applied by the model (the KV cache then stores rotated keys and rotates nothing).
 
 Used where TVM's cache-side RoPE does not fit: per-layer bases (Gemma 3's local layers), partial rotary and LongRoPE
-(Phi-3), and every model with sliding layers (TVM's cache would rotate keys inside attention, where mlcc's CUDA
-kernels do not). The frequencies follow transformers' `ROPE_INIT_FUNCTIONS`, computed in float32 like them;
-rotation is HF's `rotate_half` over the first `rotary_dim` channels of each q and k head.
+(Phi-3), YaRN (gpt-oss, DeepSeek), and every model with sliding layers (TVM's cache would rotate keys inside
+attention, where mlcc's CUDA kernels do not). The frequencies follow transformers' `ROPE_INIT_FUNCTIONS`, computed in
+float32 like them; rotation is HF's `rotate_half` over the first `rotary_dim` channels of each q and k head.
 """
 
 from __future__ import annotations
@@ -34,6 +34,40 @@ def _llama3(inv: np.ndarray, s: dict[str, Any]) -> np.ndarray:
     return np.where((wavelen >= old / hi) & (wavelen <= old / lo), mid, scaled).astype(np.float32)
 
 
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def _yarn(base: np.ndarray, theta: float, dim: int, s: dict[str, Any], max_positions: int
+          ) -> tuple[np.ndarray, float]:
+    """YaRN (gpt-oss, DeepSeek-V2/V3): the low frequencies interpolated by `factor`, the high ones kept, a linear
+    ramp between, and cos/sin scaled by the attention factor; transformers' `_compute_yarn_parameters`."""
+    original = int(s["original_max_position_embeddings"])
+    factor = float(s.get("factor") or max_positions / original)
+    attention = s.get("attention_factor")
+    if attention is None:
+        mscale, mscale_all = s.get("mscale"), s.get("mscale_all_dim")
+        attention = (yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all) if mscale and mscale_all
+                     else yarn_mscale(factor))
+    beta_fast, beta_slow = float(s.get("beta_fast") or 32), float(s.get("beta_slow") or 1)
+
+    def correction_dim(rotations: float) -> float:
+        return dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if s.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = np.clip((np.arange(dim // 2, dtype=np.float32) - np.float32(low)) / np.float32(high - low), 0, 1)
+    extrapolation = (1 - ramp).astype(np.float32)
+    powers = np.power(np.float32(theta), np.arange(0, dim, 2, dtype=np.int64).astype(np.float32) / np.float32(dim))
+    interpolation = (np.float32(1.0) / (np.float32(factor) * powers)).astype(np.float32)
+    inv = interpolation * (1 - extrapolation) + base * extrapolation
+    return inv.astype(np.float32), float(attention)
+
+
 class RopeFrequencies:
     """inv_freq per rotary pair for one layer kind, plus LongRoPE's second table and the cos/sin factor."""
 
@@ -49,6 +83,8 @@ class RopeFrequencies:
             self.inv = (base / np.float32(scaling["factor"])).astype(np.float32)
         elif kind == "llama3":
             self.inv = _llama3(base, scaling)
+        elif kind == "yarn":
+            self.inv, self.attention_factor = _yarn(base, theta, rotary_dim, scaling, max_positions)
         elif kind == "longrope":
             # Phi-3: short factors up to the original context, long ones past it (per position, as vLLM does;
             # HF switches the whole sequence once it grows past the original context)
@@ -64,7 +100,7 @@ class RopeFrequencies:
         else:
             raise UnsupportedConfigError(
                 f"rope_scaling type {kind!r} is not supported with this model's attention layout (sliding windows, "
-                "partial rotary or per-layer RoPE bases); supported: default, linear, llama3, longrope")
+                "partial rotary or per-layer RoPE bases); supported: default, linear, llama3, longrope, yarn")
         if self.inv.shape != (rotary_dim // 2,) or (self.long is not None and self.long.shape != self.inv.shape):
             raise UnsupportedConfigError(f"rope_scaling factors must have rotary_dim / 2 = {rotary_dim // 2} entries")
 

@@ -9,6 +9,13 @@ from `length_info`) and its cross-attention mask. Prefill is tiled for the vecto
 two Zen 4 cores, where one scalar loop per head made ~4); decode, one query row per sequence, runs a head per
 thread.
 
+Attention sinks (gpt-oss: a learned logit per head that joins every softmax's denominator) arrive as extra q heads
+after the model's own, head_dim sinks each (relax_models/blocks.py), so the KV cache stores nothing for them. A
+softmax starts from its head's sink (running max = the sink, sum = 1) in the one kernel call per query whose keys reach
+the query's own position: the ragged prefill over the new tokens, or the paged call whose chunk holds the query's key
+(decode, where the new key is appended first); the calls over a cached prefix start empty, so when TVM merges the
+partial states the sink is counted once.
+
 RoPE is never applied here: mlcc's models rotate q/k before the cache (in the model or in TVM's split kernel),
 so the `rotary_mode` argument is always 0 for them.
 
@@ -95,21 +102,33 @@ class _Geometry:
     """The buffers' shapes for a model attention shape: as is, or the quantized cache's bytes (see the module
     docstring); `q_heads`/`width` are the cache's, `h_q`/`d` the model's."""
 
-    def __init__(self, h_q: int, d: int, dtype: str, kv: str | None):
+    def __init__(self, h_q: int, d: int, dtype: str, kv: str | None, sinks: bool = False):
+        if kv and sinks:
+            raise ValueError("attention sinks with a quantized KV cache have no CPU kernel")
         self.kv = kv
         itemsize = {"float16": 2, "bfloat16": 2, "float32": 4}[dtype] if kv else 1
-        self.q_heads = h_q * itemsize
+        self.view_heads = h_q + (-(-h_q // d) if sinks else 0)  # q/output heads seen in the model dtype
+        self.q_heads = h_q * itemsize if kv else self.view_heads
         self.width = d + kv_cache_format.SCALE_BYTES if kv else d
         self.storage = "int8" if kv else dtype
 
 
+def _sink_start(q, sinks: bool, on, row, h_q: int, d: int, h):
+    """The running max a softmax of q row `row`, head h starts from: its sink (log2 domain) where `on`, else TVM's
+    "nothing seen" (-5e4, with the sum 1: a weight of 2^-5e4)."""
+    if not sinks:
+        return T.float32(-5e4)
+    return T.if_then_else(on, T.Cast("float32", q[row, h_q + h // d, h % d]) * T.float32(LOG2E), T.float32(-5e4))
+
+
 def _flash_prefill(h_kv: int, h_q: int, d: int, dtype: str, window: int, softcap: float, kv: str | None = None,
-                   width: int = 0):
+                   width: int = 0, sinks: bool = False):
     """The macro computing one sequence's prefill attention: every (KV head, query block) task of it in parallel.
 
     window > 0: TVM's sliding cross mask (with causal, row i sees the last window - i - 1 keys) instead of the
     causal one. key_base(b, j) is the flat offset of key j's row in kf; its value row is v_delta further in vf.
-    Quantized (kv): kf/vf hold rows of `width` codes whose float32 scales sf/svf read at row offset + d."""
+    Quantized (kv): kf/vf hold rows of `width` codes whose float32 scales sf/svf read at row offset + d.
+    sinks: sink_on(b, q row) says whether the softmax of that query row starts from its head's sink."""
     group = h_q // h_kv
     quantized = kv is not None
     nk = math.gcd(NK, d)
@@ -144,7 +163,7 @@ def _flash_prefill(h_kv: int, h_q: int, d: int, dtype: str, window: int, softcap
         return T.if_then_else(causal > 0, T.min(kv_len, kv_len - qo_len + q_last + 1), kv_len)
 
     @T.macro
-    def body(q, output, lse, kf, vf, sf, svf, key_base, v_delta, b, q0, qo_len, kv_len, causal, sm_scale):
+    def body(q, output, lse, kf, vf, sf, svf, key_base, v_delta, b, q0, qo_len, kv_len, causal, sm_scale, sink_on):
         nqb: T.let[T.int32] = (qo_len + QB - 1) // QB
         for task in T.parallel(h_kv * nqb):
             with T.sblock("flash"):
@@ -177,7 +196,9 @@ def _flash_prefill(h_kv: int, h_q: int, d: int, dtype: str, window: int, softcap
                             T.Cast("float32", q[T.min(q0 + qs + t, q0 + qo_len - 1), kvh * group + g, i])
                             * sm_scale * T.float32(q_scale), T.float32(0))
                         ot[i, g * LANES + t] = T.float32(0)
-                    m[g * LANES + t] = T.float32(-5e4)  # TVM's "nothing seen": max -5e4, sum 1
+                    m[g * LANES + t] = _sink_start(
+                        q, sinks, T.And(qs + t < qo_len, sink_on(b, T.min(q0 + qs + t, q0 + qo_len - 1))),
+                        T.min(q0 + qs + t, q0 + qo_len - 1), h_q, d, kvh * group + g)
                     den[g * LANES + t] = T.float32(1)
                 for kb in T.serial((hi - lo + KB - 1) // KB):
                     j0: T.let[T.int32] = lo + kb * KB
@@ -266,13 +287,13 @@ def _flash_prefill(h_kv: int, h_q: int, d: int, dtype: str, window: int, softcap
 
 
 def paged_prefill(h_kv: int, h_q: int, d: int, dtype: str, sliding_window: bool, window: int = 0,
-                  softcap: float = 0.0, page_size: int = 16, kv: str | None = None):
+                  softcap: float = 0.0, page_size: int = 16, kv: str | None = None, sinks: bool = False):
     from tvm.relax.frontend.nn.llm._kernel_common import _declare_length_info, _get_kv_chunk_len, _get_seq_offset
 
-    g = _Geometry(h_q, d, dtype, kv)
-    w, hq_c, st = g.width, g.q_heads, g.storage
+    g = _Geometry(h_q, d, dtype, kv, sinks)
+    w, hq_c, hv, st = g.width, g.q_heads, g.view_heads, g.storage
     symbol = "batch_prefill_paged_kv_cpu" + ("_sliding_window" if sliding_window else "")
-    body = _flash_prefill(h_kv, h_q, d, dtype, window if sliding_window else 0, softcap, kv)
+    body = _flash_prefill(h_kv, h_q, d, dtype, window if sliding_window else 0, softcap, kv, sinks=sinks)
     v_delta = h_kv * page_size * w  # pages[p, 1] is pages[p, 0] one (h_kv, page_size, width) slab further
 
     @T.prim_func(s_tir=True)
@@ -299,15 +320,15 @@ def paged_prefill(h_kv: int, h_q: int, d: int, dtype: str, sliding_window: bool,
         page_indptr = T.match_buffer(var_page_indptr, (batch_size + 1,), "int32",
                                      elem_offset=page_indptr_elem_offset)
         page_values = T.match_buffer(var_page_values, (nnz_pages,), "int32", elem_offset=page_values_elem_offset)
-        k_rope_pos_offset = T.match_buffer(var_k_rope_pos_offset, (batch_size,), "int32",  # noqa: F841 (binds the signature)
+        k_rope_pos_offset = T.match_buffer(var_k_rope_pos_offset, (batch_size,), "int32",
                                            elem_offset=k_rope_pos_offset_elem_offset)
-        q_rope_position = T.match_buffer(var_q_rope_position, (total_len,), "int32",  # noqa: F841 (binds the signature)
+        q_rope_position = T.match_buffer(var_q_rope_position, (total_len,), "int32",
                                          elem_offset=q_rope_position_elem_offset)
         output_c = T.match_buffer(var_output, (total_len, hq_c, w), st)
         lse = T.match_buffer(var_lse, (total_len, hq_c), "float32")
         length_info = _declare_length_info(var_length_info, batch_size, sliding_window, length_info_elem_offset)
-        q = T.decl_buffer((total_len, h_q, w), dtype, data=q_c.data)
-        output = T.decl_buffer((total_len, h_q, w), dtype, data=output_c.data)
+        q = T.decl_buffer((total_len, hv, w), dtype, data=q_c.data)
+        output = T.decl_buffer((total_len, hv, w), dtype, data=output_c.data)
         flat = T.decl_buffer((max_num_pages * 2 * h_kv * page_size * w,), st, data=pages.data)
         scales = T.decl_buffer((max_num_pages * 2 * h_kv * page_size * w // 4,), "float32", data=pages.data)
 
@@ -320,19 +341,21 @@ def paged_prefill(h_kv: int, h_q: int, d: int, dtype: str, sliding_window: bool,
                  lambda b, j, kvh: ((page_values[begin + _get_seq_offset(j, b, length_info, sliding_window)
                                                  // page_size] * 2 * h_kv + kvh) * page_size
                                     + _get_seq_offset(j, b, length_info, sliding_window) % page_size) * w,
-                 v_delta, b, q_indptr[b], q_indptr[b + 1] - q_indptr[b], kv_len, causal, sm_scale)
+                 v_delta, b, q_indptr[b], q_indptr[b + 1] - q_indptr[b], kv_len, causal, sm_scale,
+                 # (a chunk whose keys reach the query's own position; the prefix of a prefill never does)
+                 lambda b, row: k_rope_pos_offset[b] + kv_len > q_rope_position[row])
 
     return batch_prefill_paged_kv_cpu
 
 
 def ragged_prefill(h_kv: int, h_q: int, d_qk: int, d_v: int, dtype: str, softcap: float = 0.0,
-                   kv: str | None = None):
+                   kv: str | None = None, sinks: bool = False):
     if d_qk != d_v:
         raise ValueError("the CPU prefill kernel needs equal q/k and v head dims")
     d = d_qk
-    g = _Geometry(h_q, d, dtype, kv)
-    w, hq_c, st = g.width, g.q_heads, g.storage
-    body = _flash_prefill(h_kv, h_q, d, dtype, 0, softcap, kv)
+    g = _Geometry(h_q, d, dtype, kv, sinks)
+    w, hq_c, hv, st = g.width, g.q_heads, g.view_heads, g.storage
+    body = _flash_prefill(h_kv, h_q, d, dtype, 0, softcap, kv, sinks=sinks)
 
     @T.prim_func(s_tir=True)
     def batch_prefill_ragged_kv(
@@ -359,8 +382,8 @@ def ragged_prefill(h_kv: int, h_q: int, d_qk: int, d_v: int, dtype: str, softcap
                                            elem_offset=k_rope_pos_offset_elem_offset)
         output_c = T.match_buffer(var_output, (qo_total, hq_c, w), st)
         lse = T.match_buffer(var_lse, (qo_total, hq_c), "float32")
-        q = T.decl_buffer((qo_total, h_q, w), dtype, data=q_c.data)
-        output = T.decl_buffer((qo_total, h_q, w), dtype, data=output_c.data)
+        q = T.decl_buffer((qo_total, hv, w), dtype, data=q_c.data)
+        output = T.decl_buffer((qo_total, hv, w), dtype, data=output_c.data)
         kflat = T.decl_buffer((kv_total * h_kv * w,), st, data=k.data)
         vflat = T.decl_buffer((kv_total * h_kv * w,), st, data=v.data)
         kscales = T.decl_buffer((kv_total * h_kv * w // 4,), "float32", data=k.data)
@@ -369,17 +392,18 @@ def ragged_prefill(h_kv: int, h_q: int, d_qk: int, d_v: int, dtype: str, softcap
         for b in T.serial(batch_size):
             body(q, output, lse, kflat, vflat, kscales, vscales,
                  lambda b, j, kvh: ((kv_indptr[b] + j) * h_kv + kvh) * w, 0,
-                 b, q_indptr[b], q_indptr[b + 1] - q_indptr[b], kv_indptr[b + 1] - kv_indptr[b], causal, sm_scale)
+                 b, q_indptr[b], q_indptr[b + 1] - q_indptr[b], kv_indptr[b + 1] - kv_indptr[b], causal, sm_scale,
+                 lambda b, row: True)
 
     return batch_prefill_ragged_kv
 
 
 def paged_decode(h_kv: int, h_q: int, d: int, dtype: str, sliding_window: bool, softcap: float = 0.0,
-                 page_size: int = 16, kv: str | None = None):
+                 page_size: int = 16, kv: str | None = None, sinks: bool = False):
     from tvm.relax.frontend.nn.llm._kernel_common import _declare_length_info, _get_kv_chunk_len, _get_seq_offset
 
-    g = _Geometry(h_q, d, dtype, kv)
-    w, hq_c, st = g.width, g.q_heads, g.storage
+    g = _Geometry(h_q, d, dtype, kv, sinks)
+    w, hq_c, hv, st = g.width, g.q_heads, g.view_heads, g.storage
     group = h_q // h_kv
     symbol = "batch_decode_paged_kv_cpu" + ("_sliding_window" if sliding_window else "")
 
@@ -404,15 +428,15 @@ def paged_decode(h_kv: int, h_q: int, d: int, dtype: str, sliding_window: bool, 
         page_indptr = T.match_buffer(page_table_indptr_handle, (B + 1,), "int32", elem_offset=page_indptr_elem_offset)
         page_values = T.match_buffer(page_table_values_handle, (nnz_pages,), "int32",
                                      elem_offset=page_values_elem_offset)
-        k_rope_pos_offset = T.match_buffer(k_rope_pos_offset_handle, (B,), "int32",  # noqa: F841 (binds the signature)
+        k_rope_pos_offset = T.match_buffer(k_rope_pos_offset_handle, (B,), "int32",
                                            elem_offset=k_rope_pos_offset_elem_offset)
-        q_rope_position = T.match_buffer(q_rope_position_handle, (B,), "int32",  # noqa: F841 (binds the signature)
+        q_rope_position = T.match_buffer(q_rope_position_handle, (B,), "int32",
                                          elem_offset=q_rope_position_elem_offset)
         output_c = T.match_buffer(output_handle, (B, hq_c, w), st)
         lse = T.match_buffer(lse_handle, (B, hq_c), "float32")
         length_info = _declare_length_info(var_length_info, B, sliding_window, length_info_elem_offset)
-        Q = T.decl_buffer((B, h_q, w), dtype, data=Q_c.data)
-        output = T.decl_buffer((B, h_q, w), dtype, data=output_c.data)
+        Q = T.decl_buffer((B, hv, w), dtype, data=Q_c.data)
+        output = T.decl_buffer((B, hv, w), dtype, data=output_c.data)
         scales = T.decl_buffer((max_num_pages * 2 * h_kv * page_size * w // 4,), "float32", data=pages.data)
 
         for bh in T.parallel(B * h_q):
@@ -429,7 +453,7 @@ def paged_decode(h_kv: int, h_q: int, d: int, dtype: str, sliding_window: bool, 
                 end: T.let[T.int32] = page_indptr[b + 1]
                 kv_len: T.let[T.int32] = T.if_then_else(begin != end, _get_kv_chunk_len(
                     end - begin, page_size, b, length_info, sliding_window), 0)
-                m[0] = T.float32(-5e4)
+                m[0] = _sink_start(Q, sinks, k_rope_pos_offset[b] + kv_len > q_rope_position[b], b, h_q, d, h)
                 den[0] = T.float32(1)
                 for i in T.serial(d):
                     o[i] = T.float32(0)
@@ -498,17 +522,20 @@ _DISTINCT_ARGS = {"tree_attn_paged_kv_cpu", "batch_tree_attn", "merge_state_inpl
 
 
 def replace_cpu_attention(mod: IRModule, h_kv: int, h_q: int, d: int, dtype: str, window: int, softcap: float,
-                          kv: str | None = None) -> IRModule:
+                          kv: str | None = None, sinks: bool = False) -> IRModule:
     """`mod` (an exported model for an llvm target) with TVM's CPU attention kernels swapped for these; kv: the
-    quantized cache's code ("int8", "fp8_e4m3"), None for a cache in the model's dtype."""
+    quantized cache's code ("int8", "fp8_e4m3"), None for a cache in the model's dtype; sinks: the model's
+    attention sinks ride in extra q heads (see the module docstring)."""
     # keyed by the names TVM's KV-cache builder gives its CPU kernels
     kernels = {
-        "batch_prefill_ragged_kv": lambda: ragged_prefill(h_kv, h_q, d, d, dtype, softcap, kv),
+        "batch_prefill_ragged_kv": lambda: ragged_prefill(h_kv, h_q, d, d, dtype, softcap, kv, sinks),
         "batch_prefill_paged_kv_cpu_sliding_window": lambda: paged_prefill(h_kv, h_q, d, dtype, True, window, softcap,
-                                                                           kv=kv),
-        "batch_prefill_paged_kv_cpu": lambda: paged_prefill(h_kv, h_q, d, dtype, False, 0, softcap, kv=kv),
-        "batch_decode_paged_kv_cpu_sliding_window": lambda: paged_decode(h_kv, h_q, d, dtype, True, softcap, kv=kv),
-        "batch_decode_paged_kv_cpu": lambda: paged_decode(h_kv, h_q, d, dtype, False, softcap, kv=kv),
+                                                                           kv=kv, sinks=sinks),
+        "batch_prefill_paged_kv_cpu": lambda: paged_prefill(h_kv, h_q, d, dtype, False, 0, softcap, kv=kv,
+                                                            sinks=sinks),
+        "batch_decode_paged_kv_cpu_sliding_window": lambda: paged_decode(h_kv, h_q, d, dtype, True, softcap, kv=kv,
+                                                                         sinks=sinks),
+        "batch_decode_paged_kv_cpu": lambda: paged_decode(h_kv, h_q, d, dtype, False, softcap, kv=kv, sinks=sinks),
     }
     if kv:
         # TVM's merge reads the byte outputs as int8 numbers

@@ -64,6 +64,13 @@ FAMILY_CONFIGS = {
         shared_expert_intermediate_size=64, norm_topk_prob=False, mlp_only_layers=[1], tie_word_embeddings=False)),
     "qwen3_moe": ("Qwen3MoeForCausalLM", dict(num_experts=16, num_experts_per_tok=4, moe_intermediate_size=32,
                                              norm_topk_prob=True, head_dim=32, tie_word_embeddings=False)),
+    # gpt-oss: attention sinks, biases everywhere, sliding / full layers, YaRN, the clamped SwiGLU of biased experts
+    "gpt_oss": ("GptOssForCausalLM", dict(
+        num_local_experts=8, num_experts_per_tok=2, intermediate_size=64, head_dim=16, sliding_window=WINDOW,
+        initializer_range=0.1, swiglu_limit=1.0, tie_word_embeddings=False,  # (the clamps reached)
+        rope_parameters={
+            "rope_type": "yarn", "rope_theta": 150000.0, "factor": 8.0, "beta_fast": 32.0, "beta_slow": 1.0,
+            "truncate": False, "original_max_position_embeddings": 64})),
     # every layer sparse, as llama.cpp's qwen2moe files are (the GGUF test)
     "qwen2_moe_sparse": ("Qwen2MoeForCausalLM", dict(
         num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=64,
@@ -109,7 +116,9 @@ def make_hf_model(kind: str, folder: Path, seed: int = 0) -> Path:
         for name, p in model.named_parameters():
             if name.endswith("bias") or "norm" in name:
                 p.add_(0.1 * torch.randn_like(p))
-            if name.endswith("mlp.gate.weight"):  # MoE routers: decisive choices, different experts per token
+            if name.endswith("sinks"):  # (gpt-oss's learned logits are of the order of the scores)
+                p.copy_(torch.randn_like(p))
+            if name.endswith(("mlp.gate.weight", "mlp.router.weight")):  # MoE routers: decisive choices
                 p.mul_(10.0)
     model.eval().save_pretrained(folder)
     write_tokenizer(folder)

@@ -37,7 +37,12 @@ def chat_call(engine: Any, fields: dict[str, Any]) -> Call:
     else:
         ids = engine.encode_chat(messages, tools=template_tools)
     spec = _grammar_spec(fields)
-    if calling and (choice != "auto" or fmt is not None):
+    harmony = engine.tool_format.name == "harmony"
+    if harmony and (spec is not None or (calling and choice != "auto")):
+        raise RequestError("this model writes harmony messages (gpt-oss), which response_format, structured_outputs "
+                           "and tool_choice other than 'auto' or 'none' cannot constrain yet: drop them",
+                           param="tool_choice" if spec is None else "response_format")
+    if calling and not harmony and (choice != "auto" or fmt is not None):
         if spec is not None:
             raise RequestError("tools with tool_choice other than 'none' cannot be combined with response_format or "
                                "structured_outputs: drop one of them", param="tool_choice")
@@ -45,9 +50,11 @@ def chat_call(engine: Any, fields: dict[str, Any]) -> Call:
     top = fields.get("top_logprobs", 0) if fields.get("logprobs") else None
     max_tokens = fields.get("max_completion_tokens", fields.get("max_tokens"))
     kind = getattr(engine.config, "reasoning_parser", None)
+    if harmony:  # gpt-oss: its reply is always harmony messages
+        kind = "openai_gptoss"
     return _make(engine, True, fields, ids, max_tokens, spec, top, None,
                  make_parser=(lambda: tool_calls.tool_call_parser(fmt, tools)) if calling else None,
-                 make_reasoner=(lambda: reasoning.ReasoningParser(kind)) if kind else None, reasoning_kind=kind)
+                 make_reasoner=(lambda: reasoning.make_parser(kind)) if kind else None, reasoning_kind=kind)
 
 
 def completion_call(engine: Any, fields: dict[str, Any]) -> Call:

@@ -11,6 +11,8 @@ vLLM's `--reasoning-parser` choices:
 Whitespace right after `</think>` is dropped: the content starts at the answer. The content goes on to the tool-call
 parser (runtime.api.tool_calls), so calls after the reasoning parse as without it.
 
+openai_gptoss: gpt-oss's harmony messages (runtime.api.tool_calls.harmony), the analysis channel as reasoning.
+
 While a reply is reasoning, a grammar (tool_choice required, response_format) waits: ReasoningGate lets every token
 through until `</think>`, then hands over to the grammar's matcher.
 """
@@ -118,6 +120,15 @@ def _partial(buf: str, mark: str) -> int:
 
 
 PARSERS = REASONING_PARSERS
+
+
+def make_parser(kind: str) -> Any:
+    """The reasoning parser named `kind` (ReasoningParser's feed, flush, finish)."""
+    if kind == "openai_gptoss":
+        from mlcc.runtime.api.tool_calls.harmony import HarmonyReasoningParser
+
+        return HarmonyReasoningParser()
+    return ReasoningParser(kind)
 
 
 class ReasoningGate:

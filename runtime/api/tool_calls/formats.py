@@ -48,6 +48,9 @@ FORMATS: dict[str, ToolFormat] = {
                               "</function>\n</tool_call>", "arguments", ("<tool_call>",), ("<tool_call>", "</tool_call>"),
                               ("<tool_call>", "</tool_call>")),
 }
+# gpt-oss: harmony messages addressed to=functions.NAME (read by tool_calls.harmony; no grammar writes them yet)
+HARMONY = ToolFormat("harmony", "", "", "", "arguments", ("<|start|>assistant<|channel|>commentary to=",), (),
+                     ("<|start|>", "<|channel|>", "<|message|>", "<|call|>"))
 
 
 def template_takes_tools(chat_template: str | None) -> bool:
@@ -58,6 +61,8 @@ def template_takes_tools(chat_template: str | None) -> bool:
 def tool_call_format(chat_template: str | None, model_type: str | None = None) -> ToolFormat:
     """The call syntax a model writes, from markers in its chat template, else its model_type."""
     t = chat_template or ""
+    if "<|channel|>" in t:
+        return HARMONY
     if "<function=" in t and "<parameter=" in t:
         return FORMATS["qwen3_coder"]
     if "<tool_call>" in t:
