@@ -1,0 +1,118 @@
+"""gpt-oss compiled for the CPU against transformers on a small random config (attention sinks, biases on q/k/v/o,
+sliding and full layers with a prompt longer than the window, YaRN, the biased router and experts with the clamped
+SwiGLU, tokens on different experts): q0f32 logits rel. err ≤ 1e-4 and 32 greedy ids identical; ragged batches and
+a forked sequence (the sink counted once when a decode reads two chunks); the expert weights read from an MXFP4
+checkpoint; GPU targets refused in one line."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+import torch
+from conftest import PROMPT
+from test_moe import expert_choices
+from test_parity import hf_logits, hf_model, rel_err, run_greedy
+
+from mlcc.compiler import mxfp4_checkpoint
+from mlcc.runtime.device.model import LoadedModel
+
+
+def test_q0f32_prefill_decode_and_32_greedy_tokens(compiled, hf_models):
+    hf = hf_model(hf_models("gpt_oss"))
+    choices = expert_choices(hf, PROMPT)
+    assert len(set(choices)) >= len(PROMPT) // 3, f"too few distinct expert sets: {choices}"
+    m = LoadedModel(compiled("gpt_oss"))
+    m.create_kv_cache(2, 256, 64)
+    ours = run_greedy(m, hf, PROMPT, 32, 1e-4)
+    with torch.no_grad():
+        ref = hf.generate(torch.tensor([PROMPT]), max_new_tokens=32, do_sample=False, eos_token_id=None,
+                          pad_token_id=0)[0, len(PROMPT):].tolist()
+    assert ours == ref
+
+
+def test_sinks_change_the_logits(hf_models):
+    """The reference itself: without its sinks the model's logits move far beyond the tolerance (so the parity
+    test sees them)."""
+    hf = hf_model(hf_models("gpt_oss"))
+    base = hf_logits(hf, PROMPT)
+    with torch.no_grad():
+        for layer in hf.model.layers:
+            layer.self_attn.sinks.fill_(-1e4)
+    assert rel_err(hf_logits(hf, PROMPT), base) > 1e-2
+
+
+def test_ragged_batch_and_a_forked_sequence(compiled, hf_models):
+    m = LoadedModel(compiled("gpt_oss"))
+    m.create_kv_cache(4, 256, 64)
+    hf = hf_model(hf_models("gpt_oss"))
+    a, b = PROMPT[:7], PROMPT[2:]
+    m.add_sequence(0)
+    m.add_sequence(1)
+    lg = m.prefill([0, 1], [a, b]).numpy()
+    assert rel_err(lg[0], hf_logits(hf, a)[-1]) <= 1e-4
+    assert rel_err(lg[1], hf_logits(hf, b)[-1]) <= 1e-4
+    lg = m.decode([0, 1], [11, 22]).numpy()
+    assert rel_err(lg[0], hf_logits(hf, a + [11])[-1]) <= 1e-4
+    assert rel_err(lg[1], hf_logits(hf, b + [22])[-1]) <= 1e-4
+    # a child sharing seq 0's prefix: its decode reads the shared pages and its own in two chunks
+    m.fork_sequence(0, 2)
+    m.popn(2, 1)
+    for ids in ([33], [33, 44], [33, 44, 55]):
+        lg = m.decode([2], [ids[-1]]).numpy()
+        assert rel_err(lg[0], hf_logits(hf, a + ids)[-1]) <= 1e-4
+
+
+def test_gpu_targets_refused_in_one_line(hf_models):
+    from mlcc.compiler.build import export_module
+    from mlcc.compiler.quantize import get_quantization
+    from mlcc.compiler.weights import load_source
+    from mlcc.errors import UnsupportedConfigError
+    from mlcc.targets import get_target
+
+    for target in ("cuda", "webgpu"):
+        with pytest.raises(UnsupportedConfigError, match="attention sinks.*--target llvm") as e:
+            export_module(load_source(hf_models("gpt_oss")), get_target(target), get_quantization("q4f16_1"))
+        assert "\n" not in str(e.value)
+
+
+def test_mxfp4_roundtrip():
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((3, 5, 64)).astype(np.float32)
+    blocks, scales = mxfp4_checkpoint.quantize(w)
+    assert blocks.shape == (3, 5, 2, 16) and scales.shape == (3, 5, 2)
+    once = mxfp4_checkpoint.dequantize(blocks, scales)
+    assert np.abs(once - w).max() <= 0.5 * np.abs(w).max()   # 4-bit
+    np.testing.assert_array_equal(mxfp4_checkpoint.dequantize(*mxfp4_checkpoint.quantize(once)), once)
+
+
+def test_mxfp4_checkpoint_matches_its_dequantized_weights(hf_models, tmp_path):
+    """A checkpoint written as OpenAI publishes gpt-oss (experts as MXFP4 blocks and scales, quantization_config
+    mxfp4) against transformers carrying the same values in float."""
+    from safetensors.numpy import load_file, save_file
+
+    src = hf_models("gpt_oss")
+    tensors = load_file(src / "model.safetensors")
+    packed, floats = dict(tensors), dict(tensors)
+    for name in [n for n in tensors if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        blocks, scales = mxfp4_checkpoint.quantize(tensors[name].swapaxes(1, 2))   # stored [E, out, in]
+        floats[name] = np.ascontiguousarray(mxfp4_checkpoint.dequantize(blocks, scales).swapaxes(1, 2))
+        del packed[name]
+        packed[f"{name}_blocks"], packed[f"{name}_scales"] = blocks, scales
+    ref, ckpt = tmp_path / "float", tmp_path / "mxfp4"
+    for folder, weights in ((ref, floats), (ckpt, packed)):
+        shutil.copytree(src, folder)
+        save_file(weights, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    cfg = json.loads((ckpt / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn",
+                                                                                      "model.layers.*.mlp.router"]}
+    (ckpt / "config.json").write_text(json.dumps(cfg))
+
+    from mlcc.compiler.build import compile_model
+
+    compile_model(ckpt, "llvm", "q0f32", tmp_path / "art")
+    m = LoadedModel(tmp_path / "art")
+    m.create_kv_cache(1, 256, 64)
+    run_greedy(m, hf_model(ref), PROMPT, 4, 1e-4)
