@@ -100,3 +100,9 @@ class PerplexityError(MlccError, ValueError):
 class SpeculativeConfigError(MlccError, ValueError):
     """A speculative_config that names an unknown key or method, a bad value, or a draft model that cannot draft
     for the target (another tokenizer)."""
+
+
+class LoraAdapterError(MlccError, ValueError):
+    """A LoRA adapter that this model cannot serve (another base's shapes, a module it cannot adapt, a rank over
+    the library's limit, a PEFT feature not served) or that is not loaded; or adapters asked of a build without
+    LoRA."""

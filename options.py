@@ -57,6 +57,11 @@ class CompileOptions:
     # what the paged KV cache stores K and V as: "auto" (the model's dtype), "int8" or "fp8_e4m3" (8-bit codes with
     # a float32 scale per token and KV head; mlcc/kv_cache_format.py)
     kv_cache_dtype: str = "auto"
+    # LoRA adapters one step may mix (0: no LoRA): each projection adds its tokens' adapters' low-rank products,
+    # read from a device pool of this many adapters that the runtime fills (relax_models/lora.py)
+    max_loras: int = 0
+    # with max_loras: the largest adapter rank the pool holds (smaller ranks are padded with zeros)
+    max_lora_rank: int = 16
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -69,6 +74,9 @@ class CompileOptions:
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise CompileOptionsError(f"compile option kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
                                       f"got {self.kv_cache_dtype!r}")
+        if self.max_loras and not self.max_lora_rank:
+            raise CompileOptionsError("compile option max_lora_rank must be >= 1 with max_loras; the adapters' "
+                                      "largest rank, e.g. max_lora_rank=16")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -176,10 +184,18 @@ class EngineConfig:
     # what the KV cache stores K and V as ("auto": the model's dtype, "int8", "fp8_e4m3"): a compile-time choice,
     # so a model compiled on first use is built with it and an artifacts folder must have been (None: as compiled)
     kv_cache_dtype: str | None = None
+    # LoRA adapters loaded at start, {name: PEFT adapter folder} ({}: LoRA served, adapters loaded later with
+    # Engine.load_lora); a request picks one by its `model` field
+    lora: dict[str, str] | None = None
+    # LoRA adapters one step may mix and their largest rank: compile-time choices (CompileOptions.max_loras,
+    # max_lora_rank), so a model compiled on first use is built with them and an artifacts folder must have been
+    # (None: as compiled; when compiling with adapters, at least 4 and at least 16 or the adapters' largest rank)
+    max_loras: int | None = None
+    max_lora_rank: int | None = None
 
     def __post_init__(self) -> None:
         positive = ("max_batch", "prefill_chunk", "page_size", "context_window", "kv_cache_tokens",
-                    "tensor_parallel", "num_threads")
+                    "tensor_parallel", "num_threads", "max_loras", "max_lora_rank")
         for name in positive:
             v = getattr(self, name)
             if v is not None and (type(v) is not int or v < 1):
@@ -198,6 +214,9 @@ class EngineConfig:
         if self.kv_cache_dtype is not None and self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise EngineConfigError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got "
                                     f"{self.kv_cache_dtype!r}")
+        if self.lora is not None and (not isinstance(self.lora, dict) or
+                                      not all(isinstance(k, str) and k for k in self.lora)):
+            raise EngineConfigError(f"lora must be a dict of adapter name to PEFT adapter folder, got {self.lora!r}")
         if self.options is not None and not isinstance(self.options, CompileOptions):
             raise EngineConfigError(f"options must be a CompileOptions, got {type(self.options).__name__}")
 
@@ -258,6 +277,15 @@ class EngineConfig:
                                  "(8-bit codes with a scale per token and head: about half a float16 cache, a "
                                  "quarter of a float32 one); an artifacts folder must have been compiled with it "
                                  "(default: as compiled, auto when compiling on first use)")
+        parser.add_argument("--lora", action="append", default=[], metavar="NAME=PATH",
+                            help="a PEFT LoRA adapter served as model NAME (repeatable): requests pick it by their "
+                                 "`model` field; needs a build with LoRA (compiled on first use with it)")
+        parser.add_argument("--max-loras", type=int, default=None, metavar="N",
+                            help="LoRA adapters one step may mix (a compile-time choice; default: as compiled, 4 when "
+                                 "compiling with --lora)")
+        parser.add_argument("--max-lora-rank", type=int, default=None, metavar="R",
+                            help="the largest LoRA rank served (a compile-time choice; default: as compiled, 16 or "
+                                 "the --lora adapters' largest when compiling)")
         CompileOptions.add_cli_argument(parser, "; what a model compiled on first use is built with: an artifacts "
                                                 "folder must have been built with it")
 
@@ -270,6 +298,7 @@ class EngineConfig:
                    policy=args.policy, prefix_cache=args.prefix_cache, num_threads=args.num_threads,
                    speculative_config=args.speculative_config, tensor_parallel=args.tensor_parallel,
                    reasoning_parser=args.reasoning_parser, kv_cache_dtype=args.kv_cache_dtype,
+                   lora=_parse_lora(args.lora) or None, max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
                    options=CompileOptions.parse(args.option) if args.option else None)
 
     def describe(self) -> str:
@@ -278,3 +307,16 @@ class EngineConfig:
         diff = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
                 if getattr(self, f.name) != getattr(d, f.name)}
         return json.dumps(diff, default=str) if diff else "defaults"
+
+
+def _parse_lora(items: list[str]) -> dict[str, str]:
+    """`--lora NAME=PATH` flags as {name: path}."""
+    out: dict[str, str] = {}
+    for item in items:
+        name, sep, path = item.partition("=")
+        if not sep or not name.strip() or not path.strip():
+            raise EngineConfigError(f"--lora {item!r}: expected NAME=PATH (a PEFT adapter folder)")
+        if name.strip() in out:
+            raise EngineConfigError(f"--lora: adapter name {name.strip()!r} given twice")
+        out[name.strip()] = path.strip()
+    return out

@@ -23,6 +23,7 @@ from mlcc.options import CompileOptions
 from mlcc.relax_models import Family, family_for
 from mlcc.targets import TargetPreset, cpu_record, get_target
 
+from .lora import add_lora, check_lora, lora_config
 from .quantize import Quantization, get_quantization, quantize_model
 from .sampler import attach_argmax, attach_logit_functions, attach_sampler
 from .weights import ModelSource, load_source
@@ -56,6 +57,7 @@ class BuiltModule:
     preset: TargetPreset
     target: Any
     options: CompileOptions
+    lora: dict[str, Any] | None = None   # mlcc-config.json's "lora" (compiler/lora.py): None without LoRA
 
 
 def export_module(source: ModelSource, preset: TargetPreset, quant: Quantization,
@@ -72,12 +74,16 @@ def export_module(source: ModelSource, preset: TargetPreset, quant: Quantization
     check_kv_cache_dtype(preset, cfg, options.kv_cache_dtype)
     cfg.kv_cache_dtype = options.kv_cache_dtype
     target = preset.tvm_target()
+    check_lora(options, target.kind.name, tensor_parallel)
     check_attention_kernels(preset, cfg)
     if target.kind.name == "webgpu":
         quant = dataclasses.replace(quant, magic_int_to_float=False)
     model = family.model_cls(cfg, target)
     model = quantize_model(model, quant)
     _check_quantizable(model, quant)
+    lora = None
+    if options.max_loras:
+        lora = lora_config(add_lora(model, family, cfg, options, quant.model_dtype), options, quant.model_dtype)
     mod, named_params = model.export_tvm(spec=model.get_default_spec())
     if target.kind.name == "llvm":
         from mlcc.schedules.cpu_attention import replace_cpu_attention
@@ -104,7 +110,7 @@ def export_module(source: ModelSource, preset: TargetPreset, quant: Quantization
         mod = attach_sampler(mod, cfg.vocab_size)
     # grammar masks, logit_bias and logprobs on the device, for every target (schedules/logit_processing.py)
     mod = attach_logit_functions(mod, cfg.vocab_size, target)
-    return BuiltModule(mod, params, stamp, family, cfg, quant, preset, target, options)
+    return BuiltModule(mod, params, stamp, family, cfg, quant, preset, target, options, lora)
 
 
 def check_target_reads(preset: TargetPreset, quant: Quantization) -> None:
@@ -178,7 +184,8 @@ def _attach_metadata(mod, stamp: dict[str, Any]):
 def builds_graph_decode(built: BuiltModule) -> bool:
     """CUDA, one GPU: batch-1 decode gets a whole-step CUDA graph (compiler/graph_decode.py). Disco workers (tensor
     parallel) keep plain decode: the graph's attention alias is registered by runtime.device.graph_decode, not in their processes."""
-    return built.options.decode_graph and built.target.kind.name == "cuda" and built.cfg.tensor_parallel_shards == 1
+    return built.options.decode_graph and built.target.kind.name == "cuda" and built.cfg.tensor_parallel_shards == 1 \
+        and built.lora is None   # (the graph's decode takes no adapter inputs)
 
 
 def compile_library(built: BuiltModule, out_path: Path, tuning_db: str | Path | None = None):
@@ -353,6 +360,7 @@ def _config_json(built: BuiltModule, lib_name: str, tok: dict[str, Any], source:
         "tokenizer": tok,
         "source": source,
         "stamp": built.stamp,
+        **({"lora": built.lora} if built.lora is not None else {}),
     }
 
 

@@ -29,6 +29,7 @@ from mlcc import kv_cache_format
 
 from . import rope
 from .kv_quant import QuantKVLayout, pack_qkv, unpack_output
+from .lora import LoraTokens
 
 
 @dataclasses.dataclass
@@ -281,6 +282,9 @@ class DecoderForCausalLM(nn.Module):
         self.dtype = dtype
         self.model = DecoderModel(cfg)
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        # a build that serves LoRA adapters (compiler/lora.py): the forward entry points then take each token's
+        # adapter slot and the adapter pool after the KV cache
+        self.lora: LoraTokens | None = None
 
     def to(self, dtype: str | None = None) -> None:
         super().to(dtype=dtype)
@@ -304,23 +308,35 @@ class DecoderForCausalLM(nn.Module):
             h = h * np.array(self.cfg.embedding_scale, dtype=self.dtype).item()
         return h
 
-    def prefill(self, embeds: Tensor, kv_cache: PagedKVCache):
+    def _bind_lora(self, lora_ids: Tensor | None, lora_pool: list[Tensor] | None) -> None:
+        if self.lora is not None:
+            self.lora.bind(lora_ids, lora_pool)
+
+    def prefill(self, embeds: Tensor, kv_cache: PagedKVCache, lora_ids: Tensor | None = None,
+                lora_pool: list[Tensor] | None = None):
         """One sequence, [1, n, hidden] → logits of the last position [1, 1, vocab]."""
+        self._bind_lora(lora_ids, lora_pool)
         h = op.tensor_expr_op(_last_position, "last_position", [self.model(embeds, kv_cache)])
         return self.logits(h), kv_cache
 
-    def decode(self, embeds: Tensor, kv_cache: PagedKVCache):
+    def decode(self, embeds: Tensor, kv_cache: PagedKVCache, lora_ids: Tensor | None = None,
+               lora_pool: list[Tensor] | None = None):
+        self._bind_lora(lora_ids, lora_pool)
         return self.logits(self.model(embeds, kv_cache)), kv_cache
 
-    def batch_prefill(self, embeds: Tensor, logit_positions: Tensor, kv_cache: PagedKVCache):
+    def batch_prefill(self, embeds: Tensor, logit_positions: Tensor, kv_cache: PagedKVCache,
+                      lora_ids: Tensor | None = None, lora_pool: list[Tensor] | None = None):
         """Ragged prefill of several sequences packed in [1, total, hidden]; logits at the given positions."""
+        self._bind_lora(lora_ids, lora_pool)
         h = self.model(embeds, kv_cache)
         # "clip" instead of nn.op.take's "fast": the same gather (the positions are in bounds), without TVM's warning
         # that fast mode segfaults on out-of-bounds indices at every compile
         rows = op.wrap_nested(rx.op.take(h._expr, logit_positions._expr, axis=1, mode="clip"), name="take")
         return self.logits(rows), kv_cache
 
-    def batch_decode(self, embeds: Tensor, kv_cache: PagedKVCache):
+    def batch_decode(self, embeds: Tensor, kv_cache: PagedKVCache, lora_ids: Tensor | None = None,
+                     lora_pool: list[Tensor] | None = None):
+        self._bind_lora(lora_ids, lora_pool)
         return self.logits(self.model(embeds, kv_cache)), kv_cache
 
     def create_paged_kv_cache(self, max_batch_size: tirx.Var, max_total_seq_len: tirx.Var,
@@ -360,13 +376,22 @@ class DecoderForCausalLM(nn.Module):
         h = self.cfg.hidden_size
         packed = {"param_mode": "packed", "effect_mode": "none"}
         kv = nn.spec.Object(object_type=PagedKVCache)
+
+        def lora(tokens: str | int) -> dict:
+            if self.lora is None:
+                return {}
+            return {"lora_ids": nn.spec.Tensor([tokens], "int32"), "lora_pool": self.lora.pool_spec()}
+
         return {
             "embed": {"input_ids": nn.spec.Tensor(["seq_len"], "int32"), "$": packed},
-            "prefill": {"embeds": nn.spec.Tensor([1, "seq_len", h], self.dtype), "kv_cache": kv, "$": packed},
-            "decode": {"embeds": nn.spec.Tensor([1, 1, h], self.dtype), "kv_cache": kv, "$": packed},
+            "prefill": {"embeds": nn.spec.Tensor([1, "seq_len", h], self.dtype), "kv_cache": kv, **lora("seq_len"),
+                        "$": packed},
+            "decode": {"embeds": nn.spec.Tensor([1, 1, h], self.dtype), "kv_cache": kv, **lora(1), "$": packed},
             "batch_prefill": {"embeds": nn.spec.Tensor([1, "seq_len", h], self.dtype),
-                              "logit_positions": nn.spec.Tensor(["batch_size"], "int32"), "kv_cache": kv, "$": packed},
-            "batch_decode": {"embeds": nn.spec.Tensor(["batch_size", 1, h], self.dtype), "kv_cache": kv, "$": packed},
+                              "logit_positions": nn.spec.Tensor(["batch_size"], "int32"), "kv_cache": kv,
+                              **lora("seq_len"), "$": packed},
+            "batch_decode": {"embeds": nn.spec.Tensor(["batch_size", 1, h], self.dtype), "kv_cache": kv,
+                             **lora("batch_size"), "$": packed},
             "create_paged_kv_cache": {
                 "max_batch_size": int, "max_total_seq_len": int, "prefill_chunk_size": int, "page_size": int,
                 "support_sliding_window": int, "$": {"param_mode": "none", "effect_mode": "none"}},

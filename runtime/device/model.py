@@ -71,6 +71,7 @@ class PagedModel:
     argmax: Callable | None = None
     sample: Callable | None = None
     graph: GraphDecode | None = None   # batch-1 decode as one CUDA graph, where the library has it
+    lora: Any = None   # the adapter slots of a build serving LoRA adapters (runtime.device.lora.LoraPool)
     max_prefill_chunk: int = 0   # new tokens per sequence per forward (sliding-window models); 0: any
     kv: Any = None
 
@@ -321,6 +322,11 @@ class LoadedModel(PagedModel):
         self.params = load_params(self.dir, self.config["params"], self.dev, weights)
         self._shape = ShapeTuple
         self.kv_ops = KVCacheOps.lookup(tvm.get_global_func)
+        if "lora" in self.config:   # its forward functions also take each token's adapter slot and the pool
+            from mlcc.runtime.device.lora import LoraLayout, LoraPool
+
+            self.lora = LoraPool(LoraLayout.from_config(self.config["lora"]), self.dev)
+            self.fns, self.kv_ops = self.lora.wrap(self.fns, self.kv_ops)
         self._reshape = tvm.get_global_func("vm.builtin.reshape")
         self.argmax, self.sample = self.fns.argmax_logits, self.fns.sample_top_p_top_k
         if self.fns.decode_graph is not None:
