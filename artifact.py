@@ -253,6 +253,23 @@ def check_kv_cache_dtype(config: dict[str, Any], wanted: str | None, model_dir: 
                             "drop --kv-cache-dtype")
 
 
+def check_lora(config: dict[str, Any], max_loras: int | None, max_rank: int | None, model_dir: Path) -> None:
+    """Refuse an artifacts folder that serves no LoRA adapters, or other pool sizes than asked for (None: any):
+    the adapter pool's shape is compiled into the library."""
+    have, stamp = built_options(config), config.get("stamp", {})
+    n, r = max_loras or have.max_loras or 4, max_rank or have.max_lora_rank
+    rebuild = (f"recompile with `mlcc compile SOURCE --target {stamp.get('target', '?')} --quant "
+               f"{stamp.get('quantization', '?')} --option max_loras={n} --option max_lora_rank={r} --output "
+               f"{model_dir}`")
+    if not have.max_loras:
+        raise ArtifactError(f"{model_dir} was compiled without LoRA, so it serves no adapters; {rebuild}")
+    for flag, wanted, built in (("max-loras", max_loras, have.max_loras), ("max-lora-rank", max_rank,
+                                                                            have.max_lora_rank)):
+        if wanted is not None and wanted != built:
+            raise ArtifactError(f"{model_dir}: asked for --{flag} {wanted} but it was compiled with {built}; "
+                                f"{rebuild} or drop --{flag}")
+
+
 def check_options(config: dict[str, Any], wanted: CompileOptions | None, model_dir: Path) -> None:
     """Refuse an artifacts folder built with other compile options than the caller asks for (None: any)."""
     if wanted is None:

@@ -16,12 +16,13 @@ from typing import Any, AsyncIterator, Iterator
 
 
 from mlcc import artifact, hub, kv_cache_format
-from mlcc.errors import EngineConfigError, RequestError, SpeculativeConfigError
+from mlcc.errors import EngineConfigError, LoraAdapterError, RequestError, SpeculativeConfigError
 from mlcc.options import EngineConfig
 from mlcc.runtime.api import prepare, protocol, structured, tool_calls
 from mlcc.runtime.api.call import Call
 from mlcc.runtime.core.request import Event, Request
 from mlcc.runtime.core.sampler import Sampler
+from mlcc.runtime.device.lora import LoraAdapter, adapter_rank, read_adapter
 from mlcc.runtime.engine_core import EngineCore
 from mlcc.runtime.spec.spec_config import parse_speculative_config
 from mlcc.runtime.spec.speculative import Speculator
@@ -59,8 +60,12 @@ class Engine:
         if cfg.target == "auto":
             cfg = dataclasses.replace(cfg, target=detect_local())
         self.speculative_config = parse_speculative_config(cfg.speculative_config)   # refused before any loading
+        wants_lora = cfg.lora is not None or bool(cfg.max_loras or cfg.max_lora_rank)
         self.model_dir = resolve_model(model, cfg.target, cfg.quant, cfg.tensor_parallel or 1, cfg.options,
-                                       cfg.kv_cache_dtype)
+                                       cfg.kv_cache_dtype, lora=_lora_build(cfg) if wants_lora else None)
+        if wants_lora:
+            artifact.check_lora(artifact.read_config(self.model_dir), cfg.max_loras, cfg.max_lora_rank,
+                                self.model_dir)
         built_tp = int(artifact.read_config(self.model_dir).get("tensor_parallel", 1))
         if cfg.tensor_parallel is not None and cfg.tensor_parallel != built_tp:
             raise artifact.ArtifactError(
@@ -94,6 +99,9 @@ class Engine:
                                make_speculator=self._speculator_factory(cfg))
         self.chat = _Chat(self)
         self.completions = _Completions(self)
+        self.lora_adapters: dict[str, LoraAdapter] = {}
+        for name, path in (cfg.lora or {}).items():
+            self.load_lora(name, path)
         log.info("engine ready: %s on %s, KV cache %d tokens (%.0f MB), batch %d, prefix cache %s, speculative %s",
                  self.model_name, model_cfg["target"], kv_cache_tokens,
                  kv_cache_tokens * _kv_bytes_per_token(model_cfg) / 1e6, cfg.max_batch,
@@ -107,6 +115,29 @@ class Engine:
     @property
     def kv_cache_tokens(self) -> int:
         return self.config.kv_cache_tokens
+
+    # -- LoRA adapters -------------------------------------------------------------------------------------------
+    def load_lora(self, name: str, path: str | Path) -> LoraAdapter:
+        """Serve the PEFT adapter in folder `path` as model `name` (requests pick it by their `model` field); refused
+        in one line where this build serves no adapters or the adapter does not fit it."""
+        if self.model.lora is None:
+            artifact.check_lora(self.model.config, None, None, self.model_dir)
+        if not name or name == self.model_name:
+            raise LoraAdapterError(f"LoRA adapter name {name!r}: give it a name other than the base model's")
+        if name in self.lora_adapters:
+            raise LoraAdapterError(f"The lora adapter '{name}' has already been loaded; unload it first")
+        adapter = read_adapter(name, path, self.model.lora.layout)
+        self.lora_adapters[name] = adapter
+        return adapter
+
+    def unload_lora(self, name: str) -> None:
+        """Stop serving adapter `name`; requests already running on it finish with it."""
+        if self.lora_adapters.pop(name, None) is None:
+            raise LoraAdapterError(f"The lora adapter '{name}' cannot be found")
+
+    def adapter_for(self, model: str | None) -> LoraAdapter | None:
+        """The adapter a request's `model` field names (None: the base model)."""
+        return self.lora_adapters.get(model) if model else None
 
     def _speculator_factory(self, cfg: EngineConfig):
         """How the engine core builds its Speculator (None without speculation); a draft model is loaded here, on
@@ -243,6 +274,16 @@ class Engine:
 
     def __exit__(self, *exc: Any) -> None:
         self.shutdown()
+
+
+def _lora_build(cfg: EngineConfig) -> tuple[int, int]:
+    """(max_loras, max_lora_rank) a model compiled on first use for `cfg`'s adapters is built with."""
+    paths = list((cfg.lora or {}).values())
+    for p in paths:
+        if not Path(p).is_dir():
+            raise LoraAdapterError(f"--lora: {p} is not a folder (pass a PEFT adapter folder)")
+    return (cfg.max_loras or max(4, len(paths)),
+            cfg.max_lora_rank or max([16] + [adapter_rank(p) for p in paths]))
 
 
 def _finished(ev: Event) -> bool:

@@ -60,7 +60,8 @@ class EngineCore:
         self.stats: collections.Counter = collections.Counter()
         self.prefix_cache = (PrefixCache(page_size, model.remove_sequence, model.free_pages, forks=prefix_forks)
                              if config.prefix_cache else None)
-        self.scheduler = Scheduler(self.policy, config.max_batch, self.stats, self.prefix_cache)
+        self.scheduler = Scheduler(self.policy, config.max_batch, self.stats, self.prefix_cache,
+                                   max_adapters=model.lora.capacity if model.lora is not None else 0)
         self.processor = LogitProcessor(model, model.vocab)
         self.speculator: Speculator | None = (make_speculator(model, page_size, self.stats)
                                               if make_speculator is not None else None)
@@ -180,14 +181,28 @@ class EngineCore:
                 r.cache_pages = cache.forked(hit, r.kv_pages)
                 r.source, r.fork_pos = hit.entry, hit.pos
                 self.stats["cached_prefill_tokens"] += hit.pos
+            self._bind_adapter(r)
             if cache is not None and not r.output_ids:
                 cache.record_query(len(r.prompt_ids), r.cached_tokens)
+
+    def _bind_adapter(self, r: Request) -> None:
+        """r's sequence reads its LoRA adapter's pool slot, the adapter written into one first where it is in none
+        (the scheduler admitted no more distinct adapters than there are slots)."""
+        pool = self.model.lora
+        if pool is None:
+            return
+        slot = None
+        if r.lora is not None:
+            slot = pool.acquire(r.lora, {q.lora_key for q in self.scheduler.running if q.lora is not None})
+        pool.bind(r.seq_id, slot)
 
     def _retire(self, r: Request, kv_len: int) -> None:
         """A request's sequence leaves the running batch with `kv_len` tokens of KV: it stays cached (with the
         prefix cache) or is removed."""
         if self.speculator is not None:
             self.speculator.release(r)
+        if self.model.lora is not None:
+            self.model.lora.bind(r.seq_id, None)
         cache = self.prefix_cache
         if cache is None:
             self.model.remove_sequence(r.seq_id)
@@ -196,7 +211,7 @@ class EngineCore:
         if extra > 0:   # a pipelined decode's wasted last step
             self.model.popn(r.seq_id, extra)
         tokens = (r.prompt_ids + r.output_ids)[:kv_len]
-        cache.insert(r.seq_id, tokens, r.kv_pages, r.source, r.fork_pos, len(r.prompt_ids))
+        cache.insert(r.seq_id, tokens, r.kv_pages, r.source, r.fork_pos, len(r.prompt_ids), r.lora_key)
         r.source, r.fork_pos, r.cache_pages = None, 0, 0
 
     def _prefill(self, plan: Plan) -> None:
@@ -246,10 +261,11 @@ class EngineCore:
                 members += self.scheduler.forked(r)
                 for f in members[1:]:
                     self.model.fork_sequence(r.seq_id, f.seq_id)
+                    self._bind_adapter(f)
                     f.prompt_logprobs = list(r.prompt_logprobs)
                     f.cached_tokens = r.cached_tokens
                     if self.prefix_cache is not None:
-                        self.prefix_cache.shared(r.prefill_ids, r.kv_pages, f.kv_pages, r.kv_len)
+                        self.prefix_cache.shared(r.prefill_ids, r.kv_pages, f.kv_pages, r.kv_len, r.lora_key)
             if r.max_new == 0:
                 for m in members:
                     m.finish_reason = "length"

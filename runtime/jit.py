@@ -63,12 +63,15 @@ def build_dir(source: Path, target: str, quant: str, tensor_parallel: int, optio
 
 
 def resolve_model(model: str | Path | None, target: str, quant: str | None, tensor_parallel: int = 1,
-                  options: CompileOptions | None = None, kv_cache_dtype: str | None = None) -> Path:
+                  options: CompileOptions | None = None, kv_cache_dtype: str | None = None,
+                  lora: tuple[int, int] | None = None) -> Path:
     """Artifacts folder for (model, target, quant, options): as given, from the JIT cache, or freshly compiled.
     model: an artifacts folder, an HF folder, a .gguf, a Hugging Face repo name (`org/name`, `org/name-GGUF:QUANT`:
     downloaded first, see mlcc.hub) or None (the bundled model). options=None: the defaults when compiling; any for
     an artifacts folder (else it must have been built with exactly these). kv_cache_dtype (None: any, "auto" when
-    compiling) overrides the options' and is checked on its own, so it may be asked for alone."""
+    compiling) overrides the options' and is checked on its own, so it may be asked for alone. lora: the
+    (max_loras, max_lora_rank) a model compiled on first use is built with (the caller checks an artifacts folder's:
+    artifact.check_lora)."""
     path = hub.resolve(model) if model is not None else default_model_path()
     if path.is_dir() and (path / artifact.CONFIG_FILE).exists():
         config = artifact.read_config(path)
@@ -90,6 +93,8 @@ def resolve_model(model: str | Path | None, target: str, quant: str | None, tens
     options = options or CompileOptions()
     if kv_cache_dtype is not None:
         options = dataclasses.replace(options, kv_cache_dtype=kv_cache_dtype)
+    if lora is not None:
+        options = dataclasses.replace(options, max_loras=lora[0], max_lora_rank=lora[1])
     out = build_dir(path, preset.name, quant, tensor_parallel, options)
     with cache_lock(out):
         if (out / artifact.CONFIG_FILE).exists():

@@ -50,6 +50,7 @@ class CallSpec:
     make_reasoner: Callable[[], Any] | None = None
     prefix: str = ""
     prefix_ids: list[int] = dataclasses.field(default_factory=list)
+    lora: Any = None   # the LoRA adapter the `model` field names (runtime.device.lora.LoraAdapter), or None
 
 
 class Call:
@@ -80,7 +81,7 @@ class Call:
             reqs.append(Request(self.ids, self.params, self.max_new, lambda e, i=i: sink(i, e),
                                 decoder, engine.tokenizer.eos_ids, rng=np.random.default_rng(seed),
                                 logit_bias=self.spec.logit_bias, top_logprobs=self.top_logprobs,
-                                prompt_top_logprobs=self.spec.prompt_top_logprobs,
+                                prompt_top_logprobs=self.spec.prompt_top_logprobs, lora=self.spec.lora,
                                 matcher=self.spec.make_matcher() if self.spec.make_matcher else None))
         reqs[0].forks = reqs[1:]
         engine.core.submit(reqs[0])

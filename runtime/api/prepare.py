@@ -96,6 +96,7 @@ def _make(engine: Any, chat: bool, fields: dict[str, Any], ids: list[int], max_t
     stream_options = fields.get("stream_options") or {}
     return Call(engine, CallSpec(
         chat, ids, params, max_new, n=fields.get("n", 1), model=fields.get("model") or engine.model_name,
+        lora=engine.adapter_for(fields.get("model")),
         include_usage=bool(stream_options.get("include_usage")), logit_bias=logit_bias, top_logprobs=top,
         prompt_top_logprobs=prompt_top,
         make_matcher=make_matcher, **kw))

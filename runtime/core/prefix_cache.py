@@ -20,6 +20,9 @@ free), which the scheduler counts as available: pages are evicted for a step onl
 A lookup walks the tree by whole pages, then extends the match token by token into the next page of the entries
 found, up to one token before the prompt's end.
 
+Keys include the LoRA adapter a sequence ran with (its load's unique key, 0 for none): each adapter has a tree of
+its own, as the same tokens give other K/V under another adapter.
+
 Models with sliding-window layers only continue sequences, never fork them (TVM's attention over a shared prefix
 block windows each block on its own, which is exact only within the window). Requests that score their prompt
 (echo with logprobs, which needs the logits of every prompt position) do not look up.
@@ -75,7 +78,7 @@ class PrefixCache:
                  forks: bool = True):
         self.page_size, self.forks = page_size, forks
         self._remove, self._free_pages = remove, free_pages
-        self._root = _Page((), None)
+        self._roots: dict[int, _Page] = {}   # one tree per LoRA adapter key (0: the base model)
         self._entries: dict[Entry, None] = {}   # LRU order: least recently used first
         self.evictable_pages = 0   # pages only cached entries hold (full pages and partly filled last pages)
         self.queries = self.hits = self.prompt_tokens = self.cached_tokens = self.evictions = 0
@@ -101,10 +104,17 @@ class PrefixCache:
         return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
 
     # -- lookup --------------------------------------------------------------------------------------------------
-    def match(self, tokens: Sequence[int]) -> Hit | None:
-        """The longest cached prefix of `tokens`, leaving at least the last token to compute; None below a page."""
+    def _root(self, adapter: int) -> _Page:
+        root = self._roots.get(adapter)
+        if root is None:
+            root = self._roots[adapter] = _Page((), None)
+        return root
+
+    def match(self, tokens: Sequence[int], adapter: int = 0) -> Hit | None:
+        """The longest prefix of `tokens` cached under LoRA adapter key `adapter`, leaving at least the last token to
+        compute; None below a page."""
         ps, limit = self.page_size, len(tokens) - 1
-        node, depth = self._root, 0
+        node, depth = self._root(adapter), 0
         while (depth + 1) * ps <= limit:
             child = node.children.get(tuple(tokens[depth * ps:(depth + 1) * ps]))
             if child is None or not child.entries:
@@ -167,9 +177,10 @@ class PrefixCache:
         held[:] = e.pages[:keep]
         return keep
 
-    def shared(self, parent_tokens: Sequence[int], parent_held: list, child_held: list, pos: int) -> None:
+    def shared(self, parent_tokens: Sequence[int], parent_held: list, child_held: list, pos: int,
+               adapter: int = 0) -> None:
         """A running sequence was forked from a running one at `pos` (n > 1): both hold the full pages below it."""
-        self._materialize(parent_tokens, parent_held, pos // self.page_size)
+        self._materialize(parent_tokens, parent_held, pos // self.page_size, adapter)
         child_held[:] = parent_held[:pos // self.page_size]
         for p in child_held:
             self._adjust(p, 1, 1)
@@ -181,7 +192,7 @@ class PrefixCache:
         held.clear()
 
     def insert(self, seq_id: int, tokens: list[int], held: list, source: Entry | None = None,
-               fork_pos: int = 0, prompt_len: int = 0) -> bool:
+               fork_pos: int = 0, prompt_len: int = 0, adapter: int = 0) -> bool:
         """A running sequence whose KV holds exactly `tokens` ends: it becomes a cached entry (True), or is removed
         when it would add nothing a lookup could use (False): shorter than a page, or nothing computed beyond the
         prefix it was forked with from `source`, whose tokens already start with all of its own."""
@@ -194,7 +205,7 @@ class PrefixCache:
             if redundant:
                 self._touch(source)
             return False
-        self._materialize(tokens, held, len(tokens) // ps)
+        self._materialize(tokens, held, len(tokens) // ps, adapter)
         e = Entry(seq_id, tokens, list(held), prompt_len)
         for p in e.pages:
             self._adjust(p, 0, -1)
@@ -205,11 +216,11 @@ class PrefixCache:
         self._entries[e] = None
         return True
 
-    def _materialize(self, tokens: Sequence[int], held: list, pages: int) -> None:
+    def _materialize(self, tokens: Sequence[int], held: list, pages: int, adapter: int) -> None:
         """Mirror pages for a running sequence's own full pages up to `pages` (it holds them alone so far)."""
         ps = self.page_size
         for i in range(len(held), pages):
-            parent = held[-1] if held else self._root
+            parent = held[-1] if held else self._root(adapter)
             page = _Page(tuple(tokens[i * ps:(i + 1) * ps]), parent)
             page.refs = page.running = 1
             if page.key not in parent.children:

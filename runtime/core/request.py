@@ -65,6 +65,8 @@ class Request:
     top_logprobs: int | None = None
     prompt_top_logprobs: int | None = None     # echo with logprobs: score the prompt too
     prompt_logprobs: list = dataclasses.field(default_factory=list)
+    # the LoRA adapter it runs with (runtime.device.lora.LoraAdapter; None: the base model)
+    lora: Any = None
     # prefix caching (runtime.core.prefix_cache): the cached prefix it is forked from when admitted (a Hit), the fork
     # position, the cached entry, the mirror pages its sequence may share with others and how many of them came
     # from the cache; the prompt tokens its first admission reused (usage); its KV length when preempted
@@ -78,6 +80,11 @@ class Request:
 
     def __post_init__(self) -> None:
         self.prefill_ids = list(self.prompt_ids)
+
+    @property
+    def lora_key(self) -> int:
+        """Its adapter's unique load key (0: none): what its KV state depends on besides the tokens."""
+        return self.lora.key if self.lora is not None else 0
 
     @property
     def reading_prompt(self) -> bool:

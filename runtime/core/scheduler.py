@@ -21,9 +21,11 @@ log = logging.getLogger(__name__)
 
 class Scheduler:
     def __init__(self, policy: Policy, max_batch: int, stats: collections.Counter | None = None,
-                 prefix_cache: PrefixCache | None = None):
+                 prefix_cache: PrefixCache | None = None, max_adapters: int = 0):
+        """max_adapters: the LoRA adapters the running batch may use at once (the device pool's slots)."""
         self.policy = policy
         self.max_batch = max_batch
+        self.max_adapters = max_adapters
         self.prefix_cache = prefix_cache
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []
@@ -100,7 +102,7 @@ class Scheduler:
                 self.stats["aborted"] += 1
             self._drop_cancelled_waiting()
             prepared: list[Request] = []
-            plan = self.policy.schedule(list(self.waiting), list(self.running), free_pages, self._free_slots,
+            plan = self.policy.schedule(self._admissible(), list(self.running), free_pages, self._free_slots,
                                         prepare=lambda admit: prepared.extend(self._match(admit)))
             for r in prepared:
                 if r not in plan.admit:   # not admitted after all: it looks up again when it is
@@ -169,13 +171,26 @@ class Scheduler:
         for r in admit:
             if r.kv_len or r.prompt_top_logprobs is not None:   # echo's prompt scoring needs every position
                 continue
-            hit = cache.match(r.prefill_ids)
+            hit = cache.match(r.prefill_ids, r.lora_key)
             if not r.output_ids:
                 r.cached_tokens = min(hit.pos, len(r.prompt_ids)) if hit else 0
             if hit is not None:
                 r.prefix_hit, r.kv_len, r.cache_pages = hit, hit.pos, hit.pos // self.policy.page_size
                 found.append(r)
         return found
+
+    def _admissible(self) -> list[Request]:
+        """The queue up to the first request whose LoRA adapter finds no slot: one beyond max_adapters distinct
+        adapters in the running batch and those admitted before it (it waits, in order, for one to finish)."""
+        used = {r.lora_key for r in self.running if r.lora is not None}
+        out = []
+        for r in self.waiting:
+            if r.lora is not None and r.lora_key not in used:
+                if len(used) >= self.max_adapters:
+                    break
+                used.add(r.lora_key)
+            out.append(r)
+        return out
 
     def _unmatch(self, r: Request) -> None:
         r.prefix_hit, r.kv_len, r.cache_pages = None, 0, 0
