@@ -312,7 +312,28 @@ def parse_completion_request(kw: dict[str, Any]) -> CompletionRequest:
     return req
 
 
-def _validate(model: type[_Request], kw: Any) -> Any:
+# -- LoRA adapters loaded and unloaded at run time (vLLM's endpoints and bodies) -----------------------------------
+
+class LoadLoraAdapterRequest(_Model):
+    lora_name: str = Field(min_length=1, max_length=256)
+    lora_path: str = Field(min_length=1)
+    load_inplace: bool = False   # replace an adapter of that name
+
+
+class UnloadLoraAdapterRequest(_Model):
+    lora_name: str = Field(min_length=1, max_length=256)
+    lora_int_id: int | None = None   # (vLLM's; the name is what selects the adapter here)
+
+
+def parse_load_lora_request(kw: Any) -> LoadLoraAdapterRequest:
+    return _validate(LoadLoraAdapterRequest, kw)
+
+
+def parse_unload_lora_request(kw: Any) -> UnloadLoraAdapterRequest:
+    return _validate(UnloadLoraAdapterRequest, kw)
+
+
+def _validate(model: type[_Model], kw: Any) -> Any:
     if not isinstance(kw, dict):
         raise RequestError(f"the request must be a JSON object, got {kind_of(kw)}", code="invalid_type")
     check_values(kw)

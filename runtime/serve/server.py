@@ -1,4 +1,5 @@
-"""OpenAI-compatible HTTP server (FastAPI): /v1/chat/completions, /v1/completions, /v1/models, /health, /metrics.
+"""OpenAI-compatible HTTP server (FastAPI): /v1/chat/completions, /v1/completions, /v1/models, /health, /metrics;
+with --allow-runtime-lora, vLLM's /v1/load_lora_adapter and /v1/unload_lora_adapter.
 
 Bodies are read and validated by runtime.api.protocol (a depth-limited JSON parser, then the request models), not by
 FastAPI, so every refusal is a 4xx in OpenAI's shape naming the field; unknown paths and wrong methods answer in
@@ -21,20 +22,24 @@ from pydantic import BaseModel
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 
-from mlcc.errors import RequestError
+from mlcc.errors import LoraAdapterError, RequestError
 from mlcc.runtime.api.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
+    LoadLoraAdapterRequest,
+    UnloadLoraAdapterRequest,
     parse_chat_request,
     parse_completion_request,
     parse_json_body,
+    parse_load_lora_request,
+    parse_unload_lora_request,
 )
 from mlcc.runtime.engine import AsyncEngine, Engine
 
 log = logging.getLogger(__name__)
 
 MAX_BODY_BYTES = 4 << 20
-_STATUS_CODES = {"request_too_large": 413, "model_not_found": 404}
+_STATUS_CODES = {"request_too_large": 413, "model_not_found": 404, "runtime_lora_disabled": 403}
 
 
 def _error(status: int, message: str, param: str | None = None, code: str | None = None,
@@ -89,7 +94,10 @@ class _Metrics:
                   registry=r).set_function(lambda: cache.evictions)
 
 
-def create_app(engine: Engine, api_key: str | None = None, served_name: str | None = None) -> FastAPI:
+def create_app(engine: Engine, api_key: str | None = None, served_name: str | None = None,
+               allow_runtime_lora: bool = False) -> FastAPI:
+    """allow_runtime_lora: answer /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's
+    VLLM_ALLOW_RUNTIME_LORA_UPDATING); the adapters given at start are served either way."""
     aengine = AsyncEngine(engine)
     name = served_name or engine.model_name
     metrics = _Metrics(engine)
@@ -151,14 +159,16 @@ def create_app(engine: Engine, api_key: str | None = None, served_name: str | No
 
     async def handle(request: Request, parse: Callable[[dict[str, Any]], BaseModel], api):
         req = parse(await read_body(request))
-        if req.model is not None and req.model != name:
-            raise RequestError(f"The model '{req.model[:200]}' does not exist; this server serves '{name}'",
-                               param="model", code="model_not_found")
+        if req.model is not None and req.model != name and req.model not in engine.lora_adapters:
+            raise RequestError(f"The model '{req.model[:200]}' does not exist; this server serves "
+                               f"{', '.join(repr(m) for m in served_models())}", param="model", code="model_not_found")
         fields = req.model_dump(exclude_unset=True, by_alias=True)
         fields.pop("model", None)
         stream = bool(fields.pop("stream", False))
         t0 = time.perf_counter()
-        result = await api.create(stream=stream, model=name, **fields)
+        # a LoRA adapter's name picks it (runtime.api.prepare), else the base model answers
+        result = await api.create(stream=stream, model=req.model if req.model in engine.lora_adapters else name,
+                                  **fields)
         if not stream:
             metrics.prompt_tokens.inc(result.usage.prompt_tokens)
             metrics.generation_tokens.inc(result.usage.completion_tokens)
@@ -200,19 +210,58 @@ def create_app(engine: Engine, api_key: str | None = None, served_name: str | No
     async def completions(request: Request):
         return await handle(request, parse_completion_request, aengine.completions)
 
-    def model_card() -> dict[str, Any]:
-        return {"id": name, "object": "model", "created": 0, "owned_by": "mlcc"}
+    def served_models() -> list[str]:
+        return [name, *engine.lora_adapters]
+
+    def model_card(model: str) -> dict[str, Any]:
+        adapter = engine.lora_adapters.get(model) if model != name else None
+        if adapter is None:
+            return {"id": name, "object": "model", "created": 0, "owned_by": "mlcc"}
+        # vLLM's card of an adapter: its folder as root, the base model as parent
+        return {"id": model, "object": "model", "created": 0, "owned_by": "mlcc", "root": str(adapter.path),
+                "parent": name}
 
     @app.get("/v1/models/{model:path}")
     async def model(model: str):
-        if model != name:
-            raise RequestError(f"The model '{model[:200]}' does not exist; this server serves '{name}'",
-                               param="model", code="model_not_found")
-        return model_card()
+        if model not in served_models():
+            raise RequestError(f"The model '{model[:200]}' does not exist; this server serves "
+                               f"{', '.join(repr(m) for m in served_models())}", param="model", code="model_not_found")
+        return model_card(model)
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [model_card()]}
+        return {"object": "list", "data": [model_card(m) for m in served_models()]}
+
+    def runtime_lora() -> None:
+        if not allow_runtime_lora:
+            raise RequestError("loading and unloading LoRA adapters at run time is off: start the server with "
+                               "--allow-runtime-lora", code="runtime_lora_disabled")
+
+    @app.post("/v1/load_lora_adapter", openapi_extra=_body_schema(LoadLoraAdapterRequest))
+    async def load_lora_adapter(request: Request):
+        runtime_lora()
+        req = parse_load_lora_request(await read_body(request))
+        if req.lora_name == name:
+            raise RequestError(f"'{name}' is the base model's name; give the adapter another", param="lora_name")
+        try:
+            if req.load_inplace and req.lora_name in engine.lora_adapters:
+                engine.unload_lora(req.lora_name)
+            await run_in_threadpool(engine.load_lora, req.lora_name, req.lora_path)
+        except LoraAdapterError as e:
+            raise RequestError(str(e), param="lora_path", code="invalid_lora_adapter") from None
+        log.info("LoRA adapter %r loaded from %s", req.lora_name, req.lora_path)
+        return PlainTextResponse(f"Success: LoRA adapter '{req.lora_name}' added successfully.")
+
+    @app.post("/v1/unload_lora_adapter", openapi_extra=_body_schema(UnloadLoraAdapterRequest))
+    async def unload_lora_adapter(request: Request):
+        runtime_lora()
+        req = parse_unload_lora_request(await read_body(request))
+        try:
+            engine.unload_lora(req.lora_name)
+        except LoraAdapterError as e:
+            raise RequestError(str(e), param="lora_name", code="model_not_found") from None
+        log.info("LoRA adapter %r unloaded", req.lora_name)
+        return PlainTextResponse(f"Success: LoRA adapter '{req.lora_name}' removed successfully.")
 
     @app.get("/health")
     async def health():

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 
 from mlcc.options import EngineConfig
 
@@ -14,6 +15,9 @@ def add_serve_parser(sub) -> None:
     s.add_argument("--port", type=int, default=8000, help="port to listen on (default: %(default)s)")
     s.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (all but /health)")
     s.add_argument("--served-model-name", default=None, help="the model name clients see (default: the model's)")
+    s.add_argument("--allow-runtime-lora", action="store_true",
+                   help="answer POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's bodies); a model "
+                        "compiled on first use is then built with LoRA")
     s.set_defaults(func=run_serve)
 
 
@@ -39,8 +43,12 @@ def run_serve(args: argparse.Namespace) -> int:
     from mlcc.runtime.serve.server import create_app
 
     check_port_free(args.host, args.port)   # before minutes of loading, not after
-    engine = Engine(args.model, config=EngineConfig.from_cli(args))
-    app = create_app(engine, api_key=args.api_key, served_name=args.served_model_name)
+    config = EngineConfig.from_cli(args)
+    if args.allow_runtime_lora and config.lora is None:
+        config = dataclasses.replace(config, lora={})   # LoRA served, the adapters loaded later
+    engine = Engine(args.model, config=config)
+    app = create_app(engine, api_key=args.api_key, served_name=args.served_model_name,
+                     allow_runtime_lora=args.allow_runtime_lora)
     try:
         uvicorn.run(app, host=args.host, port=args.port, log_level="info")
     finally:

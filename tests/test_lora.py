@@ -1,0 +1,219 @@
+"""Multi-LoRA serving: PEFT adapters on builds with an adapter pool (CompileOptions.max_loras), against peft's own
+greedy tokens (transformers with the adapter merged), alone and mixed in one batch with base requests; the prefix
+cache keyed by adapter; adapters refused in one line; the server's adapter endpoints with the `openai` client."""
+
+import queue
+
+import httpx
+import openai
+import pytest
+import torch
+from conftest import PROMPT
+from lora_support import ALL_MODULES, make_adapter, peft_greedy
+from server_support import mlcc_serve
+
+from mlcc.compiler.build import compile_model
+from mlcc.errors import ArtifactError, LoraAdapterError
+from mlcc.options import CompileOptions
+from mlcc.runtime.core.request import Request
+from mlcc.runtime.core.sampler import SamplingParams
+from mlcc.runtime.engine import Engine
+
+N = 8          # greedy tokens compared
+SLOTS = 2      # the pool's adapters: three adapters take turns in it
+RANK = 8
+
+
+@pytest.fixture(scope="module")
+def adapters(hf_models, tmp_path_factory):
+    """name → folder: a rank-4 adapter of q/v/o/down, a rank-8 rsLoRA one of every projection, a rank-2 one of
+    k/gate/up, all of the tiny llama."""
+    base, root = hf_models("llama"), tmp_path_factory.mktemp("lora")
+    return {"a1": make_adapter(base, root / "a1", 1, 4, ["q_proj", "v_proj", "o_proj", "down_proj"]),
+            "a2": make_adapter(base, root / "a2", 2, RANK, ALL_MODULES, alpha=32, rslora=True),
+            "a3": make_adapter(base, root / "a3", 3, 2, ["k_proj", "gate_proj", "up_proj"], alpha=4)}
+
+
+@pytest.fixture(scope="module")
+def lora_build(hf_models, tmp_path_factory):
+    """build(kind, quant) → an artifacts folder with a pool of SLOTS adapters of rank up to RANK."""
+    cache = {}
+
+    def build(kind: str, quant: str = "q0f32"):
+        if (kind, quant) not in cache:
+            out = tmp_path_factory.mktemp(f"lora-{kind}-{quant}") / "model"
+            compile_model(hf_models(kind), "llvm", quant, out,
+                          options=CompileOptions(max_loras=SLOTS, max_lora_rank=RANK))
+            cache[kind, quant] = out
+        return cache[kind, quant]
+
+    return build
+
+
+@pytest.fixture(scope="module")
+def engine(lora_build, adapters):
+    with Engine(lora_build("llama"), target="llvm", max_batch=8,
+                lora={name: str(path) for name, path in adapters.items()}) as e:
+        yield e
+
+
+def _hf(folder, quant: str = "q0f32"):
+    from test_parity import hf_model   # the float weights a scheme stores, dequantized
+
+    return hf_model(folder, quant)
+
+
+def _greedy(engine, runs: list[tuple[list[int], str | None]], n: int = N) -> list[list[int]]:
+    """Greedy ids of (prompt, adapter name) requests submitted together, so that they decode side by side."""
+    queues = [queue.Queue() for _ in runs]
+    for (prompt, name), q in zip(runs, queues):
+        engine.core.submit(Request(prompt, SamplingParams(temperature=0, ignore_eos=True), n, q.put, None, set(),
+                                   lora=engine.adapter_for(name)))
+    out = []
+    for q in queues:
+        ids = []
+        while (ev := q.get(timeout=120)).kind == "delta":
+            ids.append(ev.token_id)
+        assert ev.kind == "finish", ev.error
+        out.append(ids)
+    return out
+
+
+def test_each_adapter_alone_and_all_mixed_match_peft(engine, adapters, hf_models):
+    hf = _hf(hf_models("llama"))
+    want = {name: peft_greedy(hf, PROMPT, path, N) for name, path in [(None, None), *adapters.items()]}
+    assert len({tuple(v) for v in want.values()}) == 4   # the adapters change the answer
+    for name in want:
+        assert _greedy(engine, [(PROMPT, name)]) == [want[name]], name
+    # one batch of base and adapter requests: three adapters take turns in two slots, the third waits for one
+    loads = engine.model.lora.loads
+    names = [None, "a1", "a2", None, "a3", "a1"]
+    assert _greedy(engine, [(PROMPT, m) for m in names]) == [want[m] for m in names]
+    assert engine.model.lora.loads > loads
+
+
+@pytest.mark.parametrize("kind, quant", [("llama", "q4f32_1"), ("qwen3", "q0f32")])
+def test_qlora_and_another_family_match_peft(lora_build, hf_models, tmp_path, kind, quant):
+    """q4 base weights with float adapters (QLoRA: the reference merges the adapter into the dequantized weights);
+    Qwen3 (wider heads, q/k norms)."""
+    base = hf_models(kind)
+    adapters = {"x": make_adapter(base, tmp_path / "x", 4, RANK, ALL_MODULES),
+                "y": make_adapter(base, tmp_path / "y", 5, 4, ["q_proj", "v_proj", "up_proj"], alpha=8)}
+    hf = _hf(base, quant)
+    want = {name: peft_greedy(hf, PROMPT, path, N) for name, path in [(None, None), *adapters.items()]}
+    with Engine(lora_build(kind, quant), target="llvm", max_batch=4,
+                lora={k: str(v) for k, v in adapters.items()}) as e:
+        names = ["x", None, "y"]
+        assert _greedy(e, [(PROMPT, m) for m in names]) == [want[m] for m in names]
+
+
+def test_prefix_cache_keys_include_the_adapter(engine):
+    """A prompt cached under one adapter is reused by that adapter only: the base model recomputes it."""
+    prompt = list(range(40, 90))   # three pages of 16
+    kw = dict(prompt=prompt, max_tokens=4, temperature=0)
+    first = engine.completions.create(model="a2", **kw)
+    base = engine.completions.create(**kw)
+    again = engine.completions.create(model="a2", **kw)
+    assert base.usage.prompt_tokens_details.cached_tokens == 0
+    assert again.usage.prompt_tokens_details.cached_tokens >= 32
+    assert again.choices[0].text == first.choices[0].text != base.choices[0].text
+    assert first.model == "a2" and base.model == engine.model_name
+
+
+def test_bad_adapters_are_refused_in_one_line(engine, hf_models, tmp_path):
+    llama, wide = hf_models("llama"), hf_models("llama_g128")
+    cases = [
+        (make_adapter(wide, tmp_path / "wide", 6, 4, ["q_proj"]), "wrong base shapes"),
+        (make_adapter(llama, tmp_path / "head", 7, 4, ["q_proj", "lm_head"]), "cannot adapt: lm_head"),
+        (make_adapter(llama, tmp_path / "big", 8, 2 * RANK, ["q_proj"]), f"rank {2 * RANK}.*max_lora_rank {RANK}"),
+        (tmp_path / "missing", "not a folder"),
+    ]
+    for path, why in cases:
+        with pytest.raises(LoraAdapterError, match=why) as e:
+            engine.load_lora("bad", path)
+        assert "\n" not in str(e.value)
+    assert "bad" not in engine.lora_adapters
+    with pytest.raises(LoraAdapterError, match="already been loaded"):
+        engine.load_lora("a1", tmp_path / "head")
+
+
+def test_a_build_without_lora_refuses_adapters_naming_the_option(compiled, adapters):
+    with pytest.raises(ArtifactError, match="compiled without LoRA.*--option max_loras="):
+        Engine(compiled("llama", "q0f32"), target="llvm", lora={"a1": str(adapters["a1"])})
+
+
+def test_the_pool_is_reused_least_recently_used_first(engine):
+    pool = engine.model.lora
+    a1, a2, a3 = (engine.lora_adapters[n] for n in ("a1", "a2", "a3"))
+    first = pool.acquire(a1, set())
+    pool.acquire(a2, set())
+    assert pool.acquire(a1, set()) == first
+    # a3 replaces the least recently used (a2), unless a running request uses it: then a1's slot goes
+    assert pool.acquire(a3, {a1.key}) != first
+    assert pool.acquire(a2, {a3.key}) == first
+    assert set(pool.resident()) == {a2.key, a3.key}
+
+
+def test_scheduler_admits_no_more_adapters_than_slots(engine):
+    """Requests on a third adapter wait while two others run; base requests behind them wait in order too."""
+    from mlcc.runtime.core.policy import make_policy
+    from mlcc.runtime.core.scheduler import Scheduler
+
+    sched = Scheduler(make_policy("no_evict", 16, 100, 512), max_batch=8, max_adapters=2)
+    ads = [engine.lora_adapters[n] for n in ("a1", "a2", "a3")]
+    reqs = [Request([1, 2, 3], SamplingParams(), 4, lambda e: None, None, set(), lora=a)
+            for a in [ads[0], None, ads[1], ads[0], ads[2], None]]
+    for r in reqs:
+        sched.submit(r)
+    plan, _ = sched.schedule(100)
+    assert plan.admit == reqs[:4]
+
+
+# -- the server --------------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def server(lora_build, adapters, tmp_path_factory):
+    log = tmp_path_factory.mktemp("lora-srv") / "server.log"
+    with mlcc_serve(lora_build("llama"), log, "--served-model-name", "tiny", "--lora", f"a1={adapters['a1']}",
+                    "--allow-runtime-lora") as base:
+        yield base
+
+
+def test_openai_client_picks_adapters_by_model_and_the_endpoints_load_and_unload(server, engine, adapters):
+    client = openai.OpenAI(base_url=f"{server}/v1", api_key="none", max_retries=0)
+    cards = {m.id: m for m in client.models.list().data}
+    assert set(cards) == {"tiny", "a1"} and cards["a1"].parent == "tiny" and cards["a1"].root == str(adapters["a1"])
+    kw = dict(prompt=PROMPT, max_tokens=N, temperature=0)
+    for name in ("tiny", "a1"):
+        r = client.completions.create(model=name, **kw)
+        local = engine.completions.create(model=None if name == "tiny" else name, **kw)
+        assert r.model == name and r.choices[0].text == local.choices[0].text
+    with pytest.raises(openai.NotFoundError, match="a2"):
+        client.completions.create(model="a2", **kw)
+
+    r = httpx.post(f"{server}/v1/load_lora_adapter", json={"lora_name": "a2", "lora_path": str(adapters["a2"])})
+    assert r.status_code == 200 and "a2" in r.text
+    assert client.completions.create(model="a2", **kw).choices[0].text == \
+        engine.completions.create(model="a2", **kw).choices[0].text
+    r = httpx.post(f"{server}/v1/load_lora_adapter", json={"lora_name": "a2", "lora_path": str(adapters["a2"])})
+    assert r.status_code == 400 and "already been loaded" in r.json()["error"]["message"]
+    r = httpx.post(f"{server}/v1/load_lora_adapter", json={"lora_name": "bad", "lora_path": "/nonexistent"})
+    assert r.status_code == 400 and "not a folder" in r.json()["error"]["message"]
+
+    r = httpx.post(f"{server}/v1/unload_lora_adapter", json={"lora_name": "a2"})
+    assert r.status_code == 200
+    assert [m.id for m in client.models.list().data] == ["tiny", "a1"]
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="a2", **kw)
+    assert httpx.post(f"{server}/v1/unload_lora_adapter", json={"lora_name": "a2"}).status_code == 404
+
+
+def test_runtime_adapter_endpoints_are_off_without_the_flag(engine, adapters):
+    from fastapi.testclient import TestClient
+
+    from mlcc.runtime.serve.server import create_app
+
+    client = TestClient(create_app(engine))
+    r = client.post("/v1/load_lora_adapter", json={"lora_name": "z", "lora_path": str(adapters["a1"])})
+    assert r.status_code == 403 and "--allow-runtime-lora" in r.json()["error"]["message"]
+    assert "z" not in engine.lora_adapters
