@@ -16,6 +16,11 @@ e4m3 weights (e4m3_e4m3_f16) use the same layout with 16 codes per 16-byte load:
 an fp16 that reads as its value / 256 (cuda/e4m3_gemv.cuh, two codes per HFMA2, zero and subnormals exact), a load's
 16 products summed in fp16 and the row's float32 scale (times 256) applied once to its fp32 sum.
 
+int8 weights (q8f16_1) use the same layout with 16 codes per 16-byte load, two loads to a 32-code group: one PRMT
+per code pair builds 1024 + code in fp16 and one HFMA2 makes it (code - 128) / 128 (cuda/q8_gemv.cuh), so a load's
+16 products, summed in fp16, stay within 16 times the largest activation; the group's scale, times 128, is applied
+to each load's sum in fp32.
+
 float16 weights (q0f16) use the same layout with 8 values per 16-byte load, multiplied in fp32. dlight's fp16 GEMV
 already streams at 3.8-4.4 TB/s, but it waits for its predecessor before its first load; this one issues its first
 weight loads before the PDL wait (cuda_pdl), which is what the ~130 GEMV launches of an 8B step lose otherwise.
@@ -38,13 +43,14 @@ import tvm
 from mlcc.quantization import weight_scheme
 
 from . import cuda_pdl
-from .cuda_source import decodes_e4m3, q4_scheme
+from .cuda_source import decodes_e4m3, decodes_int8, q4_scheme
 from .gemv_match import GATED, GemvShape, is_unscheduled_prim_func, match_gemv
 
 log = logging.getLogger(__name__)
 
 # Device helpers (cuda/*.cuh; schedules/cuda_source adds them to the generated source)
 Q4_HELPER = "mlcc_q4x8_hfma2_s1"   # eight q4 codes against their activations, one shift per word
+Q8_HELPER = "mlcc_q8x4_hfma2"      # four int8 codes against their activations
 E4M3_HELPER = "mlcc_e4m3x4_hfma2"  # four e4m3 codes against their activations
 F16_HELPER = "mlcc_f16x2_fma"      # an fp16 pair of weights against one of activations, in fp32
 NORM_HELPER = "mlcc_h2_rms_scale"  # an fp16 pair of activations normalized
@@ -141,12 +147,19 @@ class _Layout:
         return (it * self.ksplit + ty % self.ksplit) * self.lanes + tx % self.lanes
 
 
-def _packed_accumulate(lay: _Layout, helper: str, x_per_word: int, groups: int | None = None):
+def _packed_accumulate(lay: _Layout, helper: str, x_per_word: int, groups: int | None = None,
+                       units_per_group: int = 1, code_scale: float = 1.0):
     """Packed codes, 4 words a unit: each word against its `x_per_word` words of activations through `helper`,
     summed in fp16 per row (acc), then into the row's fp32 sum (accf). q4f16_1 (`groups` scales a row): a unit is
-    one 32-code group, its scale applied here; e4m3 (16 codes a unit, as value / 256; groups None): the row's
-    scale, times 256, is applied once to the whole sum after the reduction."""
+    one 32-code group, its scale applied here; int8 likewise, a group being `units_per_group` units and the helper's
+    codes 1 / `code_scale` of their value; e4m3 (16 codes a unit, as value / 256; groups None): the row's scale,
+    times 256, is applied once to the whole sum after the reduction."""
     from tvm.script import tirx as T
+
+    def scale(sf, bx, ty, tx, r, it):
+        s = T.Cast("float32", sf[lay.wrow_of(bx, ty, tx, r) * groups + lay.unit_of(it, ty, tx) // units_per_group]
+                   if units_per_group > 1 else sf[lay.wrow_of(bx, ty, tx, r) * groups + lay.unit_of(it, ty, tx)])
+        return s * T.float32(code_scale) if code_scale != 1.0 else s
 
     @T.macro
     def accumulate(sf, wl, xl, accf, acc, bx, ty, tx, it):
@@ -163,8 +176,7 @@ def _packed_accumulate(lay: _Layout, helper: str, x_per_word: int, groups: int |
             if groups is None:
                 accf[r] = accf[r] + T.call_pure_extern("float32", "mlcc_h2_sum", acc[r])
             elif lay.row_of(bx, ty, tx, r % lay.rows) < lay.n:
-                accf[r] = accf[r] + T.call_pure_extern("float32", "mlcc_h2_sum", acc[r]) * \
-                    T.Cast("float32", sf[lay.wrow_of(bx, ty, tx, r) * groups + lay.unit_of(it, ty, tx)])
+                accf[r] = accf[r] + T.call_pure_extern("float32", "mlcc_h2_sum", acc[r]) * scale(sf, bx, ty, tx, r, it)
 
     return accumulate
 
@@ -250,17 +262,19 @@ def make_gemv(shape: GemvShape, pdl: bool = False) -> tvm.tirx.PrimFunc:
 
     lay = _Layout.of(shape)
     n, k, epi = shape.n, shape.k, shape.epilogue
-    # (a scheme's sizes are those q4_gemv.cuh / e4m3_gemv.cuh are compiled for: q4_scheme refuses any other)
+    # (a scheme's sizes are those q4_gemv.cuh / q8_gemv.cuh / e4m3_gemv.cuh are compiled for: q4_scheme refuses
+    # any other)
     q = weight_scheme(shape.weights)
-    e4m3 = decodes_e4m3(q)
-    q = q if e4m3 or q is None else q4_scheme(shape.weights)
-    q4 = q is not None and not e4m3
+    e4m3, int8 = decodes_e4m3(q), decodes_int8(q)
+    q = q if e4m3 or int8 or q is None else q4_scheme(shape.weights)
+    q4 = q is not None and not e4m3 and not int8
+    grouped = q4 or int8   # one scale per 32 codes
     swiglu, add = epi in GATED, epi == "add"
     act = _silu_times if epi == "swiglu" else _gelu_tanh_times
     n_w, units, rows, rows_w, lanes, ksplit = shape.weight_rows, lay.units, lay.rows, lay.rows_w, lay.lanes, lay.ksplit
     warps, slots, iters = lay.warps, lay.slots, lay.iters
     x_words = shape.unit // 2  # 32-bit words of x per unit
-    groups = k // q.group_size if q4 else 1   # scales per weight row
+    groups = k // q.group_size if grouped else 1   # scales per weight row
     norm = shape.norm_eps is not None
     eps = float(shape.norm_eps or 0.0)
     # The RMSNorm prologue differs by weight format. float16 weights multiply in fp32, so they take x * g
@@ -269,16 +283,17 @@ def make_gemv(shape: GemvShape, pdl: bool = False) -> tvm.tirx.PrimFunc:
     # projection at 3.1 TB/s on an H200). The q4 kernel sums fp16 products of 32 codes, which un-normalized
     # activations (the residual stream reaches the thousands) could overflow: its blocks normalize x once into
     # shared memory ("staged"; normalizing per warp, 4 rows each, cost more than the ALU-bound kernel had to spare).
-    # e4m3 sums fp16 products too: staged.
+    # e4m3 and int8 sum fp16 products too: staged.
     defer = norm and q is None
     staged = norm and q is not None
     n_acc = rows_w + defer  # the accumulators a thread reduces: its rows [, the sum of x²]
     stage_words = -(-(k // 2) // (warps * 32)) if staged else 1  # 32-bit words of x a thread stages
     accumulate = _packed_accumulate(lay, Q4_HELPER, 4, groups) if q4 else \
+        _packed_accumulate(lay, Q8_HELPER, 2, groups, q.group_size // shape.unit, 128.0) if int8 else \
         _packed_accumulate(lay, E4M3_HELPER, 2) if e4m3 else _f16_accumulate(lay)
     stage_normalized_x = _stage_normalized_x(k, eps, warps, stage_words) if staged else None
-    # the weights a thread loads past the last row: every code max_int (zero), or 0
-    out_of_range = sum(q.max_int << (i * q.bits) for i in range(q.per_word)) if q4 else 0
+    # the weights a thread loads past the last row: every code zero_code (zero), or 0
+    out_of_range = sum(q.zero_code << (i * q.bits) for i in range(q.per_word)) if grouped else 0
     row_of, wrow_of, unit_of = lay.row_of, lay.wrow_of, lay.unit_of
     out_dtype = shape.out_dtype
     w_shape, w_dtype = ((n_w, k // q.per_word), q.storage_dtype) if q is not None else ((n_w, k), "float16")

@@ -14,9 +14,9 @@ from mlcc.quantization import QUANTIZATIONS, Quantization, weight_scheme
 
 _DEFINED = re.compile(r"__device__\s+__forceinline__\s+[\w\s*]+?\b(\w+)\s*\(")
 
-# In dependency order: a group may call the groups listed before it (moe_gemv calls q4_gemv's).
-HELPER_FILES = ("q4_gemv.cuh", "q4_gemv_tokens.cuh", "e4m3_gemv.cuh", "f16_gemv.cuh", "rms_norm.cuh", "pdl.cuh", "tc_gemm.cuh",
-                "flash_prefill.cuh", "moe_gemv.cuh")
+# In dependency order: a group may call the groups listed before it (moe_gemv and q8_gemv call q4_gemv's).
+HELPER_FILES = ("q4_gemv.cuh", "q4_gemv_tokens.cuh", "q8_gemv.cuh", "e4m3_gemv.cuh", "f16_gemv.cuh", "rms_norm.cuh",
+                "pdl.cuh", "tc_gemm.cuh", "flash_prefill.cuh", "moe_gemv.cuh")
 HELPER_DIR = Path(__file__).with_name("cuda")
 # Each group is added whole where the code, or another group added, calls any function it defines.
 HELPER_GROUPS = tuple((HELPER_DIR / name).read_text() for name in HELPER_FILES)
@@ -28,6 +28,13 @@ def decodes_q4(q: Quantization | None) -> bool:
     row); those sizes are compiled into the helpers."""
     return q is not None and (q.kind, q.bits, q.storage_dtype, q.group_size, q.scale_dtype, q.symmetric,
                               q.zero_code) == ("group", 4, "uint32", 32, "float16", True, 7)
+
+
+def decodes_int8(q: Quantization | None) -> bool:
+    """Whether the int8 device code (q8_gemv.cuh) decodes scheme `q`: symmetric 8-bit codes stored + 128, 4 a uint32
+    word low byte first, one float16 scale per 32 codes (two 16-byte loads of a row), float16 activations."""
+    return q is not None and (q.kind, q.bits, q.storage_dtype, q.group_size, q.scale_dtype, q.model_dtype,
+                              q.symmetric, q.zero_code) == ("group", 8, "uint32", 32, "float16", "float16", True, 128)
 
 
 def decodes_e4m3(q: Quantization | None) -> bool:

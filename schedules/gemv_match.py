@@ -14,7 +14,7 @@ import tvm
 
 from mlcc.quantization import TAG, Quantization, weight_scheme
 
-from .cuda_source import decodes_e4m3, decodes_q4
+from .cuda_source import decodes_e4m3, decodes_int8, decodes_q4
 
 GATED = ("swiglu", "geglu")  # silu / tanh-approximated GELU of the gate half, times the up half
 
@@ -26,7 +26,7 @@ class GemvShape:
     epilogue: str          # "none" | "add" | "cast" | "swiglu" | "geglu" (GATED: act(gate rows) * up rows)
     residual_shape: tuple[int, ...] = ()
     out_dtype: str = "float16"
-    weights: str = "q4f16_1"  # a scheme CUDA's q4 or e4m3 code decodes (cuda_source.decodes_*), or "float16"
+    weights: str = "q4f16_1"  # a scheme CUDA's q4, int8 or e4m3 code decodes (cuda_source.decodes_*), or "float16"
     norm_eps: float | None = None  # RMSNorm prologue: x is the un-normalized input, with the norm weight after it
 
     @property
@@ -72,7 +72,7 @@ def is_unscheduled_prim_func(func) -> bool:
 
 
 def match_gemv(func) -> GemvShape | None:
-    """The shape of a batch-1 decode projection PrimFunc — dequantize→matmul in a scheme CUDA's q4 or e4m3 code
+    """The shape of a batch-1 decode projection PrimFunc — dequantize→matmul in a scheme CUDA's q4, int8 or e4m3 code
     decodes, or float16 NT_matmul, [→add|cast] — or None if it is anything else."""
     blocks = _blocks(func)
     if blocks is None:
@@ -81,7 +81,7 @@ def match_gemv(func) -> GemvShape | None:
     if {"dequantize", "matmul"} <= set(blocks):
         deq, mm = blocks["dequantize"], blocks["matmul"]
         q = tagged_scheme(func, deq)
-        if not (decodes_q4(q) or decodes_e4m3(q)):
+        if not (decodes_q4(q) or decodes_int8(q) or decodes_e4m3(q)):
             return None
         core, weights = {"dequantize", "matmul"}, q.name
         if len(deq.reads) != 2 or len(mm.reads) != 2:

@@ -13,7 +13,7 @@ from mlcc.compiler.weights import load_source
 from mlcc.options import CompileOptions
 from mlcc.schedules import cuda_decode_attention as cda
 from mlcc.schedules import cuda_pdl
-from mlcc.schedules.cuda_gemv import E4M3_HELPER, F16_HELPER, Q4_HELPER, decode_gemv_pass, launch_config
+from mlcc.schedules.cuda_gemv import E4M3_HELPER, F16_HELPER, Q4_HELPER, Q8_HELPER, decode_gemv_pass, launch_config
 from mlcc.schedules.cuda_source import add_cuda_helpers
 from mlcc.schedules.gemv_match import GemvShape, match_gemv
 from mlcc.targets import get_target
@@ -97,6 +97,30 @@ def test_e4m3_helper_bit_moves_give_every_code_over_256():
     want = b.astype(np.uint8).view(ml_dtypes.float8_e4m3fn).astype(np.float32)
     finite = ~np.isnan(want)
     np.testing.assert_array_equal(h[finite], want[finite])
+
+
+def test_int8_decode_projections_and_the_lm_head_get_the_int8_kernel(hf_models):
+    _, mod = _fused(hf_models, quant="q8f16_1")
+    matched = [s for s in map(match_gemv, _prim_funcs(mod).values()) if s is not None]
+    assert {(s.n, s.k, s.epilogue) for s in matched} == DECODE_PROJECTIONS
+    assert {s.weights for s in matched} == {"q8f16_1"}   # the LM head is int8 too
+    with get_target("cuda").tvm_target():
+        after = decode_gemv_pass(pdl=True)(mod)
+    ours = [f for f in _prim_funcs(after).values() if Q8_HELPER in f.script()]
+    assert len(ours) == len(matched) and not [f for f in ours if Q4_HELPER in f.script()]
+
+
+def test_int8_helper_decode_gives_every_code_over_128():
+    """q8_gemv.cuh's decode, replayed in numpy on every byte in both positions of a half pair: PRMT under a 0x64
+    byte (1024 + code in fp16), then x 1/128 - 9 in fp16, is (code - 128) / 128 exactly."""
+    import numpy as np
+
+    b = np.arange(256, dtype=np.uint16)
+    h = (0x6400 | b).view(np.float16)
+    assert (h.astype(np.float32) == 1024 + b).all()
+    got = h * np.float16(1 / 128) + np.float16(-9)   # (both steps exact in fp16: no rounding to reorder)
+    np.testing.assert_array_equal(got.astype(np.float32), (b.astype(np.float32) - 128) / 128)
+    assert np.float16(1 / 128).view(np.uint16) == 0x2000 and np.float16(-9).view(np.uint16) == 0xC880
 
 
 def test_qwen2_qkv_bias_is_fused_as_an_add_epilogue(hf_models):
@@ -441,7 +465,7 @@ GEMV_CASES = [
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("pdl", [False, True])
-@pytest.mark.parametrize("weights", ["q4f16_1", "e4m3_e4m3_f16", "float16"])
+@pytest.mark.parametrize("weights", ["q4f16_1", "q8f16_1", "e4m3_e4m3_f16", "float16"])
 @pytest.mark.parametrize("n,k,epilogue,norm", GEMV_CASES)
 def test_gemv_kernel_matches_numpy_on_the_gpu(n, k, epilogue, norm, weights, pdl):
     import numpy as np

@@ -15,7 +15,7 @@ import pytest
 import tvm
 
 from mlcc.schedules.cuda_decode_attention import make_split_decode
-from mlcc.schedules.cuda_gemv import E4M3_HELPER, F16_HELPER, Q4_HELPER, make_gemv
+from mlcc.schedules.cuda_gemv import E4M3_HELPER, F16_HELPER, Q4_HELPER, Q8_HELPER, make_gemv
 from mlcc.schedules.cuda_source import add_cuda_helpers
 from mlcc.schedules.gemv_match import GemvShape
 from mlcc.targets import get_target
@@ -100,7 +100,7 @@ def test_nvrtc_reports_a_broken_kernel(nvrtc):
         nvrtc('extern "C" __global__ void k(float* p) { p[0] = undefined_name; }')
 
 
-@pytest.mark.parametrize("quant", ["q4f16_1", "q0f16", "e4m3_e4m3_f16"])
+@pytest.mark.parametrize("quant", ["q4f16_1", "q0f16", "e4m3_e4m3_f16", "q8f16_1"])
 def test_cuda_library_source_carries_the_helpers_and_compiles(hf_models, tmp_path, nvrtc, quant):
     """The whole CUDA source of a tiny model's default library (every kernel of every function) compiles for
     sm_90."""
@@ -114,7 +114,7 @@ def test_cuda_library_source_carries_the_helpers_and_compiles(hf_models, tmp_pat
     called = set(re.findall(r"\b(mlcc_\w+)\(", src)) - set(_kernels(src))   # (kernels named mlcc_*: launched)
     defined = re.findall(r"__device__ __forceinline__ [\w ]+?\b(mlcc_\w+)\(", src)
     assert called <= set(defined) and len(defined) == len(set(defined)), called - set(defined)
-    helper = {"q4f16_1": Q4_HELPER, "q0f16": F16_HELPER, "e4m3_e4m3_f16": E4M3_HELPER}[quant]
+    helper = {"q4f16_1": Q4_HELPER, "q0f16": F16_HELPER, "e4m3_e4m3_f16": E4M3_HELPER, "q8f16_1": Q8_HELPER}[quant]
     assert src.count(f"{helper}(") > 10                                 # the decode GEMVs call it
     assert "argmax_partial_kernel" in src and "part_md" in src          # GPU argmax, split-KV decode attention
     assert "apply_bitmask_tir_kernel" in src and "topk_chunk_next_kernel" in src  # the logit functions
@@ -129,14 +129,14 @@ GEMV_SHAPES = [(4096, 4096, "add"), (1000, 896, "none"), (320, 64, "cast"), (486
 
 @pytest.mark.parametrize("preset", ["cuda", "cuda-sm80"])
 def test_every_gemv_and_decode_attention_variant_compiles(nvrtc, preset):
-    """make_gemv for both weight formats, every epilogue, with and without the RMSNorm prologue, with the PDL wait
+    """make_gemv for every weight format, every epilogue, with and without the RMSNorm prologue, with the PDL wait
     on sm_90 and without it on sm_80; the split-KV decode attention with the automatic and explicit splits / tokens
     in flight. One module, one NVRTC run per GPU generation."""
     target = get_target(preset).tvm_target()
     pdl = preset == "cuda"  # griddepcontrol needs sm_90
     funcs = {}
-    for (n, k, epi), weights, norm in itertools.product(GEMV_SHAPES, ["q4f16_1", "e4m3_e4m3_f16", "float16"],
-                                                         [False, True]):
+    for (n, k, epi), weights, norm in itertools.product(GEMV_SHAPES, ["q4f16_1", "q8f16_1", "e4m3_e4m3_f16",
+                                                                       "float16"], [False, True]):
         shape = GemvShape(n, k, epi, (1, 1, n) if epi == "add" else (), "float32" if epi == "cast" else "float16",
                           weights, 1e-5 if norm else None)
         funcs[f"gemv_{n}_{k}_{epi}_{weights[:4]}_{int(norm)}"] = make_gemv(shape, pdl=pdl)
