@@ -13,7 +13,7 @@ from typing import Any, Callable
 
 from mlcc.errors import UnknownArchitectureError
 
-from . import gemma, gemma2, gemma3, gpt_oss, granite, llama, mixtral, olmo2, phi3, qwen2, qwen2_moe, qwen3, qwen3_moe
+from . import deepseek, gemma, gemma2, gemma3, gpt_oss, granite, llama, mixtral, olmo2, phi3, qwen2, qwen2_moe, qwen3, qwen3_moe
 from .blocks import DecoderConfig, DecoderForCausalLM
 from .weight_plans import check_tensor_parallel, shard_weight
 
@@ -50,7 +50,7 @@ class Family:
 _FAMILIES = {m.__name__.rsplit(".", 1)[1]: Family(m.__name__.rsplit(".", 1)[1], m,
                                                   getattr(m, "MODEL_CLS", DecoderForCausalLM))
              for m in (llama, qwen2, qwen3, gemma, gemma2, gemma3, phi3, olmo2, granite, mixtral, qwen2_moe,
-                       qwen3_moe, gpt_oss)}
+                       qwen3_moe, gpt_oss, deepseek)}
 
 # HF model_type → family
 ARCHITECTURES: dict[str, Family] = {
@@ -70,6 +70,8 @@ ARCHITECTURES: dict[str, Family] = {
     "qwen2_moe": _FAMILIES["qwen2_moe"],
     "qwen3_moe": _FAMILIES["qwen3_moe"],
     "gpt_oss": _FAMILIES["gpt_oss"],
+    "deepseek_v2": _FAMILIES["deepseek"],
+    "deepseek_v3": _FAMILIES["deepseek"],
 }
 
 # GGUF general.architecture → family

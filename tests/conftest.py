@@ -71,6 +71,20 @@ FAMILY_CONFIGS = {
         rope_parameters={
             "rope_type": "yarn", "rope_theta": 150000.0, "factor": 8.0, "beta_fast": 32.0, "beta_slow": 1.0,
             "truncate": False, "original_max_position_embeddings": 64})),
+    # DeepSeek: latent attention (q through its own low rank on V3), a dense first layer, shared experts, routing
+    # among the best groups (V3: sigmoid scores with the correction bias; V2: softmax), YaRN with mscale on V3
+    "deepseek_v3": ("DeepseekV3ForCausalLM", dict(
+        num_hidden_layers=3, num_key_value_heads=4, q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16,
+        qk_rope_head_dim=8, v_head_dim=16, n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+        n_shared_experts=1, first_k_dense_replace=1, n_group=4, topk_group=2, routed_scaling_factor=2.5,
+        norm_topk_prob=True, initializer_range=0.1, tie_word_embeddings=False, rope_parameters={
+            "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 128,
+            "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 0.707, "mscale_all_dim": 0.707})),
+    "deepseek_v2": ("DeepseekV2ForCausalLM", dict(
+        num_hidden_layers=2, num_key_value_heads=4, q_lora_rank=None, kv_lora_rank=32, qk_nope_head_dim=16,
+        qk_rope_head_dim=8, v_head_dim=16, n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+        n_shared_experts=2, first_k_dense_replace=0, n_group=4, topk_group=2, topk_method="group_limited_greedy",
+        routed_scaling_factor=1.5, initializer_range=0.1, tie_word_embeddings=False)),
     # every layer sparse, as llama.cpp's qwen2moe files are (the GGUF test)
     "qwen2_moe_sparse": ("Qwen2MoeForCausalLM", dict(
         num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=64,
@@ -120,6 +134,9 @@ def make_hf_model(kind: str, folder: Path, seed: int = 0) -> Path:
                 p.copy_(torch.randn_like(p))
             if name.endswith(("mlp.gate.weight", "mlp.router.weight")):  # MoE routers: decisive choices
                 p.mul_(10.0)
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # (DeepSeek-V3's: zeros unless set)
+                b.copy_(0.1 * torch.randn_like(b))
     model.eval().save_pretrained(folder)
     write_tokenizer(folder)
     return folder
