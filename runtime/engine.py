@@ -23,7 +23,7 @@ from mlcc.runtime.api.call import Call
 from mlcc.runtime.core.request import Event, Request
 from mlcc.runtime.core.sampler import Sampler
 from mlcc.runtime.device.lora import LoraAdapter, adapter_rank, read_adapter
-from mlcc.runtime.engine_core import EngineCore
+from mlcc.runtime.engine_core import EngineCore, GenerationError
 from mlcc.runtime.spec.spec_config import parse_speculative_config
 from mlcc.runtime.spec.speculative import Speculator
 
@@ -289,7 +289,7 @@ def _lora_build(cfg: EngineConfig) -> tuple[int, int]:
 def _finished(ev: Event) -> bool:
     """Whether this event ends its sample; a failed step surfaces here as an exception to the caller."""
     if ev.kind == "error":
-        raise RuntimeError(f"generation failed: {ev.error}") from ev.error
+        raise GenerationError(f"generation failed: {type(ev.error).__name__}: {ev.error}") from ev.error
     return ev.kind == "finish"
 
 

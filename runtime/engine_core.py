@@ -36,6 +36,10 @@ from mlcc.runtime.spec.speculative import Speculator
 log = logging.getLogger(__name__)
 
 
+class GenerationError(RuntimeError):
+    """A request ended because an engine step failed (its message names the cause)."""
+
+
 class EngineCore:
     """Runs on the settings of `config` (mlcc.options.EngineConfig, resolved by the Engine: kv_cache_tokens and
     prefill_chunk set): max_batch, kv_cache_tokens, prefill_chunk, page_size, policy, prefix_cache and pipeline —
@@ -56,6 +60,7 @@ class EngineCore:
         prefill_chunk = min(config.prefill_chunk, config.kv_cache_tokens)
         model.create_kv_cache(config.max_batch, config.kv_cache_tokens, prefill_chunk, page_size)
         self.total_pages = model.free_pages()
+        self.failure: Exception | None = None   # what a failed step raised; the engine then serves nothing more
         self.policy = make_policy(config.policy, page_size, self.total_pages, prefill_chunk)
         self.stats: collections.Counter = collections.Counter()
         self.prefix_cache = (PrefixCache(page_size, model.remove_sequence, model.free_pages, forks=prefix_forks)
@@ -82,6 +87,9 @@ class EngineCore:
                 "max_tokens, or give the engine more KV memory")
 
     def submit(self, req: Request) -> None:
+        if self.failure is not None:
+            raise GenerationError(f"the engine failed ({type(self.failure).__name__}: {self.failure}) and serves no "
+                                  "more requests; restart it")
         self.scheduler.submit(req)
 
     def abort(self, req: Request) -> None:
@@ -116,8 +124,11 @@ class EngineCore:
         while self.scheduler.wait_for_work():
             try:
                 self.step()
-            except Exception as e:  # noqa: BLE001 - fail the batch, keep the engine alive
+            except Exception as e:  # noqa: BLE001 - fail every request; the server reports the failure
                 log.exception("engine step failed")
+                # the device may be left in any state (a CUDA fault poisons the context): serve nothing more, so
+                # that the server reports unhealthy and gets restarted rather than failing request after request
+                self.failure = e
                 for r in self.scheduler.fail_all():
                     try:
                         if r.seq_id >= 0:

@@ -149,11 +149,12 @@ class Scheduler:
                 self._release(r)
 
     def fail_all(self) -> list[Request]:
-        """A step failed: every running request (and the forks they carry) ends; returns them."""
+        """A step failed: every running and waiting request (and the forks they carry) ends; returns them."""
         with self._cv:
-            failed = [q for r in list(self.running) for q in r.group()]
+            failed = [q for r in [*self.running, *self.waiting] for q in r.group()]
             for r in list(self.running):
                 self._release(r)
+            self.waiting.clear()
             return failed
 
     def _release(self, r: Request) -> None:
