@@ -217,3 +217,46 @@ def test_runtime_adapter_endpoints_are_off_without_the_flag(engine, adapters):
     r = client.post("/v1/load_lora_adapter", json={"lora_name": "z", "lora_path": str(adapters["a1"])})
     assert r.status_code == 403 and "--allow-runtime-lora" in r.json()["error"]["message"]
     assert "z" not in engine.lora_adapters
+
+
+@pytest.mark.parametrize("target, tp, why", [("webgpu", 1, "web engine serves no LoRA"),
+                                             ("cuda", 2, "not served with --tensor-parallel")])
+def test_builds_that_cannot_serve_adapters_refuse_the_option(hf_models, target, tp, why):
+    from mlcc.compiler.build import export_module
+    from mlcc.compiler.quantize import get_quantization
+    from mlcc.compiler.weights import load_source
+    from mlcc.errors import UnsupportedConfigError
+    from mlcc.targets import get_target
+
+    with pytest.raises(UnsupportedConfigError, match=why):
+        export_module(load_source(hf_models("llama")), get_target(target), get_quantization("q4f16_1"),
+                      tensor_parallel=tp, options=CompileOptions(max_loras=2))
+
+
+def test_lora_flags_parse_into_the_engine_config():
+    import argparse
+
+    from mlcc.errors import EngineConfigError
+    from mlcc.options import EngineConfig
+
+    parser = argparse.ArgumentParser()
+    EngineConfig.add_cli_arguments(parser, max_batch=8)
+    cfg = EngineConfig.from_cli(parser.parse_args(["m", "--lora", "sql=/a/sql", "--lora", "chat=/a/chat",
+                                                   "--max-loras", "3", "--max-lora-rank", "32"]))
+    assert cfg.lora == {"sql": "/a/sql", "chat": "/a/chat"} and (cfg.max_loras, cfg.max_lora_rank) == (3, 32)
+    assert EngineConfig.from_cli(parser.parse_args(["m"])).lora is None
+    with pytest.raises(EngineConfigError, match="NAME=PATH"):
+        EngineConfig.from_cli(parser.parse_args(["m", "--lora", "/a/sql"]))
+
+
+def test_chat_answers_with_the_lora_adapter(lora_build, adapters, engine, capsys):
+    from mlcc.options import EngineConfig
+    from mlcc.runtime.serve.chat_cli import run_chat
+
+    config = EngineConfig(target="llvm", max_batch=1, lora={"a2": str(adapters["a2"])})
+    assert run_chat(str(lora_build("llama")), config, prompt="Hello", max_tokens=N,
+                    sampling={"temperature": 0.0}) == 0
+    out = capsys.readouterr()
+    want = engine.chat.completions.create(model="a2", messages=[{"role": "user", "content": "Hello"}],
+                                          max_tokens=N, temperature=0).choices[0].message.content
+    assert "with LoRA adapter a2" in out.err and out.out == want + "\n"

@@ -26,11 +26,14 @@ def sampling_for(engine: Engine, given: dict[str, float | None]) -> dict[str, fl
 def run_chat(model: str | None, config: EngineConfig | None = None, prompt: str | None = None,
              max_tokens: int = 256, sampling: dict[str, float | None] | None = None) -> int:
     """config: the engine's settings (mlcc.options.EngineConfig; default: batch 1); sampling: temperature, top_p,
-    top_k, repetition_penalty as given on the command line (None: not given; see sampling_for)."""
+    top_k, repetition_penalty as given on the command line (None: not given; see sampling_for). With LoRA adapters
+    (config.lora) it answers with the first."""
     t0 = time.time()
     engine = Engine(model, config=config or EngineConfig(max_batch=1))
     params = sampling_for(engine, sampling or {})
-    print(f"[{engine.model_name} on {engine.model.config['target']}, ready in {time.time() - t0:.1f}s; sampling "
+    adapter = next(iter(engine.config.lora or {}), None)
+    print(f"[{engine.model_name}{f' with LoRA adapter {adapter}' if adapter else ''} on "
+          f"{engine.model.config['target']}, ready in {time.time() - t0:.1f}s; sampling "
           f"{', '.join(f'{k} {v}' for k, v in params.items())}]", file=sys.stderr)
     history: list[dict[str, str]] = []
     try:
@@ -51,7 +54,8 @@ def run_chat(model: str | None, config: EngineConfig | None = None, prompt: str 
                     continue
             history.append({"role": "user", "content": text})
             answer, t1, n, finish = "", time.time(), 0, None
-            for chunk in engine.chat.completions.create(messages=history, stream=True, max_tokens=max_tokens,
+            for chunk in engine.chat.completions.create(messages=history, model=adapter, stream=True,
+                                                        max_tokens=max_tokens,
                                                         stream_options={"include_usage": True}, **params):
                 if chunk.choices and chunk.choices[0].finish_reason:
                     finish = chunk.choices[0].finish_reason
