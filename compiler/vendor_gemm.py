@@ -11,7 +11,10 @@ Group-quantized projections with float16/bfloat16 scales (q4f16_1) take cuBLASLt
 their weights are first decoded into a scratch float16 [n, k] tensor (a third output of the call_tir, so the
 memory planner gives every projection's scratch one shared allocation), then multiplied. The decode costs a pass
 over the packed weights and a write of the float16 ones per call, which many tokens amortize; below the threshold
-the q4 tensor-core GEMM, which reads the packed weights once, stays faster.
+the q4 tensor-core GEMM, which reads the packed weights once, stays faster. int8 projections (q8f16_1) have no
+GEMM of mlcc's own (below the threshold they would get dlight's generic dequantize-matmul), so they take the same
+scratch and cuBLASLt over more than MIN_TOKENS tokens, like float16 weights (not yet measured against dlight on a
+GPU).
 
 float8 projections (e4m3_e4m3_f16) take cuBLASLt's FP8 GEMM over more than MIN_TOKENS tokens on sm_90+: a kernel
 quantizes the activations per token (schedules/cuda_token_quantize.py) into two more outputs of the call_tir (e4m3
@@ -59,7 +62,7 @@ def _match(func, q4: bool, fp8: bool = False) -> tuple[int, int, tuple, str, str
             continue
         n, k, x_shape, weights, epilogue = found
         scheme = weight_scheme(weights)
-        if scheme is not None and not (q4 and scheme.kind == "group" and scheme.symmetric) \
+        if scheme is not None and not ((q4 or scheme.bits == 8) and scheme.kind == "group" and scheme.symmetric) \
                 and not (fp8 and takes_fp8(scheme) and k % 16 == 0):
             continue
         # 16-byte aligned rows: what cuBLASLt's fast kernels need
@@ -128,8 +131,9 @@ def make_dispatch(func: tirx.PrimFunc, kernel: str, epilogue: str, x_shape: tupl
 def vendor_gemm_pass(min_tokens: int = MIN_TOKENS, q4_min_tokens: int = 0, fp8: bool = False
                      ) -> tvm.transform.Pass:
     """Every matched projection behind a token-count dispatch to cuBLASLt (after FuseTIR, before mlcc's kernels):
-    float16/bfloat16 weights over more than `min_tokens` tokens, group-quantized ones over more than
-    `q4_min_tokens` (0: never), and with `fp8` (sm_90+) float8 ones over more than `min_tokens`."""
+    float16/bfloat16 weights over more than `min_tokens` tokens, 4-bit group-quantized ones over more than
+    `q4_min_tokens` (0: never), int8 ones over more than `min_tokens`, and with `fp8` (sm_90+) float8 ones over
+    more than `min_tokens`."""
 
     @tvm.transform.module_pass(opt_level=0, name="mlcc_cuda_vendor_gemm")
     def _pass(mod: tvm.ir.IRModule, _ctx) -> tvm.ir.IRModule:
@@ -166,7 +170,7 @@ def vendor_gemm_pass(min_tokens: int = MIN_TOKENS, q4_min_tokens: int = 0, fp8: 
             dispatch = f"{name}_cublaslt"
             rewriter.replaced[name] = rewriter.builder_.add_func(
                 make_dispatch(func, kernel, epilogue, x_shape,
-                              q4_min_tokens if scheme is not None and scheme.kind == "group" else min_tokens,
+                              _scratch_tokens(scheme, min_tokens, q4_min_tokens),
                               {**attrs, "global_symbol": dispatch}, dequantize, quantize),
                 dispatch)
         if not rewriter.replaced:
@@ -179,6 +183,12 @@ def vendor_gemm_pass(min_tokens: int = MIN_TOKENS, q4_min_tokens: int = 0, fp8: 
         return out
 
     return _pass
+
+
+def _scratch_tokens(scheme: Quantization | None, min_tokens: int, q4_min_tokens: int) -> int:
+    """The token count over which a projection of `scheme` takes cuBLASLt: 4-bit groups keep mlcc's q4 GEMM up to
+    `q4_min_tokens`; int8 groups, float16 and float8 weights go over `min_tokens`."""
+    return q4_min_tokens if scheme is not None and scheme.kind == "group" and scheme.bits == 4 else min_tokens
 
 
 def _remove(mod: tvm.ir.IRModule, name: str) -> tvm.ir.IRModule:

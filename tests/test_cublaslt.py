@@ -1,7 +1,7 @@
 """cuBLASLt projections (CompileOptions.vendor_gemm): the shim builds with g++ against pip's CUDA packages and
 registers its global functions (loading libcublasLt needs no GPU); a CUDA build of the tiny llama calls it for its
 float16 projections over many tokens and keeps the old kernels for few tokens; q4f16_1 projections over more tokens
-decode their weights into a scratch first; e4m3_e4m3_f16 projections quantize their activations per token and take
+(and q8f16_1 ones over more than 16) decode their weights into a scratch first; e4m3_e4m3_f16 projections quantize their activations per token and take
 the FP8 GEMM (sm_90 only); with the option off or the shim unavailable the build is what it was. The shim's numerics
 on a GPU are marked gpu."""
 
@@ -95,6 +95,21 @@ def test_q4_projections_over_many_tokens_decode_into_a_scratch_then_call_cublasl
     # off: the q4 tensor-core GEMM at every size, as before
     off = _kernels(hf_models, "q4f16_1", CompileOptions(vendor_gemm_q4_tokens=0))
     assert not [gv for gv in off.functions if "cublaslt" in gv.name_hint or "dequantize_q4" in gv.name_hint]
+
+
+def test_int8_projections_over_16_tokens_decode_into_a_scratch_then_call_cublaslt(hf_models):
+    """q8f16_1 has no GEMM of mlcc's own: over MIN_TOKENS tokens its weights are decoded for cuBLASLt, whatever
+    the q4 threshold says."""
+    _shim()
+    mod = _kernels(hf_models, "q8f16_1", CompileOptions(vendor_gemm_q4_tokens=0))
+    calls = [(n, t) for n, t in _calls(mod, "prefill") if n.endswith("_cublaslt")]
+    assert len(calls) == 8   # the four projections of both layers
+    decoders = {gv.name_hint for gv in mod.functions if gv.name_hint.startswith("mlcc_dequantize_q8f16_1_")}
+    assert decoders
+    for name, ty in calls:
+        assert len(ty.fields) == 3 and ty.fields[2].dtype == "float16"
+        text = mod[name].script()
+        assert f"<= T.int64({MIN_TOKENS})" in text and any(d in text for d in decoders)
 
 
 def test_e4m3_projections_over_many_tokens_quantize_their_activations_then_call_the_fp8_gemm(hf_models):
