@@ -10,7 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import PROMPT
-from test_parity import hf_logits, hf_model, rel_err, run_greedy
+from test_gpt_oss import check_ragged_batch_and_fork
+from test_parity import hf_logits, hf_model, run_greedy
 
 from mlcc.runtime.device.model import LoadedModel
 
@@ -42,22 +43,7 @@ def test_q0f32_prefill_decode_and_32_greedy_tokens(kind, compiled, hf_models):
 
 
 def test_ragged_batch_and_a_forked_sequence(compiled, hf_models):
-    m = LoadedModel(compiled("deepseek_v3"))
-    m.create_kv_cache(4, 256, 64)
-    hf = hf_model(hf_models("deepseek_v3"))
-    a, b = PROMPT[:7], PROMPT[2:]
-    m.add_sequence(0)
-    m.add_sequence(1)
-    lg = m.prefill([0, 1], [a, b]).numpy()
-    assert rel_err(lg[0], hf_logits(hf, a)[-1]) <= 1e-4
-    assert rel_err(lg[1], hf_logits(hf, b)[-1]) <= 1e-4
-    lg = m.decode([0, 1], [11, 22]).numpy()
-    assert rel_err(lg[0], hf_logits(hf, a + [11])[-1]) <= 1e-4
-    assert rel_err(lg[1], hf_logits(hf, b + [22])[-1]) <= 1e-4
-    m.fork_sequence(0, 2)
-    m.popn(2, 1)
-    lg = m.decode([2], [33]).numpy()
-    assert rel_err(lg[0], hf_logits(hf, a + [33])[-1]) <= 1e-4
+    check_ragged_batch_and_fork(compiled("deepseek_v3"), hf_model(hf_models("deepseek_v3")), [33])
 
 
 def test_the_cache_holds_the_latent(compiled):

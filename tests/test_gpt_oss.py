@@ -44,25 +44,26 @@ def test_sinks_change_the_logits(hf_models):
     assert rel_err(hf_logits(hf, PROMPT), base) > 1e-2
 
 
-def test_ragged_batch_and_a_forked_sequence(compiled, hf_models):
-    m = LoadedModel(compiled("gpt_oss"))
+def check_ragged_batch_and_fork(folder, hf, fork_tokens: list[int]) -> None:
+    """Two sequences prefilled and decoded together, then a child forked from the first that decodes
+    `fork_tokens`: its steps read the shared pages and its own in two chunks."""
+    m = LoadedModel(folder)
     m.create_kv_cache(4, 256, 64)
-    hf = hf_model(hf_models("gpt_oss"))
     a, b = PROMPT[:7], PROMPT[2:]
     m.add_sequence(0)
     m.add_sequence(1)
-    lg = m.prefill([0, 1], [a, b]).numpy()
-    assert rel_err(lg[0], hf_logits(hf, a)[-1]) <= 1e-4
-    assert rel_err(lg[1], hf_logits(hf, b)[-1]) <= 1e-4
-    lg = m.decode([0, 1], [11, 22]).numpy()
-    assert rel_err(lg[0], hf_logits(hf, a + [11])[-1]) <= 1e-4
-    assert rel_err(lg[1], hf_logits(hf, b + [22])[-1]) <= 1e-4
-    # a child sharing seq 0's prefix: its decode reads the shared pages and its own in two chunks
+    for lg, ids in ((m.prefill([0, 1], [a, b]).numpy(), (a, b)), (m.decode([0, 1], [11, 22]).numpy(),
+                                                                  (a + [11], b + [22]))):
+        assert max(rel_err(lg[i], hf_logits(hf, ids[i])[-1]) for i in (0, 1)) <= 1e-4
     m.fork_sequence(0, 2)
     m.popn(2, 1)
-    for ids in ([33], [33, 44], [33, 44, 55]):
-        lg = m.decode([2], [ids[-1]]).numpy()
-        assert rel_err(lg[0], hf_logits(hf, a + ids)[-1]) <= 1e-4
+    for n in range(1, len(fork_tokens) + 1):
+        lg = m.decode([2], [fork_tokens[n - 1]]).numpy()
+        assert rel_err(lg[0], hf_logits(hf, a + fork_tokens[:n])[-1]) <= 1e-4
+
+
+def test_ragged_batch_and_a_forked_sequence(compiled, hf_models):
+    check_ragged_batch_and_fork(compiled("gpt_oss"), hf_model(hf_models("gpt_oss")), [33, 44, 55])
 
 
 def test_gpu_targets_refused_in_one_line(hf_models):
