@@ -16,7 +16,7 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from pydantic import BaseModel
 from starlette.concurrency import run_in_threadpool
@@ -35,6 +35,8 @@ from mlcc.runtime.api.protocol import (
     parse_unload_lora_request,
 )
 from mlcc.runtime.engine import AsyncEngine, Engine
+from mlcc.runtime.engine_core import GenerationError
+from mlcc.runtime.serve.lifecycle import ClientGone, Lifecycle, ShuttingDown
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +68,8 @@ class _Metrics:
         Gauge("mlcc_kv_pages_total", "KV cache pages", registry=r).set_function(lambda: core.total_pages)
         Gauge("mlcc_queue_length", "requests waiting for admission", registry=r).set_function(core.queue_length)
         Gauge("mlcc_running_requests", "requests in the running batch", registry=r).set_function(core.num_running)
+        Gauge("mlcc_requests_preempted", "times a running request gave its KV pages back, to be recomputed later",
+              registry=r).set_function(lambda: core.stats["preempted"])
         Gauge("mlcc_prefix_cache_pages", "KV cache pages only the prefix cache holds (evicted when needed)",
               registry=r).set_function(core.cached_pages)
         spec = core.speculator
@@ -95,12 +99,15 @@ class _Metrics:
 
 
 def create_app(engine: Engine, api_key: str | None = None, served_name: str | None = None,
-               allow_runtime_lora: bool = False) -> FastAPI:
+               allow_runtime_lora: bool = False, shutdown_grace_seconds: float = 30.0) -> FastAPI:
     """allow_runtime_lora: answer /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's
-    VLLM_ALLOW_RUNTIME_LORA_UPDATING); the adapters given at start are served either way."""
+    VLLM_ALLOW_RUNTIME_LORA_UPDATING); the adapters given at start are served either way.
+    shutdown_grace_seconds: how long a drain (app.state.lifecycle, runtime.serve.lifecycle) lets running requests
+    finish."""
     aengine = AsyncEngine(engine)
     name = served_name or engine.model_name
     metrics = _Metrics(engine)
+    lifecycle = Lifecycle(shutdown_grace_seconds, failure=lambda: engine.core.failure)
     app = FastAPI(title="mlcc", version="1")
 
     def endpoint_label(request: Request) -> str:
@@ -116,6 +123,10 @@ def create_app(engine: Engine, api_key: str | None = None, served_name: str | No
             metrics.requests.labels(endpoint_label(request), "401").inc()
             return _error(401, "invalid or missing API key (Authorization: Bearer <key>)",
                           etype="authentication_error", code="invalid_api_key")
+        refusal = lifecycle.refusal(request.method, request.url.path)
+        if refusal is not None:
+            metrics.requests.labels(endpoint_label(request), "503").inc()
+            return _error(503, refusal, etype="server_error", code="service_unavailable")
         length = request.headers.get("content-length")
         if length and length.isdigit() and int(length) > MAX_BODY_BYTES:
             metrics.requests.labels(endpoint_label(request), "413").inc()
@@ -142,6 +153,10 @@ def create_app(engine: Engine, api_key: str | None = None, served_name: str | No
     async def on_validation_error(_request: Request, e: RequestValidationError):   # path parameters only
         return _error(400, f"invalid request: {e.errors()[0].get('msg')}", code="invalid_value")
 
+    @app.exception_handler(GenerationError)
+    async def on_generation_error(_request: Request, e: GenerationError):   # the engine failed: /health says so
+        return _error(500, str(e), etype="server_error", code="engine_failed")
+
     @app.exception_handler(Exception)
     async def on_crash(_request: Request, e: Exception):
         log.exception("request failed")
@@ -167,9 +182,17 @@ def create_app(engine: Engine, api_key: str | None = None, served_name: str | No
         stream = bool(fields.pop("stream", False))
         t0 = time.perf_counter()
         # a LoRA adapter's name picks it (runtime.api.prepare), else the base model answers
-        result = await api.create(stream=stream, model=req.model if req.model in engine.lora_adapters else name,
-                                  **fields)
-        if not stream:
+        result = api.create(stream=stream, model=req.model if req.model in engine.lora_adapters else name, **fields)
+        if stream:
+            result = await result
+        else:   # generated to the end unless its client goes away or the drain gives up on it
+            try:
+                result = await lifecycle.run(result, request.receive)
+            except ClientGone:
+                metrics.aborted.inc()
+                return Response(status_code=499)   # nginx's "client closed request": nobody reads it
+            except ShuttingDown as e:
+                return _error(503, str(e), etype="server_error", code="service_unavailable")
             metrics.prompt_tokens.inc(result.usage.prompt_tokens)
             metrics.generation_tokens.inc(result.usage.completion_tokens)
             metrics.ttft.observe(time.perf_counter() - t0)
@@ -179,7 +202,7 @@ def create_app(engine: Engine, api_key: str | None = None, served_name: str | No
     async def _sse(request: Request, chunks: AsyncIterator[Any], t0: float) -> AsyncIterator[bytes]:
         last, done = None, False
         try:
-            async for chunk in chunks:
+            async for chunk in lifecycle.stream(chunks):
                 now = time.perf_counter()
                 if chunk.choices and _has_text(chunk):
                     metrics.generation_tokens.inc()
@@ -265,7 +288,8 @@ def create_app(engine: Engine, api_key: str | None = None, served_name: str | No
 
     @app.get("/health")
     async def health():
-        return {"status": "ok"}
+        status, body = lifecycle.health()
+        return JSONResponse(body, status_code=status)
 
     @app.get("/metrics")
     async def prometheus():
@@ -274,6 +298,7 @@ def create_app(engine: Engine, api_key: str | None = None, served_name: str | No
 
     known = {getattr(r, "path", None) for r in app.routes}
     app.state.engine = engine
+    app.state.lifecycle = lifecycle
     return app
 
 

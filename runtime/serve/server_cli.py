@@ -18,6 +18,9 @@ def add_serve_parser(sub) -> None:
     s.add_argument("--allow-runtime-lora", action="store_true",
                    help="answer POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's bodies); a model "
                         "compiled on first use is then built with LoRA")
+    s.add_argument("--shutdown-grace-seconds", type=float, default=30.0, metavar="S",
+                   help="on SIGTERM, refuse new requests (503) and give running ones S seconds to finish before "
+                        "aborting them (a second signal exits at once) (default: %(default)s)")
     s.set_defaults(func=run_serve)
 
 
@@ -40,6 +43,7 @@ def run_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from mlcc.runtime.engine import Engine
+    from mlcc.runtime.serve.lifecycle import DrainingServer
     from mlcc.runtime.serve.server import create_app
 
     check_port_free(args.host, args.port)   # before minutes of loading, not after
@@ -48,9 +52,11 @@ def run_serve(args: argparse.Namespace) -> int:
         config = dataclasses.replace(config, lora={})   # LoRA served, the adapters loaded later
     engine = Engine(args.model, config=config)
     app = create_app(engine, api_key=args.api_key, served_name=args.served_model_name,
-                     allow_runtime_lora=args.allow_runtime_lora)
+                     allow_runtime_lora=args.allow_runtime_lora, shutdown_grace_seconds=args.shutdown_grace_seconds)
+    server = DrainingServer(uvicorn.Config(app, host=args.host, port=args.port, log_level="info"),
+                            app.state.lifecycle)
     try:
-        uvicorn.run(app, host=args.host, port=args.port, log_level="info")
+        server.run()
     finally:
         engine.shutdown()
     return 0
