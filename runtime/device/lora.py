@@ -240,6 +240,7 @@ class LoraPool:
         self._free = list(range(L))
         self._seq_slot: dict[int, int] = {}
         self._step = np.zeros(0, np.int32)
+        self._id_buffers: dict[int, Any] = {}
         self.loads = 0
 
     @property
@@ -287,8 +288,6 @@ class LoraPool:
     def wrap(self, fns: ModelFunctions, kv_ops: KVCacheOps) -> tuple[ModelFunctions, KVCacheOps]:
         """`fns` whose forward functions take the usual arguments and pass each token's slot and the pool, and
         `kv_ops` whose begin_forward notes each step's sequences (what the slots are read from)."""
-        import tvm
-
         begin = kv_ops.begin_forward
 
         def begin_forward(kv, seq_ids, lens):
@@ -298,10 +297,23 @@ class LoraPool:
 
         def forward(raw: Callable) -> Callable:
             def call(*args):   # (..., kv, params) → (..., kv, lora_ids, lora_pool, params)
-                ids = tvm.runtime.tensor(self._step, self.dev)
-                return raw(*args[:-1], ids, self.tensors, args[-1])
+                return raw(*args[:-1], self._step_ids(), self.tensors, args[-1])
 
             return call
 
         fns = dataclasses.replace(fns, **{name: forward(getattr(fns, name)) for name in _FORWARD})
         return fns, dataclasses.replace(kv_ops, begin_forward=begin_forward)
+
+    def _step_ids(self):
+        """This step's slots on the device, in a buffer kept per length (as LoadedModel's token ids: a fresh one
+        would be an allocation every decode step; the copy is queued behind the kernels that read the last one)."""
+        import tvm
+
+        n = self._step.size
+        if n > 256:
+            return tvm.runtime.tensor(self._step, self.dev)
+        buf = self._id_buffers.get(n)
+        if buf is None:
+            buf = self._id_buffers[n] = tvm.runtime.empty((n,), "int32", self.dev)
+        buf.copyfrom(self._step)
+        return buf
