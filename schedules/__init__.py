@@ -16,6 +16,7 @@ def handwritten_kernel_passes(target: tvm.target.Target, options: CompileOptions
         return []
     from .cuda_decode_attention import split_decode_attention_pass
     from .cuda_gemv import decode_gemv_pass
+    from .cuda_kv_append import kv_append_pass
     from .cuda_pdl import enabled as pdl_enabled
     from .cuda_pdl import sm_version
     from .cuda_prefill_attention import wide_prefill_attention_pass
@@ -47,6 +48,7 @@ def handwritten_kernel_passes(target: tvm.target.Target, options: CompileOptions
         from .cuda_gemm_tir import prefill_gemm_pass
 
         passes.append(prefill_gemm_pass(sm))
+    passes.append(kv_append_pass())   # (no option: the same element moves as TVM's kernel, one block a token)
     return passes
 
 

@@ -76,16 +76,95 @@ def active_splits(batch, h_kv: int, splits: int):
     return tirx.min(splits, tirx.max(1, (GRID_BLOCKS + per_chunk - 1) // per_chunk))
 
 
+class PagedKV:
+    """Where `chunk` finds a sequence's keys and values: the paged cache. Token j of sequence seq sits at
+    (page, offset) through the page table; with a quantized cache (kv: "int8" / "fp8_e4m3", kv_cache_format) each
+    row is head_dim codes then a float32 scale, which `scales` (a float32 view of the pages) reads."""
+
+    def __init__(self, pages, indptr, values, length_info, page_size: int, sliding: bool, kv: str | None = None,
+                 scales=None, h_kv: int = 0, d: int = 0):
+        self.pages, self.indptr, self.values, self.length_info = pages, indptr, values, length_info
+        self.page_size, self.sliding, self.kv, self.scales, self.h_kv, self.d = page_size, sliding, kv, scales, h_kv, d
+
+    def n_tokens(self, seq):
+        from tvm.relax.frontend.nn.llm._kernel_common import _get_kv_chunk_len
+        from tvm.script import tirx as T
+
+        begin, end = self.indptr[seq], self.indptr[seq + 1]
+        return T.if_then_else(begin != end, _get_kv_chunk_len(end - begin, self.page_size, seq, self.length_info,
+                                                              self.sliding), 0)
+
+    def position(self, seq, j):
+        from tvm.relax.frontend.nn.llm._kernel_common import _get_seq_offset
+
+        return _get_seq_offset(j, seq, self.length_info, self.sliding)
+
+    def row(self, seq, pos):
+        return self.values[self.indptr[seq] + pos // self.page_size]
+
+    def offset(self, pos):
+        return pos % self.page_size
+
+    def element(self, kv_index: int, page, off, head, i):
+        return _element(self.kv, self.pages[page, kv_index, head, off, i])
+
+    def scale(self, kv_index: int, page, off, head):
+        """The float32 scale of a quantized row (after its d codes; rows are d + 4 bytes)."""
+        quads = (self.d + 4) // 4
+        return self.scales[((page * 2 + kv_index) * self.h_kv + head) * self.page_size * quads + off * quads
+                           + self.d // 4]
+
+
+class RaggedKV:
+    """Where `chunk` finds a sequence's keys and values in a ragged prefill: rows kv_indptr[seq] on of k and v
+    (as PagedKV, quantized rows carry their scale after the codes; k_scales/v_scales are float32 views)."""
+
+    def __init__(self, k, v, kv_indptr, kv: str | None = None, k_scales=None, v_scales=None, h_kv: int = 0,
+                 d: int = 0):
+        self.k, self.v, self.kv_indptr, self.kv = k, v, kv_indptr, kv
+        self.k_scales, self.v_scales, self.h_kv, self.d = k_scales, v_scales, h_kv, d
+
+    def n_tokens(self, seq):
+        return self.kv_indptr[seq + 1] - self.kv_indptr[seq]
+
+    def position(self, seq, j):
+        return j
+
+    def row(self, seq, pos):
+        return self.kv_indptr[seq] + pos
+
+    def offset(self, pos):
+        return 0
+
+    def element(self, kv_index: int, row, off, head, i):
+        return _element(self.kv, (self.k if kv_index == 0 else self.v)[row, head, i])
+
+    def scale(self, kv_index: int, row, off, head):
+        quads = (self.d + 4) // 4
+        return (self.k_scales if kv_index == 0 else self.v_scales)[(row * self.h_kv + head) * quads + self.d // 4]
+
+
+def _element(kv: str | None, x):
+    """float32 value of a cache element: as it is, or a quantized code (before its row's scale)."""
+    from tvm.script import tirx as T
+
+    from mlcc import kv_cache_format
+
+    return kv_cache_format.decode(kv, x) if kv else T.Cast("float32", x)
+
+
 def split_kv_macros(h_kv: int, h_qo: int, d: int, dtype: str, page_size: int, splits: int, tokens: int,
-                     sliding: bool, softcap: float):
-    """The two phases as TIR macros, shared by the decode kernel and the few-query paged prefill kernel: `chunk`
-    (one block per (query row, KV head · split)) and `merge` (one block per (query row, query head))."""
-    from tvm.relax.frontend.nn.llm._kernel_common import _get_kv_chunk_len, _get_seq_offset
+                    sliding: bool, softcap: float, kv: str | None = None):
+    """The two phases as TIR macros, shared by the decode kernel, the few-query paged prefill kernel and the
+    quantized cache's kernels (cuda_quantized_kv_attention): `chunk` (one block per (query row, KV head · split),
+    reading K/V from a PagedKV or RaggedKV) and `merge` (one block per (query row, query head)). kv: the cache's
+    code ("int8", "fp8_e4m3"; None: the model's dtype), whose row scales multiply the scores and the values."""
     from tvm.script import tirx as T
 
     from .attention_softcap import capped
 
     assert supported(h_kv, h_qo, d, tokens), (h_kv, h_qo, d, tokens)
+    quantized = kv is not None   # (TVMScript's `if` takes a bool, not None)
     group = h_qo // h_kv
     vec = vec_for(d)
     # CUDA has vector types up to 4 floats: wider lanes (head dim 256) unroll instead
@@ -106,10 +185,9 @@ def split_kv_macros(h_kv: int, h_qo: int, d: int, dtype: str, page_size: int, sp
         m[0] = new_m[0]
 
     @T.macro
-    def chunk(Q, pages, page_table_indptr, page_table_values, length_info, part_o, part_md, sm_scale, row,
-              q_indptr, batch, causal, n_splits, by, tz, ty, tx):
-        # query `row` (of Q and the partials) against its sequence's KV: sequence `row` (decode, q_indptr None) or
-        # the one whose rows in q_indptr hold it, where `causal` hides the KV of the rows after it
+    def chunk(Q, src, part_o, part_md, sm_scale, row, q_indptr, batch, causal, n_splits, by, tz, ty, tx):
+        # query `row` (of Q and the partials) against its sequence's KV (src): sequence `row` (decode, q_indptr
+        # None) or the one whose rows in q_indptr hold it, where `causal` hides the KV of the rows after it
         with T.sblock("chunk"):
             T.reads()
             T.writes()
@@ -133,10 +211,7 @@ def split_kv_macros(h_kv: int, h_qo: int, d: int, dtype: str, page_size: int, sp
             n_tok = T.sblock_alloc_buffer((1,), "int32", scope="local")
             o_sh = T.sblock_alloc_buffer((tp, group, d), "float32", scope="shared")
             md_sh = T.sblock_alloc_buffer((tp, group, 2), "float32", scope="shared")
-            page_begin: T.let[T.int32] = page_table_indptr[seq]
-            page_end: T.let[T.int32] = page_table_indptr[seq + 1]
-            n_tok[0] = T.if_then_else(page_begin != page_end, _get_kv_chunk_len(
-                page_end - page_begin, page_size, seq, length_info, sliding), 0)
+            n_tok[0] = src.n_tokens(seq)
             if q_indptr is not None:
                 if causal > 0:
                     n_tok[0] = T.max(n_tok[0] - (q_indptr[seq + 1] - 1 - row), 0)
@@ -152,19 +227,19 @@ def split_kv_macros(h_kv: int, h_qo: int, d: int, dtype: str, page_size: int, sp
             for it in T.serial((chunk + tp - 1) // tp):
                 # every thread runs every step (the shuffles need whole warps, and a warp can
                 # hold two token slots): tokens past the chunk read a valid one and score -5e4
-                pos: T.let[T.int32] = _get_seq_offset(T.max(T.min(start + it * tp + tz, n_tok[0] - 1), 0),
-                                                      seq, length_info, sliding)
-                page: T.let[T.int32] = page_table_values[page_begin + pos // page_size]
-                off: T.let[T.int32] = pos % page_size
+                pos: T.let[T.int32] = src.position(seq, T.max(T.min(start + it * tp + tz, n_tok[0] - 1), 0))
+                page: T.let[T.int32] = src.row(seq, pos)
+                off: T.let[T.int32] = src.offset(pos)
                 score[0] = T.float32(0)
                 for v in T.unroll(vec):
-                    score[0] = score[0] + q[v] * T.Cast(
-                        "float32", pages[page, 0, kv_head, off, tx * vec + v])
+                    score[0] = score[0] + q[v] * src.element(0, page, off, kv_head, tx * vec + v)
                 for sh in T.unroll(5):
                     if (1 << sh) < lanes:
                         score[0] = score[0] + T.call_pure_extern(
                             "float32", "__shfl_xor_sync", T.uint32(0xFFFFFFFF), score[0],
                             1 << sh, lanes)
+                if quantized:
+                    score[0] = score[0] * src.scale(0, page, off, kv_head)
                 if softcap > 0.0:
                     score[0] = capped(score[0], softcap)
                 if it * tp + tz >= chunk or start + it * tp + tz >= n_tok[0]:
@@ -173,9 +248,10 @@ def split_kv_macros(h_kv: int, h_qo: int, d: int, dtype: str, page_size: int, sp
                 m[0] = T.max(m[0], score[0])
                 score[0] = T.exp2(score[0] - m[0])  # now the token's weight
                 den[0] = den[0] * rescale[0] + score[0]
+                if quantized:
+                    score[0] = score[0] * src.scale(1, page, off, kv_head)   # (the weight of its codes)
                 for v in lane_loop(vec):
-                    o[v] = o[v] * rescale[0] + score[0] * T.Cast(
-                        "float32", pages[page, 1, kv_head, off, tx * vec + v])
+                    o[v] = o[v] * rescale[0] + score[0] * src.element(1, page, off, kv_head, tx * vec + v)
             # the tokens in flight meet in shared memory; tz == 0 merges them
             for v in lane_loop(vec):
                 o_sh[tz, ty, tx * vec + v] = o[v]
@@ -275,7 +351,8 @@ def make_split_decode(h_kv: int, h_qo: int, d: int, dtype: str, page_size: int, 
                 for tz in T.thread_binding(tp, thread="threadIdx.z"):
                     for ty in T.thread_binding(group, thread="threadIdx.y"):
                         for tx in T.thread_binding(lanes, thread="threadIdx.x"):
-                            chunk(Q, pages, page_table_indptr, page_table_values, length_info, part_o, part_md,
+                            chunk(Q, PagedKV(pages, page_table_indptr, page_table_values, length_info,
+                                             page_size, sliding), part_o, part_md,
                                   sm_scale, bx, None, B, 0, n_splits(B), by, tz, ty, tx)
         for bx in T.thread_binding(B, thread="blockIdx.x"):
             for by in T.thread_binding(h_qo, thread="blockIdx.y"):

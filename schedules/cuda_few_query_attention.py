@@ -17,7 +17,7 @@ import logging
 import tvm
 
 from .attention_softcap import ATTR, softcap_of
-from .cuda_decode_attention import split_kv_macros, splits_for, supported
+from .cuda_decode_attention import PagedKV, split_kv_macros, splits_for, supported
 from .host_dispatch import host_dispatch
 
 log = logging.getLogger(__name__)
@@ -76,8 +76,9 @@ def make_few_query_paged_prefill(h_kv: int, h_qo: int, d: int, dtype: str, page_
                 for tz in T.thread_binding(tp, thread="threadIdx.z"):
                     for ty in T.thread_binding(group, thread="threadIdx.y"):
                         for tx in T.thread_binding(lanes, thread="threadIdx.x"):
-                            chunk(q, pages, page_indptr, page_values, length_info, part_o, part_md, sm_scale, bx,
-                                  q_indptr, batch_size, causal, splits, by, tz, ty, tx)
+                            chunk(q, PagedKV(pages, page_indptr, page_values, length_info, page_size, False),
+                                  part_o, part_md, sm_scale, bx, q_indptr, batch_size, causal, splits, by, tz, ty,
+                                  tx)
         for bx in T.thread_binding(total_len, thread="blockIdx.x"):
             for by in T.thread_binding(h_qo, thread="blockIdx.y"):
                 for tx in T.thread_binding(lanes, thread="threadIdx.x"):

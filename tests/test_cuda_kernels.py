@@ -368,10 +368,10 @@ def _pass_names(options: CompileOptions, preset: str = "cuda") -> list[str]:
 
 def test_kernel_passes_follow_the_options():
     default = _pass_names(CompileOptions())
-    assert default[-9:] == ["mlcc_cuda_fused_decode_gemv", "mlcc_cuda_decode_gemv", "mlcc_cuda_moe_expert_gemv",
-                            "mlcc_cuda_split_decode_attention", "mlcc_cuda_wide_prefill_attention",
-                            "mlcc_cuda_few_query_prefill", "mlcc_cuda_flash_prefill", "mlcc_cuda_few_token_gemv",
-                            "mlcc_cuda_prefill_gemm"]
+    assert default[-10:] == ["mlcc_cuda_fused_decode_gemv", "mlcc_cuda_decode_gemv", "mlcc_cuda_moe_expert_gemv",
+                             "mlcc_cuda_split_decode_attention", "mlcc_cuda_wide_prefill_attention",
+                             "mlcc_cuda_few_query_prefill", "mlcc_cuda_flash_prefill", "mlcc_cuda_few_token_gemv",
+                             "mlcc_cuda_prefill_gemm", "mlcc_cuda_kv_append"]
     off = {"decode_gemv": ["mlcc_cuda_fused_decode_gemv", "mlcc_cuda_decode_gemv", "mlcc_cuda_moe_expert_gemv"],
            "few_query_attention": ["mlcc_cuda_few_query_prefill"],
            "few_token_gemv": ["mlcc_cuda_few_token_gemv"],
