@@ -260,3 +260,16 @@ def test_chat_answers_with_the_lora_adapter(lora_build, adapters, engine, capsys
     want = engine.chat.completions.create(model="a2", messages=[{"role": "user", "content": "Hello"}],
                                           max_tokens=N, temperature=0).choices[0].message.content
     assert "with LoRA adapter a2" in out.err and out.out == want + "\n"
+
+
+@pytest.mark.parametrize("settings", [{"pipeline": True},
+                                      {"speculative_config": {"method": "ngram", "num_speculative_tokens": 3,
+                                                              "prompt_lookup_max": 2}}],
+                         ids=["pipelined", "ngram"])
+def test_pipelined_and_speculative_decoding_keep_the_adapter(lora_build, adapters, engine, settings):
+    """A lone request decoded pipelined, and one verifying ngram proposals, give an adapter's greedy tokens."""
+    prompt = [5, 77, 12, 5, 77, 12, 5, 77]   # repeats, so ngram proposes
+    want = _greedy(engine, [(prompt, "a2"), (prompt, None)], n=12)
+    with Engine(lora_build("llama"), target="llvm", max_batch=2, lora={"a2": str(adapters["a2"])}, **settings) as e:
+        assert [_greedy(e, [(prompt, m)], n=12)[0] for m in ("a2", None)] == want
+        assert e.core.stats["pipelined_tokens" if "pipeline" in settings else "spec_drafts"] > 0
