@@ -5,6 +5,8 @@ Tolerances: q0f32 logits rel. err ≤ 1e-4 (relative to the largest |logit|) at 
 so only kernel arithmetic differs: ≤ 1e-4 for f32 activations, ≤ 2e-2 for f16 activations. e4m3_e4m3_f16 likewise
 (its projections dequantized, embedding and LM head as they are) ≤ 2e-2, and against the q0f32 build of the same
 weights ≤ 6e-2 (measured 2.5e-2 to 3.9e-2 on the tiny llama; q4f16_1 is 0.15 to 0.27 there, q0f16 1e-3 to 3e-3).
+q8f32_1 / q8f16_1 (int8 weight-only) as q4 against the dequantized weights; against the q0f32 build, q8f32_1 is
+within 2e-2 (the weights' rounding alone) and gives q0f32's greedy ids.
 """
 
 import numpy as np
@@ -92,6 +94,8 @@ def test_ragged_batch_prefill_and_batch_decode(kind, compiled, hf_models):
     ("llama", "q4f32_1", 1e-4), ("llama", "q4f16_1", 2e-2),
     ("qwen2", "q4f32_1", 1e-4), ("gemma", "q4f32_1", 1e-4), ("llama_tied_llama3", "q4f16_1", 2e-2),
     ("llama", "e4m3_e4m3_f16", 2e-2), ("llama_tied_llama3", "e4m3_e4m3_f16", 2e-2),
+    ("llama", "q8f32_1", 1e-4), ("qwen2", "q8f32_1", 1e-4), ("llama", "q8f16_1", 2e-2),
+    ("llama_tied_llama3", "q8f16_1", 2e-2),
 ])
 def test_q4_matches_dequantized_reference(kind, quant, tol, compiled, hf_models):
     m = LoadedModel(compiled(kind, quant))
@@ -113,6 +117,46 @@ def test_e4m3_logits_stay_near_the_q0f32_build(compiled):
     ref = logits["q0f32"]
     err = np.abs(logits["e4m3_e4m3_f16"] - ref).max(axis=1) / np.abs(ref).max(axis=1)
     assert err.max() <= 6e-2, err
+
+
+def test_q8f32_1_stays_near_the_q0f32_build_and_gives_its_greedy_ids(compiled):
+    """The same random weights in int8 and in float32: prefill and 16 greedy decode steps, the logits within 2e-2
+    of float32's (the whole cost of the scheme: int8 rounding of every weight) and the same 16 ids."""
+    runs = {}
+    for quant in ("q0f32", "q8f32_1"):
+        m = LoadedModel(compiled("llama", quant))
+        m.create_kv_cache(1, 256, 64)
+        m.add_sequence(0)
+        rows, ids = [m.prefill([0], [PROMPT]).numpy()[0]], []
+        for _ in range(16):
+            ids.append(int(np.argmax(rows[-1])))
+            rows.append(m.decode([0], [ids[-1]]).numpy()[0])
+        runs[quant] = np.stack(rows).astype(np.float64), ids
+    (ref, ref_ids), (got, got_ids) = runs["q0f32"], runs["q8f32_1"]
+    err = np.abs(got - ref).max(axis=1) / np.abs(ref).max(axis=1)
+    assert err.max() <= 2e-2, err
+    assert got_ids == ref_ids
+
+
+def test_q8_weights_are_stored_as_int8_bytes_in_words(compiled):
+    import json
+
+    import tvm
+
+    from mlcc.compiler.quant_schemes import unpack_codes
+    from mlcc.runtime.device.model import load_params
+
+    folder = compiled("llama", "q8f16_1")
+    specs = json.loads((folder / "mlcc-config.json").read_text())["params"]
+    params = {p["name"]: p for p in specs}
+    qkv = "model.layers.0.self_attn.qkv_proj"
+    assert params[f"{qkv}.q_weight"]["dtype"] == "uint32" and params[f"{qkv}.q_weight"]["shape"] == [128, 64 // 4]
+    assert params[f"{qkv}.q_scale"]["dtype"] == "float16" and params[f"{qkv}.q_scale"]["shape"] == [128, 64 // 32]
+    assert "model.embed_tokens.q_weight" in params and "lm_head.q_weight" in params   # as q4f16_1
+    loaded = load_params(folder, specs, tvm.cpu())
+    words = loaded[[p["name"] for p in specs].index(f"{qkv}.q_weight")].numpy()
+    codes = unpack_codes(words, get_quantization("q8f16_1")).astype(np.int32) - 128
+    assert codes.min() >= -127 and codes.max() <= 127 and (np.abs(codes).reshape(128, 2, 32).max(-1) == 127).all()
 
 
 def test_e4m3_weights_are_stored_as_float8_with_row_scales(compiled):

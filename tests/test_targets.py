@@ -18,11 +18,11 @@ except ToolchainError as e:
     ROCM_READY, ROCM_WHY = False, str(e)
 
 
-def _compile(hf_models, tmp_path, target):
+def _compile(hf_models, tmp_path, target, quant: str = "q4f16_1"):
     from mlcc.compiler.build import compile_model
 
     out = tmp_path / target
-    compile_model(hf_models("llama"), target, "q4f16_1", out)
+    compile_model(hf_models("llama"), target, quant, out)
     cfg = json.loads((out / "mlcc-config.json").read_text())
     assert cfg["target"] == target and cfg["stamp"]["target"] == target
     return out, (out / cfg["library"]).read_bytes()
@@ -37,6 +37,14 @@ def test_rocm_library_holds_hsaco_kernels(target, arch, hf_models, tmp_path):
     kernels = {s for s in lib.split(b"\0") if s.endswith(b".kd")}
     assert any(b"dequantize" in k or b"matmul" in k for k in kernels), sorted(kernels)[:10]
     assert len(kernels) > 50
+
+
+@pytest.mark.skipif(not ROCM_READY, reason="ROCm toolchain missing (.ci/run installs lld-19 rocm-device-libs)")
+def test_rocm_library_of_int8_weights_holds_hsaco_kernels(hf_models, tmp_path):
+    """q8f16_1 on ROCm: TVM's generic kernels over the same uint32 words as every target."""
+    _, lib = _compile(hf_models, tmp_path, "rocm-gfx942", "q8f16_1")
+    assert b"amdgcn-amd-amdhsa" in lib and b"gfx942" in lib
+    assert len({s for s in lib.split(b"\0") if s.endswith(b".kd")}) > 50
 
 
 def test_metal_tar_holds_msl_and_arm64_objects(hf_models, tmp_path):
