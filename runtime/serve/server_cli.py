@@ -6,6 +6,7 @@ import argparse
 import dataclasses
 
 from mlcc.options import EngineConfig
+from mlcc.runtime.serve.rayserve.launch import add_ray_arguments
 
 
 def add_serve_parser(sub) -> None:
@@ -21,6 +22,7 @@ def add_serve_parser(sub) -> None:
     s.add_argument("--shutdown-grace-seconds", type=float, default=30.0, metavar="S",
                    help="on SIGTERM, refuse new requests (503) and give running ones S seconds to finish before "
                         "aborting them (a second signal exits at once) (default: %(default)s)")
+    add_ray_arguments(s)
     s.set_defaults(func=run_serve)
 
 
@@ -50,6 +52,13 @@ def run_serve(args: argparse.Namespace) -> int:
     config = EngineConfig.from_cli(args)
     if args.allow_runtime_lora and config.lora is None:
         config = dataclasses.replace(config, lora={})   # LoRA served, the adapters loaded later
+    if args.ray:
+        from mlcc.errors import EngineConfigError
+        from mlcc.runtime.serve.rayserve.launch import run_ray_serve
+
+        if args.allow_runtime_lora:   # an adapter loaded through one replica would be missing on the others
+            raise EngineConfigError("--allow-runtime-lora is not served with --ray; give the adapters with --lora")
+        return run_ray_serve(args, config)
     engine = Engine(args.model, config=config)
     app = create_app(engine, api_key=args.api_key, served_name=args.served_model_name,
                      allow_runtime_lora=args.allow_runtime_lora, shutdown_grace_seconds=args.shutdown_grace_seconds)
