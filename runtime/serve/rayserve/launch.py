@@ -14,7 +14,7 @@ import threading
 from typing import Any
 
 from mlcc.errors import EngineConfigError
-from mlcc.options import EngineConfig
+from mlcc.options import CompileOptions, EngineConfig
 
 log = logging.getLogger(__name__)
 
@@ -143,7 +143,10 @@ def app_builder(args: dict[str, Any]):
     if unknown:
         raise EngineConfigError(f"unknown application argument(s) {', '.join(unknown)}; known: model, engine, ray, "
                                 "api_key, served_model_name")
-    config = EngineConfig.of(None, **dict(args.get("engine") or {}))
+    engine = dict(args.get("engine") or {})
+    if isinstance(engine.get("options"), dict):   # YAML gives the compile options as a mapping
+        engine["options"] = CompileOptions.from_dict(engine["options"])
+    config = EngineConfig.of(None, **engine)
     settings = RayServeSettings(**dict(args.get("ray") or {}))
     return build_application(args.get("model"), config, settings, api_key=args.get("api_key"),
                               served_name=args.get("served_model_name"))
