@@ -23,16 +23,25 @@ def make_adapter(base: Path, out: Path, seed: int, r: int, targets: list[str], a
     return out
 
 
-def peft_greedy(model, prompt: list[int], adapter: Path | None, n: int) -> list[int]:
-    """Greedy ids of `model` (a transformers model, not changed) with `adapter` merged into a copy of it."""
+def merged(model, adapter: Path | None):
+    """A copy of `model` (a transformers model, not changed) with `adapter` merged into it (None: the copy)."""
     import copy
 
     from peft import PeftModel
 
     model = copy.deepcopy(model)
-    if adapter is not None:
-        model = PeftModel.from_pretrained(model, adapter).merge_and_unload()
+    return PeftModel.from_pretrained(model, adapter).merge_and_unload() if adapter is not None else model
+
+
+def peft_greedy(model, prompt: list[int], adapter: Path | None, n: int) -> list[int]:
+    """Greedy ids of `model` with `adapter` merged."""
     with torch.no_grad():
-        out = model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, eos_token_id=None,
-                             pad_token_id=0)
+        out = merged(model, adapter).generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False,
+                                              eos_token_id=None, pad_token_id=0)
     return out[0, len(prompt):].tolist()
+
+
+def peft_last_logits(model, prompt: list[int], adapter: Path | None):
+    """The last position's logits of `model` with `adapter` merged, as float64 numpy."""
+    with torch.no_grad():
+        return merged(model, adapter)(torch.tensor([prompt])).logits[0, -1].double().numpy()

@@ -9,7 +9,7 @@ import openai
 import pytest
 import torch
 from conftest import PROMPT
-from lora_support import ALL_MODULES, make_adapter, peft_greedy
+from lora_support import ALL_MODULES, make_adapter, peft_greedy, peft_last_logits
 from server_support import mlcc_serve
 
 from mlcc.compiler.build import compile_model
@@ -17,6 +17,8 @@ from mlcc.errors import ArtifactError, LoraAdapterError
 from mlcc.options import CompileOptions
 from mlcc.runtime.core.request import Request
 from mlcc.runtime.core.sampler import SamplingParams
+from mlcc.runtime.device.lora import read_adapter
+from mlcc.runtime.device.model import LoadedModel
 from mlcc.runtime.engine import Engine
 
 N = 8          # greedy tokens compared
@@ -92,19 +94,35 @@ def test_each_adapter_alone_and_all_mixed_match_peft(engine, adapters, hf_models
     assert engine.model.lora.loads > loads
 
 
-@pytest.mark.parametrize("kind, quant", [("llama", "q4f32_1"), ("qwen3", "q0f32")])
-def test_qlora_and_another_family_match_peft(lora_build, hf_models, tmp_path, kind, quant):
+@pytest.mark.parametrize("kind, quant", [("llama", "q4f32_1"), ("qwen3", "q0f32"), ("granite", "q0f32")])
+def test_qlora_and_other_families_match_peft(lora_build, hf_models, tmp_path, kind, quant):
     """q4 base weights with float adapters (QLoRA: the reference merges the adapter into the dequantized weights);
-    Qwen3 (wider heads, q/k norms)."""
+    Qwen3 (wider heads, q/k norms); Granite (its residual multiplier, folded into o_proj and down_proj, scales
+    their adapters' products too)."""
     base = hf_models(kind)
     adapters = {"x": make_adapter(base, tmp_path / "x", 4, RANK, ALL_MODULES),
                 "y": make_adapter(base, tmp_path / "y", 5, 4, ["q_proj", "v_proj", "up_proj"], alpha=8)}
     hf = _hf(base, quant)
+    names = ["x", None, "y"]
     want = {name: peft_greedy(hf, PROMPT, path, N) for name, path in [(None, None), *adapters.items()]}
     with Engine(lora_build(kind, quant), target="llvm", max_batch=4,
                 lora={k: str(v) for k, v in adapters.items()}) as e:
-        names = ["x", None, "y"]
         assert _greedy(e, [(PROMPT, m) for m in names]) == [want[m] for m in names]
+    # and the logits of one prefill of the three, within float32 rounding of peft's
+    from test_parity import rel_err
+
+    model = LoadedModel(lora_build(kind, quant))
+    model.create_kv_cache(4, 256, 64)
+    for seq, name in enumerate(names):
+        model.add_sequence(seq)
+        adapter = read_adapter(name, adapters[name], model.lora.layout) if name else None
+        model.lora.bind(seq, model.lora.acquire(adapter, set()) if adapter else None)
+    got = model.prefill(list(range(3)), [PROMPT] * 3).numpy()
+    ref = {name: peft_last_logits(hf, PROMPT, adapters.get(name)) for name in names}
+    for row, name in enumerate(names):
+        assert rel_err(got[row], ref[name]) < 1e-4, name
+        if name:   # the adapter matters
+            assert rel_err(ref[name], ref[None]) > 1e-2
 
 
 def test_prefix_cache_keys_include_the_adapter(engine):
