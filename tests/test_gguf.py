@@ -91,14 +91,15 @@ def _random_k_quant(shape, qtype, rng) -> np.ndarray:
 
 
 def write_gguf(hf_dir, kind: str, path, k_quants: bool = False, split_max_tensors: int = 0,
-               small_first_shard: bool = False) -> dict[str, np.ndarray]:
+               small_first_shard: bool = False, quantize_to: str | None = None) -> dict[str, np.ndarray]:
     """`hf_dir`'s model as llama.cpp would write it. k_quants: its matrices as random K-quant blocks instead;
-    returns those matrices dequantized, under their HF names, for the reference model. split_max_tensors: as a
+    quantize_to: its matrices quantized to that type (gguf's own quantizer, e.g. "Q8_0"); both return those
+    matrices dequantized, under their HF names, for the reference model. split_max_tensors: as a
     split GGUF of at most that many tensors a part (`<path stem>-00001-of-0000N.gguf`, ...; the split.* keys as
     llama-gguf-split writes them); small_first_shard: its first part the metadata alone (`--no-tensor-first-split`)."""
     import gguf
     import transformers as tf
-    from gguf.quants import dequantize
+    from gguf.quants import dequantize, quantize
 
     model = tf.AutoModelForCausalLM.from_pretrained(hf_dir, torch_dtype=torch.float32)
     cfg = model.config
@@ -125,6 +126,12 @@ def write_gguf(hf_dir, kind: str, path, k_quants: bool = False, split_max_tensor
         if k_quants and a.ndim == 2:
             qtype = gguf.GGMLQuantizationType[K_QUANTS[i % len(K_QUANTS)]]
             raw = _random_k_quant(a.shape, qtype, rng)
+            w.add_tensor(name, raw, raw_dtype=qtype)
+            replaced[hf_name] = dequantize(raw, qtype).reshape(a.shape)
+        elif quantize_to and a.ndim == 2:
+            assert arch not in PERMUTED_QK, "the reference would need the Q/K permutation undone"
+            qtype = gguf.GGMLQuantizationType[quantize_to]
+            raw = quantize(np.ascontiguousarray(a), qtype)
             w.add_tensor(name, raw, raw_dtype=qtype)
             replaced[hf_name] = dequantize(raw, qtype).reshape(a.shape)
         else:
@@ -173,6 +180,46 @@ def test_gguf_k_quants_are_dequantized_exactly(hf_models, tmp_path):
             if name in replaced:
                 p.copy_(torch.from_numpy(replaced[name]))
     assert len(replaced) >= 4
+    assert rel_err(m.prefill([0], [PROMPT]).numpy()[0], hf_logits(hf, PROMPT)[-1]) <= 1e-4
+    assert rel_err(m.decode([0], [42]).numpy()[0], hf_logits(hf, PROMPT + [42])[-1]) <= 1e-4
+
+
+def test_gguf_q8_0_keeps_its_codes_and_scales_in_q8f32_1(hf_models, tmp_path):
+    """Q8_0 matrices (llama.cpp's rounding, through gguf's quantizer) compiled to q8f32_1: its groups are Q8_0's
+    blocks, so the embedding stores the file's codes and scales exactly and the logits are those of transformers
+    carrying the Q8_0 weights dequantized, within float32 arithmetic (no second rounding)."""
+    import json
+
+    import gguf
+    import tvm
+
+    from mlcc.compiler.build import compile_model
+    from mlcc.runtime.device.model import load_params
+
+    path = tmp_path / "q8.gguf"
+    replaced = write_gguf(hf_models("qwen2"), "qwen2", path, quantize_to="Q8_0")
+    out = tmp_path / "art"
+    compile_model(path, "llvm", "q8f32_1", out)
+    specs = json.loads((out / "mlcc-config.json").read_text())["params"]
+    names = [p["name"] for p in specs]
+    params = load_params(out, specs, tvm.cpu())
+    codes = params[names.index("model.embed_tokens.q_weight")].numpy().view(np.uint8).astype(np.int32) - 128
+    scales = params[names.index("model.embed_tokens.q_scale")].numpy()
+    reader = gguf.GGUFReader(path)
+    (emb,) = [t for t in reader.tensors if t.name == "token_embd.weight"]
+    blocks = np.asarray(emb.data).reshape(-1, 34)   # Q8_0: an fp16 d, then 32 int8 codes
+    np.testing.assert_array_equal(codes.reshape(-1, 32), blocks[:, 2:].view(np.int8))
+    np.testing.assert_array_equal(scales.reshape(-1), blocks[:, :2].copy().view(np.float16).reshape(-1))
+
+    m = LoadedModel(out)
+    m.create_kv_cache(1, 256, 64)
+    m.add_sequence(0)
+    hf = hf_model(hf_models("qwen2"))
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if name in replaced:
+                p.copy_(torch.from_numpy(replaced[name]))
+    assert len(replaced) >= 8
     assert rel_err(m.prefill([0], [PROMPT]).numpy()[0], hf_logits(hf, PROMPT)[-1]) <= 1e-4
     assert rel_err(m.decode([0], [42]).numpy()[0], hf_logits(hf, PROMPT + [42])[-1]) <= 1e-4
 
