@@ -224,6 +224,8 @@ def test_openai_client_picks_adapters_by_model_and_the_endpoints_load_and_unload
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="a2", **kw)
     assert httpx.post(f"{server}/v1/unload_lora_adapter", json={"lora_name": "a2"}).status_code == 404
+    metrics = httpx.get(f"{server}/metrics").text
+    assert "mlcc_lora_adapters 1.0" in metrics and f"mlcc_lora_slots {SLOTS}.0" in metrics
 
 
 def test_runtime_adapter_endpoints_are_off_without_the_flag(engine, adapters):

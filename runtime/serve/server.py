@@ -83,6 +83,13 @@ class _Metrics:
                   registry=r).set_function(spec.acceptance_rate)
             Gauge("mlcc_spec_decode_mean_tokens_per_step", "tokens a speculating request emits per verify step",
                   registry=r).set_function(spec.mean_tokens_per_step)
+        pool = engine.model.lora
+        if pool is not None:
+            Gauge("mlcc_lora_adapters", "LoRA adapters served", registry=r).set_function(
+                lambda: len(engine.lora_adapters))
+            Gauge("mlcc_lora_slots", "adapters the device pool holds at once", registry=r).set(pool.capacity)
+            Gauge("mlcc_lora_slot_loads", "adapters written into a pool slot (a miss of the pool)",
+                  registry=r).set_function(lambda: pool.loads)
         cache = core.prefix_cache
         if cache is not None:
             Gauge("mlcc_prefix_cache_hit_rate", "prompt tokens served from the prefix cache, of all prompt tokens",
