@@ -7,7 +7,8 @@ import contextlib
 import socket
 import subprocess
 import sys
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from mlcc.runtime.serve.loadgen import wait_until_healthy
@@ -39,3 +40,13 @@ def mlcc_serve(model: Path, log: Path, *args: str) -> Iterator[str]:
             proc.terminate()
             proc.wait(timeout=30)
     assert "Traceback" not in log.read_text(), log.read_text()[-3000:]
+
+
+def wait_for(predicate: Callable[[], bool], timeout: float = 30.0) -> bool:
+    """Whether `predicate` came true within `timeout` seconds (polled every 50 ms)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.05)
+    return False

@@ -19,7 +19,7 @@ import httpx
 import openai
 import psutil
 import pytest
-from server_support import free_port
+from server_support import free_port, wait_for
 
 from mlcc.runtime.serve.loadgen import wait_until_healthy
 
@@ -87,17 +87,8 @@ def ray_serve(model, log: Path, *args: str):
 def server(compiled, tmp_path_factory):
     log = tmp_path_factory.mktemp("ray") / "serve.log"
     with ray_serve(compiled("llama", "q0f32"), log, "--served-model-name", "tiny") as (base, proc):
-        assert _wait(lambda: len(_replica_pids(proc)) == 2, 60), log.read_text()[-3000:]
+        assert wait_for(lambda: len(_replica_pids(proc)) == 2, 60), log.read_text()[-3000:]
         yield base, proc
-
-
-def _wait(predicate, timeout: float) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.2)
-    return False
 
 
 @pytest.fixture
@@ -161,7 +152,7 @@ def test_a_shared_prefix_goes_to_the_replica_that_caches_it(server, client):
 
 def test_metrics_show_each_replicas_load(server):
     base, _ = server
-    assert _wait(lambda: sum(k.startswith("mlcc_replica_kv_pages_total{") for k in _metrics(base)) == 2, 30)
+    assert wait_for(lambda: sum(k.startswith("mlcc_replica_kv_pages_total{") for k in _metrics(base)) == 2, 30)
     rows = _metrics(base)
     assert sum(k.startswith("mlcc_replica_ongoing_requests{") for k in rows) == 2
     assert sum(k.startswith("mlcc_replica_prefix_cache_hit_rate{") for k in rows) == 2
@@ -198,7 +189,7 @@ def test_a_replica_killed_mid_load_is_restarted_and_nothing_hangs(server, client
     with concurrent.futures.ThreadPoolExecutor(8) as pool:
         futures = [pool.submit(_stream, client, i) for i in range(4)] + [pool.submit(_plain, client, i)
                                                                           for i in range(4)]
-        assert _wait(lambda: sum(v for k, v in _metrics(base).items()
+        assert wait_for(lambda: sum(v for k, v in _metrics(base).items()
                                  if k.startswith("mlcc_replica_ongoing_requests{")) >= 2, 30)
         os.kill(victim, signal.SIGKILL)
         results = [f.result(timeout=120) for f in futures]
@@ -207,7 +198,7 @@ def test_a_replica_killed_mid_load_is_restarted_and_nothing_hangs(server, client
     assert plain == [(450, None)] * 4, plain
     for tokens, error in streams:
         assert error is None and tokens == 450 or "engine replica serving this stream died" in error, streams
-    assert _wait(lambda: len(_replica_pids(proc)) == 2 and victim not in _replica_pids(proc), 120)
+    assert wait_for(lambda: len(_replica_pids(proc)) == 2 and victim not in _replica_pids(proc), 120)
     for i in range(4):
         assert client.chat.completions.create(model="tiny", messages=MSGS, max_tokens=4).usage.completion_tokens
 

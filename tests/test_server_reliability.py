@@ -15,7 +15,7 @@ import time
 import httpx
 import openai
 import pytest
-from server_support import free_port, mlcc_serve
+from server_support import free_port, mlcc_serve, wait_for
 
 from mlcc.runtime.serve.loadgen import wait_until_healthy
 
@@ -27,15 +27,6 @@ def _metric(base: str, name: str) -> float:
         if line.startswith(name + " "):
             return float(line.rsplit(" ", 1)[1])
     raise AssertionError(f"{name} not in /metrics")
-
-
-def _wait_for(predicate, timeout: float = 30.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.05)
-    return False
 
 
 @pytest.fixture(scope="module")
@@ -56,7 +47,7 @@ def test_a_non_streamed_request_is_aborted_when_its_client_goes_away(server):
     aborted = _metric(server, "mlcc_requests_aborted_total")
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(f"{server}/v1/chat/completions", json=LONG, timeout=0.1)
-    assert _wait_for(lambda: _metric(server, "mlcc_running_requests") == 0, timeout=5)
+    assert wait_for(lambda: _metric(server, "mlcc_running_requests") == 0, timeout=5)
     assert _metric(server, "mlcc_requests_aborted_total") == aborted + 1   # aborted, not run to max_tokens
     assert _metric(server, "mlcc_kv_pages_used") == 0
 
@@ -77,9 +68,9 @@ def test_kv_exhaustion_at_max_batch_preempts_instead_of_failing(server):
 
 def _start(model, log, *args):
     port = free_port()
-    out = open(log, "w")
-    proc = subprocess.Popen([sys.executable, "-m", "mlcc", "serve", str(model), "--target", "llvm", "--port",
-                             str(port), "--max-batch", "1", *args], stdout=out, stderr=subprocess.STDOUT)
+    with open(log, "w") as out:   # the child keeps its own descriptor
+        proc = subprocess.Popen([sys.executable, "-m", "mlcc", "serve", str(model), "--target", "llvm", "--port",
+                                 str(port), "--max-batch", "1", *args], stdout=out, stderr=subprocess.STDOUT)
     base = f"http://127.0.0.1:{port}"
     wait_until_healthy(base, proc)
     return proc, base
@@ -96,17 +87,24 @@ def _stream_lines(base: str, body: dict, first: concurrent.futures.Future) -> li
     return lines
 
 
+def _one_running_one_queued(pool, base: str):
+    """A long stream that has started and a long non-streamed request queued behind it (max batch 1): futures of
+    the stream's lines and of the other's response."""
+    first = concurrent.futures.Future()
+    streamed = pool.submit(_stream_lines, base, LONG, first)
+    first.result(timeout=30)
+    queued = pool.submit(httpx.post, f"{base}/v1/chat/completions", json=LONG, timeout=60)
+    assert wait_for(lambda: _metric(base, "mlcc_queue_length") == 1)
+    return streamed, queued
+
+
 def test_sigterm_refuses_new_requests_and_lets_running_ones_finish(model, tmp_path):
     proc, base = _start(model, tmp_path / "server.log", "--shutdown-grace-seconds", "60")
     try:
         with concurrent.futures.ThreadPoolExecutor(2) as pool:
-            first = concurrent.futures.Future()
-            streamed = pool.submit(_stream_lines, base, LONG, first)
-            first.result(timeout=30)
-            queued = pool.submit(httpx.post, f"{base}/v1/chat/completions", json=LONG, timeout=60)   # max batch 1
-            assert _wait_for(lambda: _metric(base, "mlcc_queue_length") == 1)
+            streamed, queued = _one_running_one_queued(pool, base)
             proc.send_signal(signal.SIGTERM)
-            assert _wait_for(lambda: httpx.get(f"{base}/health").status_code == 503)
+            assert wait_for(lambda: httpx.get(f"{base}/health").status_code == 503)
             assert httpx.get(f"{base}/health").json() == {"status": "draining"}
             refused = httpx.post(f"{base}/v1/chat/completions", json={**LONG, "max_tokens": 2})
             assert refused.status_code == 503
@@ -124,11 +122,7 @@ def test_sigterm_aborts_what_is_still_running_after_the_grace_period(model, tmp_
     proc, base = _start(model, tmp_path / "server.log", "--shutdown-grace-seconds", "0.3")
     try:
         with concurrent.futures.ThreadPoolExecutor(2) as pool:
-            first = concurrent.futures.Future()
-            streamed = pool.submit(_stream_lines, base, LONG, first)
-            first.result(timeout=30)
-            queued = pool.submit(httpx.post, f"{base}/v1/chat/completions", json=LONG, timeout=60)
-            assert _wait_for(lambda: _metric(base, "mlcc_queue_length") == 1)
+            streamed, queued = _one_running_one_queued(pool, base)
             t0 = time.monotonic()
             proc.send_signal(signal.SIGTERM)
             lines = streamed.result(timeout=30)
