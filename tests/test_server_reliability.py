@@ -46,7 +46,7 @@ def server(model, tmp_path_factory):
 def test_a_non_streamed_request_is_aborted_when_its_client_goes_away(server):
     aborted = _metric(server, "mlcc_requests_aborted_total")
     with pytest.raises(httpx.ReadTimeout):
-        httpx.post(f"{server}/v1/chat/completions", json=LONG, timeout=0.1)
+        httpx.post(f"{server}/v1/chat/completions", json=LONG, timeout=httpx.Timeout(30, read=0.2))
     assert wait_for(lambda: _metric(server, "mlcc_running_requests") == 0, timeout=5)
     assert _metric(server, "mlcc_requests_aborted_total") == aborted + 1   # aborted, not run to max_tokens
     assert _metric(server, "mlcc_kv_pages_used") == 0
@@ -69,8 +69,10 @@ def test_kv_exhaustion_at_max_batch_preempts_instead_of_failing(server):
 def _start(model, log, *args):
     port = free_port()
     with open(log, "w") as out:   # the child keeps its own descriptor
+        # one thread, one request at a time: the 2,000-token requests outlast the checks made while they run
         proc = subprocess.Popen([sys.executable, "-m", "mlcc", "serve", str(model), "--target", "llvm", "--port",
-                                 str(port), "--max-batch", "1", *args], stdout=out, stderr=subprocess.STDOUT)
+                                 str(port), "--max-batch", "1", "--threads", "1", *args],
+                                stdout=out, stderr=subprocess.STDOUT)
     base = f"http://127.0.0.1:{port}"
     wait_until_healthy(base, proc)
     return proc, base
@@ -119,7 +121,7 @@ def test_sigterm_refuses_new_requests_and_lets_running_ones_finish(model, tmp_pa
 
 
 def test_sigterm_aborts_what_is_still_running_after_the_grace_period(model, tmp_path):
-    proc, base = _start(model, tmp_path / "server.log", "--shutdown-grace-seconds", "0.3")
+    proc, base = _start(model, tmp_path / "server.log", "--shutdown-grace-seconds", "0.1")
     try:
         with concurrent.futures.ThreadPoolExecutor(2) as pool:
             streamed, queued = _one_running_one_queued(pool, base)
