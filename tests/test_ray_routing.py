@@ -66,6 +66,8 @@ def test_flags_become_deployment_options_with_autoscaling():
     gpu_args = build_parser().parse_args(["serve", "--ray", "--replicas", "3", "--target", "cuda"])
     fixed = settings_from_cli(gpu_args, EngineConfig.from_cli(gpu_args))   # one GPU a replica
     assert fixed.deployment_options(config)["num_replicas"] == 3 and fixed.num_gpus == 1.0
+    tp_args = build_parser().parse_args(["serve", "--ray", "--target", "cuda", "--tensor-parallel", "2"])
+    assert settings_from_cli(tp_args, EngineConfig.from_cli(tp_args)).num_gpus == 2.0   # the GPUs it shards over
 
 
 @pytest.mark.parametrize("flags,message", [

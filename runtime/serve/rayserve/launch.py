@@ -34,7 +34,8 @@ def add_ray_arguments(parser: argparse.ArgumentParser) -> None:
                    help="CPUs Ray reserves for each replica; a CPU replica runs this many threads (default: "
                         "%(default)s)")
     g.add_argument("--num-gpus-per-replica", type=float, default=None, metavar="G",
-                   help="GPUs Ray reserves for each replica (default: 1 for GPU targets, 0 for the CPU)")
+                   help="GPUs Ray reserves for each replica (default: --tensor-parallel, or 1, for GPU targets; 0 "
+                        "for the CPU)")
     g.add_argument("--min-replicas", type=int, default=None, metavar="N",
                    help="autoscaling: fewest replicas (default: --replicas); autoscaling is on with --max-replicas")
     g.add_argument("--max-replicas", type=int, default=None, metavar="N", help="autoscaling: most replicas")
@@ -58,7 +59,8 @@ def settings_from_cli(args: argparse.Namespace, config: EngineConfig):
                                 "--max-replicas too")
     gpus = args.num_gpus_per_replica
     if gpus is None:
-        gpus = 0.0 if config.target in ("llvm", "auto") and not _local_gpu(config.target) else 1.0
+        on_gpu = config.target not in ("llvm", "auto") or _local_gpu(config.target)
+        gpus = float(config.tensor_parallel or 1) if on_gpu else 0.0   # a tensor-parallel replica spans its GPUs
     return RayServeSettings(replicas=args.replicas, num_cpus=args.num_cpus_per_replica, num_gpus=gpus,
                             min_replicas=args.min_replicas, max_replicas=args.max_replicas,
                             target_ongoing_requests=args.target_ongoing_requests,
