@@ -85,3 +85,21 @@ def test_bad_ray_flags_are_refused_in_one_line(flags, message):
     args = build_parser().parse_args(["serve", "--ray", "--target", "llvm", *flags])
     with pytest.raises(EngineConfigError, match=message):
         settings_from_cli(args, EngineConfig.from_cli(args))
+
+
+def test_the_rayservice_manifest_builds_the_application():
+    """deploy/ray/rayservice.yaml's Serve config is valid and its arguments build the application."""
+    pytest.importorskip("ray.serve", reason="Ray Serve is not installed: pip install 'mlcc[ray]'")
+    from pathlib import Path
+
+    import yaml
+    from ray.serve._private.api import call_user_app_builder_with_args_if_necessary
+    from ray.serve.schema import ServeDeploySchema
+
+    from mlcc.runtime.serve.rayserve.launch import app_builder
+
+    manifest = yaml.safe_load((Path(__file__).parent.parent / "deploy" / "ray" / "rayservice.yaml").read_text())
+    config = ServeDeploySchema.model_validate(yaml.safe_load(manifest["spec"]["serveConfigV2"]))
+    (app,) = config.applications
+    assert app.import_path == "mlcc.runtime.serve.rayserve.launch:app_builder"
+    assert call_user_app_builder_with_args_if_necessary(app_builder, app.args) is not None

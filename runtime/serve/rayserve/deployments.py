@@ -24,6 +24,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
 from ray.exceptions import RayActorError
 from ray.serve.config import AutoscalingConfig, RequestRouterConfig
+from ray.serve.deployment import Application
+from ray.serve.handle import DeploymentHandle
 
 from mlcc.options import EngineConfig
 from mlcc.runtime.serve.rayserve.forwarding import ForwardedRequest, run_asgi
@@ -110,7 +112,7 @@ class EngineReplica:
             engine.shutdown()
 
 
-def build_ingress_app(engine, api_key: str | None = None) -> FastAPI:
+def build_ingress_app(engine: DeploymentHandle, api_key: str | None = None) -> FastAPI:
     """The ingress's FastAPI app: /metrics and /health here, every other request forwarded to an engine replica."""
     from mlcc.runtime.serve.rayserve.router_metrics import render_metrics
 
@@ -148,7 +150,7 @@ def _prefix(method: str, body: bytes) -> str:
     return prompt_text(parsed) if isinstance(parsed, dict) else ""
 
 
-async def _forward(engine, fwd: ForwardedRequest) -> Response:
+async def _forward(engine: DeploymentHandle, fwd: ForwardedRequest) -> Response:
     """The replica's response, retried on another replica where one died before any of its body went out."""
     for attempt in range(1, MAX_ATTEMPTS + 1):
         gen = engine.options(stream=True).handle_http.remote(fwd)
@@ -194,7 +196,7 @@ def _error(status: int, message: str, code: str, etype: str = "server_error") ->
 
 
 def build_application(model: str | None, config: EngineConfig, settings: RayServeSettings,
-                      api_key: str | None = None, served_name: str | None = None):
+                      api_key: str | None = None, served_name: str | None = None) -> Application:
     """The bound Ray Serve application: the ingress over `settings`'s engine replicas of `model`."""
     app_options = {"api_key": api_key, "served_name": served_name,
                    "shutdown_grace_seconds": settings.shutdown_grace_seconds}
@@ -208,7 +210,7 @@ def build_application(model: str | None, config: EngineConfig, settings: RayServ
 class Ingress:
     """The HTTP ingress replica; its app is built once it holds the engine deployment's handle."""
 
-    def __init__(self, engine, api_key: str | None):
+    def __init__(self, engine: DeploymentHandle, api_key: str | None):
         self.engine, self.api_key = engine, api_key
 
     def __serve_build_asgi_app__(self) -> FastAPI:

@@ -11,10 +11,13 @@ import argparse
 import logging
 import signal
 import threading
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from mlcc.errors import EngineConfigError
 from mlcc.options import CompileOptions, EngineConfig
+
+if TYPE_CHECKING:   # Ray is optional: imported where --ray is used
+    from ray.serve.deployment import Application
 
 log = logging.getLogger(__name__)
 
@@ -135,7 +138,7 @@ def run_ray_serve(args: argparse.Namespace, config: EngineConfig) -> int:
     return 0
 
 
-def app_builder(args: dict[str, Any]):
+def app_builder(args: dict[str, Any]) -> Application:
     """Ray Serve's application builder (`import_path: mlcc.runtime.serve.rayserve.launch:app_builder` in a
     RayService's serveConfigV2): args has `model`, `engine` (EngineConfig fields), `ray` (RayServeSettings fields)
     and optionally `api_key` and `served_model_name`."""
