@@ -23,7 +23,7 @@ from mlcc.options import CompileOptions
 from mlcc.relax_models import Family, family_for
 from mlcc.targets import TargetPreset, cpu_record, get_target
 
-from .lora import add_lora, check_lora, lora_config
+from .lora import add_lora, check_lora
 from .quantize import Quantization, get_quantization, quantize_model
 from .sampler import attach_argmax, attach_logit_functions, attach_sampler
 from .weights import ModelSource, load_source
@@ -83,7 +83,7 @@ def export_module(source: ModelSource, preset: TargetPreset, quant: Quantization
     _check_quantizable(model, quant)
     lora = None
     if options.max_loras:
-        lora = lora_config(add_lora(model, family, cfg, options, quant.model_dtype), options, quant.model_dtype)
+        lora = add_lora(model, family, cfg, options, quant.model_dtype).to_config()
     mod, named_params = model.export_tvm(spec=model.get_default_spec())
     if target.kind.name == "llvm":
         from mlcc.schedules.cpu_attention import replace_cpu_attention

@@ -11,9 +11,10 @@ import numpy as np
 from tvm.relax.frontend import nn
 
 from mlcc.errors import UnsupportedConfigError
+from mlcc.lora_format import LoraLayout, LoraTarget
 from mlcc.options import CompileOptions
 from mlcc.relax_models import Family
-from mlcc.relax_models.lora import LoraProjection, LoraTarget, LoraTokens
+from mlcc.relax_models.lora import LoraProjection, LoraTokens
 
 # our projections adapters may target, with what each fuses (HF's names for the parts)
 _PROJECTIONS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
@@ -93,13 +94,14 @@ def _plan_scale(sources: list[str], combine) -> float | None:
     return float(out.flat[0])
 
 
-def add_lora(model: nn.Module, family: Family, cfg: Any, options: CompileOptions, dtype: str) -> list[LoraTarget]:
+def add_lora(model: nn.Module, family: Family, cfg: Any, options: CompileOptions, dtype: str) -> LoraLayout:
     """Give `model`'s adaptable projections their adapters' product (after quantization: the projection may be
-    quantized); returns the targets, in the pool's order."""
+    quantized); returns the pool they read, for mlcc-config.json."""
     targets = lora_targets(family, cfg, model)
     if not targets:
         raise UnsupportedConfigError(f"--option max_loras: {family.name} has no projection LoRA adapters can target")
-    tokens = LoraTokens(targets, options.max_loras, options.max_lora_rank, dtype)
+    layout = LoraLayout(options.max_loras, options.max_lora_rank, dtype, tuple(targets))
+    tokens = LoraTokens(layout)
     index = {t.name: i for i, t in enumerate(targets)}
 
     class _Wrap(nn.Mutator):
@@ -110,11 +112,4 @@ def add_lora(model: nn.Module, family: Family, cfg: Any, options: CompileOptions
 
     _Wrap().visit("", model)
     model.lora = tokens
-    return targets
-
-
-def lora_config(targets: list[LoraTarget], options: CompileOptions, dtype: str) -> dict[str, Any]:
-    """mlcc-config.json's "lora": the pool's geometry and every target, for runtime/device/lora.py."""
-    return {"max_loras": options.max_loras, "max_rank": options.max_lora_rank, "dtype": dtype,
-            "targets": [{"name": t.name, "in": t.in_features, "parts": [list(p) for p in t.parts], "scale": t.scale}
-                        for t in targets]}
+    return layout

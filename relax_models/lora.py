@@ -3,8 +3,8 @@
 Each token of a step carries the pool slot of its request's adapter (-1: none), and a projection y = x W^T adds
 (x A[slot]^T) B[slot]^T: A is the adapter's down-projection, B its up-projection with the adapter's scaling folded
 in. The pool holds `max_loras` adapters of rank up to `max_rank`, smaller ranks padded with zeros. The pool is no
-weight: each call takes it as an input (A and B of every adapted projection, in `LoraTokens.targets` order), filled
-at run time by runtime/device/lora.py.
+weight: each call takes it as an input (A and B of every adapted projection, in the order of
+mlcc/lora_format.py's LoraLayout.targets), filled at run time by runtime/device/lora.py.
 
 HF keeps q/k/v and gate/up apart where the decoder fuses them: a fused projection's adapter holds one A per HF part
 (`parts`) and each output row of B reads the rank slice of its own part's A.
@@ -12,46 +12,26 @@ HF keeps q/k/v and gate/up apart where the decoder fuses them: a fused projectio
 
 from __future__ import annotations
 
-import dataclasses
-
 from tvm import te, tirx
 from tvm.relax.frontend import nn
 from tvm.relax.frontend.nn import Tensor, op
 
-
-@dataclasses.dataclass(frozen=True)
-class LoraTarget:
-    """An adapted projection: our module name, its input width, and the HF modules whose outputs it fuses, with
-    their widths (HF name, rows), in output order. scale: what the weight loader multiplies the projection by
-    (Granite's residual multiplier), which the adapter's product needs too."""
-
-    name: str
-    in_features: int
-    parts: tuple[tuple[str, int], ...]
-    scale: float = 1.0
-
-    @property
-    def out_features(self) -> int:
-        return sum(rows for _, rows in self.parts)
-
-    def pool_shapes(self, max_loras: int, max_rank: int) -> tuple[list[int], list[int]]:
-        """A [adapters, parts, rank, in] and B [adapters, out, rank]."""
-        return [max_loras, len(self.parts), max_rank, self.in_features], [max_loras, self.out_features, max_rank]
+from mlcc.lora_format import LoraLayout
 
 
 class LoraTokens:
     """What one traced entry point gives the adapted projections: each token's adapter slot and the pool."""
 
-    def __init__(self, targets: list[LoraTarget], max_loras: int, max_rank: int, dtype: str):
-        self.targets, self.max_loras, self.max_rank, self.dtype = targets, max_loras, max_rank, dtype
+    def __init__(self, layout: LoraLayout):
+        self.layout = layout
         self.ids: Tensor | None = None
         self.pool: list[Tensor] = []
 
     def pool_spec(self) -> list[nn.spec.Tensor]:
-        specs = []
-        for t in self.targets:
-            a, b = t.pool_shapes(self.max_loras, self.max_rank)
-            specs += [nn.spec.Tensor(a, self.dtype), nn.spec.Tensor(b, self.dtype)]
+        specs, n = [], self.layout
+        for t in n.targets:
+            a, b = t.pool_shapes(n.max_loras, n.max_rank)
+            specs += [nn.spec.Tensor(a, n.dtype), nn.spec.Tensor(b, n.dtype)]
         return specs
 
     def bind(self, ids: Tensor | None, pool: list[Tensor] | None) -> None:
@@ -91,7 +71,7 @@ def _expand(xa: te.Tensor, ids: te.Tensor, b: te.Tensor, bounds: tuple[int, ...]
 
 def lora_delta(x: Tensor, tokens: LoraTokens, index: int) -> Tensor:
     """The adapters' product for projection `index` of the pool, x [..., in] → [..., out] in x's dtype."""
-    target = tokens.targets[index]
+    target = tokens.layout.targets[index]
     a, b = tokens.pool[2 * index], tokens.pool[2 * index + 1]
     lead = list(x.shape[:-1])
     flat = op.reshape(x, (-1, target.in_features))
@@ -121,5 +101,5 @@ class LoraProjection(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         return self._base[0](x) + lora_delta(x, self.tokens, self.index)
 
-    def to(self, dtype: str | None = None) -> None:  # noqa: ARG002 - cast (or not) by the projection it wraps
+    def to(self, dtype: str | None = None) -> None:  # cast (or not) by the projection it wraps
         return None

@@ -73,17 +73,40 @@ def schedule_matmul(func: tirx.PrimFunc) -> tirx.PrimFunc | None:
         return None
 
 
+def schedule_parallel_reduction(func: tirx.PrimFunc) -> tirx.PrimFunc | None:
+    """One reduction's output elements split over the threads, each reduced by a plain loop (a reduction too short
+    to vectorise: the LoRA expand over the adapters' rank)."""
+    from tvm.s_tir import Schedule
+
+    sch = Schedule(func)
+    try:
+        block = _reduction_block(sch)
+        if block is None:
+            return None
+        spatial = [iv.iter_type != _REDUCE for iv in sch.get(block).iter_vars]
+        loops = sch.get_loops(block)
+        sch.parallel(sch.fuse(*[lp for lp, s in zip(loops, spatial) if s]))
+        return sch.mod["main"].with_attr("tirx.is_scheduled", True)
+    except Exception as e:  # noqa: BLE001 - fall back to the unscheduled loop, never fail the build
+        log.debug("cpu reduction schedule skipped: %s", e)
+        return None
+
+
 @tvm.transform.module_pass(opt_level=0, name="mlcc_cpu_matmul_schedule")
 def ApplyCPUMatmulSchedule(mod: tvm.ir.IRModule, _ctx) -> tvm.ir.IRModule:  # noqa: N802 - pass naming
     updates = {}
     for gv, func in mod.functions.items():
         if not isinstance(func, tirx.PrimFunc) or (func.attrs and func.attrs.get("tirx.is_scheduled")):
             continue
-        if "matmul" not in gv.name_hint and gv.name_hint != "main":
+        # LoRA's gathered products (relax_models/lora.py): the matmul schedule where the reduction vectorises
+        lora = "lora_" in gv.name_hint
+        if "matmul" not in gv.name_hint and gv.name_hint != "main" and not lora:
             continue
-        new = gemm_for(func)
+        new = gemm_for(func) if not lora else None
         if new is None:
             new = schedule_matmul(func)
+        if new is None and lora:
+            new = schedule_parallel_reduction(func)
         if new is not None:
             updates[gv] = new
     for gv, f in updates.items():

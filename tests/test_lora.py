@@ -7,7 +7,6 @@ import queue
 import httpx
 import openai
 import pytest
-import torch
 from conftest import PROMPT
 from lora_support import ALL_MODULES, make_adapter, peft_greedy, peft_last_logits
 from server_support import mlcc_serve
@@ -60,9 +59,9 @@ def engine(lora_build, adapters):
 
 
 def _hf(folder, quant: str = "q0f32"):
-    from test_parity import hf_model   # the float weights a scheme stores, dequantized
+    from test_parity import hf_model
 
-    return hf_model(folder, quant)
+    return hf_model(folder, quant)   # (the float weights a scheme stores, dequantized)
 
 
 def _greedy(engine, runs: list[tuple[list[int], str | None]], n: int = N) -> list[list[int]]:
@@ -85,8 +84,8 @@ def test_each_adapter_alone_and_all_mixed_match_peft(engine, adapters, hf_models
     hf = _hf(hf_models("llama"))
     want = {name: peft_greedy(hf, PROMPT, path, N) for name, path in [(None, None), *adapters.items()]}
     assert len({tuple(v) for v in want.values()}) == 4   # the adapters change the answer
-    for name in want:
-        assert _greedy(engine, [(PROMPT, name)]) == [want[name]], name
+    for name, ids in want.items():
+        assert _greedy(engine, [(PROMPT, name)]) == [ids], name
     # one batch of base and adapter requests: three adapters take turns in two slots, the third waits for one
     loads = engine.model.lora.loads
     names = [None, "a1", "a2", None, "a3", "a1"]
@@ -128,7 +127,7 @@ def test_qlora_and_other_families_match_peft(lora_build, hf_models, tmp_path, ki
 def test_prefix_cache_keys_include_the_adapter(engine):
     """A prompt cached under one adapter is reused by that adapter only: the base model recomputes it."""
     prompt = list(range(40, 90))   # three pages of 16
-    kw = dict(prompt=prompt, max_tokens=4, temperature=0)
+    kw = {"prompt": prompt, "max_tokens": 4, "temperature": 0}
     first = engine.completions.create(model="a2", **kw)
     base = engine.completions.create(**kw)
     again = engine.completions.create(model="a2", **kw)
@@ -201,7 +200,7 @@ def test_openai_client_picks_adapters_by_model_and_the_endpoints_load_and_unload
     client = openai.OpenAI(base_url=f"{server}/v1", api_key="none", max_retries=0)
     cards = {m.id: m for m in client.models.list().data}
     assert set(cards) == {"tiny", "a1"} and cards["a1"].parent == "tiny" and cards["a1"].root == str(adapters["a1"])
-    kw = dict(prompt=PROMPT, max_tokens=N, temperature=0)
+    kw = {"prompt": PROMPT, "max_tokens": N, "temperature": 0}
     for name in ("tiny", "a1"):
         r = client.completions.create(model=name, **kw)
         local = engine.completions.create(model=None if name == "tiny" else name, **kw)

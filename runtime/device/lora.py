@@ -20,12 +20,14 @@ import json
 import logging
 import math
 import re
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
 from mlcc.errors import LoraAdapterError
+from mlcc.lora_format import LoraLayout
 from mlcc.runtime.device.interface import KVCacheOps, ModelFunctions
 
 log = logging.getLogger(__name__)
@@ -38,41 +40,6 @@ _FORWARD = ("prefill", "decode", "batch_prefill", "batch_decode")
 _LORA_KEY = re.compile(r"^(?:base_model\.model\.)?(?P<module>.+)\.lora_(?P<ab>[AB])(?:\.[A-Za-z0-9_]+)?\.weight$")
 _KEY_PREFIX = re.compile(r"^(?:base_model\.model\.)?")
 _keys = itertools.count(1)
-
-
-@dataclasses.dataclass(frozen=True)
-class LoraTarget:
-    name: str                                 # our projection
-    in_features: int
-    parts: tuple[tuple[str, int], ...]        # (HF module, output rows), in output order
-    scale: float = 1.0                        # the factor the projection's weight was stored scaled by
-
-    @property
-    def out_features(self) -> int:
-        return sum(rows for _, rows in self.parts)
-
-
-@dataclasses.dataclass(frozen=True)
-class LoraLayout:
-    """mlcc-config.json's "lora": the pool's geometry and the adaptable projections, in the pool's order."""
-
-    max_loras: int
-    max_rank: int
-    dtype: str
-    targets: tuple[LoraTarget, ...]
-
-    @classmethod
-    def from_config(cls, d: dict[str, Any]) -> "LoraLayout":
-        targets = tuple(LoraTarget(t["name"], int(t["in"]), tuple((str(m), int(r)) for m, r in t["parts"]),
-                                   float(t.get("scale", 1.0))) for t in d["targets"])
-        return cls(int(d["max_loras"]), int(d["max_rank"]), str(d["dtype"]), targets)
-
-    def modules(self) -> dict[str, tuple[int, int]]:
-        """HF module name → (target index, part index)."""
-        return {m: (i, p) for i, t in enumerate(self.targets) for p, (m, _) in enumerate(t.parts)}
-
-    def module_kinds(self) -> list[str]:
-        return list(dict.fromkeys(m.rsplit(".", 1)[-1] for t in self.targets for m, _ in t.parts))
 
 
 @dataclasses.dataclass(eq=False)
@@ -124,22 +91,20 @@ def _read_tensors(path: Path) -> dict[str, np.ndarray]:
 
 
 def _check_config(cfg: dict[str, Any], where: Path) -> None:
-    refusals = [
-        (cfg.get("peft_type", "LORA") != "LORA", f"is a {cfg.get('peft_type')} adapter; only LoRA is served"),
-        (bool(cfg.get("use_dora")), "uses DoRA (use_dora), which is not served; merge it into the model instead"),
-        (cfg.get("bias", "none") != "none", f"trains biases (bias={cfg.get('bias')!r}), which are not served"),
-        (bool(cfg.get("modules_to_save")), f"saves whole modules ({', '.join(cfg.get('modules_to_save') or [])}), "
-                                           "which are not served"),
-        (bool(cfg.get("alpha_pattern")), "sets alpha_pattern (per-module alphas), which is not served"),
-        (bool(cfg.get("lora_bias")), "trains a bias on lora_B (lora_bias), which is not served"),
-        (bool(cfg.get("trainable_token_indices")), "trains token embeddings (trainable_token_indices), which are not "
-                                                   "served"),
-        (bool(cfg.get("target_parameters")), "targets parameters (target_parameters), which are not served"),
-        (bool(cfg.get("fan_in_fan_out")), "stores fan_in_fan_out weights (GPT-2's Conv1D), which are not served"),
-    ]
-    for refused, why in refusals:
-        if refused:
-            raise LoraAdapterError(f"LoRA adapter {where} {why}")
+    """Refuse the PEFT features a pool of plain A and B matrices cannot serve."""
+    if cfg.get("peft_type", "LORA") != "LORA":
+        raise LoraAdapterError(f"{where} is a {cfg.get('peft_type')} adapter; only LoRA adapters are served")
+    features = [("use_dora", "uses DoRA (use_dora)"), ("bias", "trains biases (bias)"),
+                ("lora_bias", "trains a bias on lora_B (lora_bias)"),
+                ("modules_to_save", "saves whole modules (modules_to_save)"),
+                ("alpha_pattern", "sets per-module alphas (alpha_pattern)"),
+                ("trainable_token_indices", "trains token embeddings (trainable_token_indices)"),
+                ("target_parameters", "targets parameters (target_parameters)"),
+                ("fan_in_fan_out", "stores GPT-2 Conv1D weights (fan_in_fan_out)")]
+    for key, what in features:
+        if cfg.get(key) not in (None, False, "none", [], {}):
+            raise LoraAdapterError(f"LoRA adapter {where} {what}, which is not served; merge it into the model "
+                                   "instead")
 
 
 def read_adapter(name: str, path: str | Path, layout: LoraLayout) -> LoraAdapter:
