@@ -31,7 +31,7 @@ from .weights import ModelSource, load_source
 log = logging.getLogger(__name__)
 
 # the tvm target kinds whose attention kernels read a quantized KV cache (mlcc/kv_cache_format.py)
-QUANTIZED_KV_TARGETS = ("llvm",)
+QUANTIZED_KV_TARGETS = ("llvm", "cuda")
 
 
 @dataclasses.dataclass
@@ -92,6 +92,11 @@ def export_module(source: ModelSource, preset: TargetPreset, quant: Quantization
         mod = replace_cpu_attention(mod, cfg.num_key_value_heads, cfg.num_attention_heads, cfg.head_dim,
                                     quant.model_dtype, cfg.sliding_window, cfg.attn_softcap, kv,
                                     getattr(cfg, "attention_sinks", False))
+    elif target.kind.name == "cuda" and kv_cache_format.is_quantized(options.kv_cache_dtype):
+        from mlcc.schedules.cuda_quantized_kv_attention import replace_cuda_quantized_attention
+
+        mod = replace_cuda_quantized_attention(mod, cfg.num_key_value_heads, cfg.num_attention_heads, cfg.head_dim,
+                                               quant.model_dtype, cfg.attn_softcap, options.kv_cache_dtype)
     elif cfg.attn_softcap:
         from mlcc.schedules.attention_softcap import apply_attention_softcap
 
@@ -156,6 +161,10 @@ def check_kv_cache_dtype(preset: TargetPreset, cfg, kv_cache_dtype: str) -> None
     if getattr(cfg, "attention_sinks", False):
         raise UnsupportedKVCacheDtypeError(f"--kv-cache-dtype {kv_cache_dtype}: the attention kernels with sinks "
                                            "(gpt-oss) read a float KV cache only; use --kv-cache-dtype auto")
+    if kind == "cuda" and getattr(cfg, "tensor_parallel_shards", 1) > 1:
+        raise UnsupportedKVCacheDtypeError(f"--kv-cache-dtype {kv_cache_dtype}: the CUDA kernels of a quantized "
+                                           "cache run on one GPU; use --tensor-parallel-shards 1 or "
+                                           "--kv-cache-dtype auto")
     reason = kv_cache_format.unsupported_reason(kv_cache_dtype, cfg.head_dim)
     if reason:
         raise UnsupportedKVCacheDtypeError(reason)

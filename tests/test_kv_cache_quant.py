@@ -111,9 +111,69 @@ def test_a_mismatched_kv_cache_dtype_is_refused(builds):
 def test_unsupported_targets_and_shapes_are_refused(hf_models, tmp_path):
     from mlcc.compiler.build import compile_model
 
-    for target in ("cuda", "webgpu"):   # (CUDA: its attention kernels do not decode the codes yet)
-        with pytest.raises(UnsupportedKVCacheDtypeError, match=f"cannot run on target '{target}'"):
-            compile_model(hf_models("llama"), target, "q4f16_1", tmp_path / target,
-                          options=CompileOptions(kv_cache_dtype="int8"))
+    with pytest.raises(UnsupportedKVCacheDtypeError, match="cannot run on target 'webgpu'"):
+        compile_model(hf_models("llama"), "webgpu", "q4f16_1", tmp_path / "webgpu",
+                      options=CompileOptions(kv_cache_dtype="int8"))
+    with pytest.raises(UnsupportedKVCacheDtypeError, match="run on one GPU; use --tensor-parallel-shards 1"):
+        compile_model(hf_models("llama"), "cuda", "q4f16_1", tmp_path / "tp", tensor_parallel=2,
+                      options=CompileOptions(kv_cache_dtype="int8"))
     assert "multiple of 4" in kv_cache_format.unsupported_reason("int8", 66)
     assert kv_cache_format.unsupported_reason("auto", 66) is None
+
+
+# --- CUDA (schedules/cuda_quantized_kv_attention.py) ---------------------------------------------------------------
+
+
+def _cuda_present() -> bool:
+    import tvm
+
+    from mlcc import tvm_compat
+
+    tvm_compat.load_backend_runtimes("cuda")
+    return tvm.cuda(0).exist
+
+
+@pytest.mark.parametrize("kv", ["int8", "fp8_e4m3"])
+def test_cuda_builds_read_the_codes_with_their_own_kernels(hf_models, tmp_path, kv):
+    """Every attention kernel that reads the cache or its byte outputs is mlcc's (TVM's would read the codes as
+    numbers), and the library compiles."""
+    import tvm
+
+    from mlcc.compiler.build import compile_library, export_module
+    from mlcc.compiler.quantize import get_quantization
+    from mlcc.compiler.weights import load_source
+    from mlcc.targets import get_target
+
+    built = export_module(load_source(hf_models("llama")), get_target("cuda"), get_quantization("q4f16_1"),
+                          options=CompileOptions(kv_cache_dtype=kv))
+    symbols = {str(f.attrs["global_symbol"]) for f in built.mod.functions.values()
+               if isinstance(f, tvm.tirx.PrimFunc) and f.attrs is not None and "global_symbol" in f.attrs}
+    assert {"batch_decode_paged_kv_quantized", "batch_prefill_paged_kv_quantized",
+            "batch_prefill_ragged_kv_quantized", "merge_state_inplace_quantized"} <= symbols
+    assert not symbols & {"batch_decode_paged_kv", "batch_prefill_paged_kv", "batch_prefill_ragged_kv",
+                          "tir_attention_merge_state"}
+    compile_library(built, tmp_path / "model.so")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _cuda_present(), reason="no CUDA device")
+@pytest.mark.parametrize("kv", ["int8", "fp8_e4m3"])
+def test_cuda_quantized_cache_follows_the_cpu_one(hf_models, tmp_path, kv):
+    """The CUDA build with a quantized cache against the CPU build with the same cache and weights (q4f16_1 both):
+    the same prompt in two chunks, then 32 teacher-forced decode steps; the difference is float16 arithmetic
+    (the parity tests' 2e-2), not the codes, which both quantize alike. And against CUDA's float cache, within the
+    CPU's tolerance for the codes."""
+    from mlcc.compiler.build import compile_model
+
+    dirs = {}
+    for target, cache in (("llvm", kv), ("cuda", kv), ("cuda", "auto")):
+        dirs[target, cache] = tmp_path / f"{target}-{cache}"
+        compile_model(hf_models("llama"), target, "q4f16_1", dirs[target, cache],
+                      options=CompileOptions(kv_cache_dtype=cache))
+    ref, ref_ids = _run(dirs["llvm", kv], None)
+    got, _ = _run(dirs["cuda", kv], ref_ids)
+    float_cache, _ = _run(dirs["cuda", "auto"], ref_ids)
+    rel = np.abs(got - ref).max() / np.abs(ref).max()
+    assert rel <= 2e-2, rel
+    rel_float = np.abs(got - float_cache).max() / np.abs(float_cache).max()
+    assert 0 < rel_float < TOLERANCE[kv] + 2e-2, rel_float
