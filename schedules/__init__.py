@@ -64,10 +64,11 @@ def default_schedule_passes(target: tvm.target.Target) -> list[tvm.transform.Pas
         return [dl.ApplyDefaultSchedule(
             dl.gpu.Matmul(), dl.gpu.GEMV(), dl.gpu.Reduction(), dl.gpu.GeneralReduction(), dl.gpu.Fallback())]
     # dlight's cpu rules (GEMV, Reduction) made LLVM codegen of a 2-layer model take 118 s instead of 1.3 s
-    # (measured here), so the CPU gets our own small matmul rule.
+    # (measured here), so the CPU gets our own small matmul rule, and 8-bit codes a GEMV that reads them as bytes.
     from .cpu import ApplyCPUMatmulSchedule
+    from .cpu_gemv import int8_gemv_pass
 
-    return [ApplyCPUMatmulSchedule]
+    return [int8_gemv_pass, ApplyCPUMatmulSchedule]
 
 
 def default_schedule_for(target: tvm.target.Target):
