@@ -6,7 +6,7 @@ reads its own uint32 word (`w[i, j // 4] >> 8 (j % 4) & 255`), which LLVM emits 
 per vector: ~40x slower than the same rule on 4-bit codes. The codes are bytes in memory order (four to a
 little-endian word), so this kernel reads the words through a uint8 view of the same buffer: 16 codes are one
 contiguous vector load, zero-extended and converted, with no gather. Per row: 16 lanes of partial sums per group
-of 32 codes, scaled once per group, then summed across lanes; rows are the parallel loop.
+of 32 codes, scaled once per group, then summed across lanes; tasks of ROWS rows are the parallel loop.
 
 It keeps the fused function's parameters and epilogue (none, `+ residual`, `+ bias`, or a cast of the output:
 the float16 LM head's float32 logits), so it replaces it in place.
@@ -25,6 +25,9 @@ from mlcc.quantization import Quantization, weight_scheme
 from .gemv_match import _blocks, _static_ints, tagged_scheme
 
 LANES = 16
+# Rows per parallel task: its scratch (16-lane sums) is allocated once per task through TVM's workspace pool,
+# which per row cost more than the row's arithmetic (three pool calls for a 576-code row).
+ROWS = 16
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,31 +92,34 @@ def make_int8_gemv(shape: Int8GemvShape) -> tirx.PrimFunc:
         wb = T.decl_buffer((n * k,), "uint8", data=w.data)   # the words' bytes: code j of row i at i * k + j
         xf = T.decl_buffer((k,), d, data=x.data)
         rf = T.decl_buffer((n,), d, data=r.data)
-        for i in T.parallel(n):
-            with T.sblock("row"):
+        for task in T.parallel(-(-n // ROWS)):
+            with T.sblock("rows"):
                 T.reads()
                 T.writes()
                 acc = T.sblock_alloc_buffer((LANES,), "float32", scope="local")
                 part = T.sblock_alloc_buffer((LANES,), "float32", scope="local")
                 total = T.sblock_alloc_buffer((1,), "float32", scope="local")
-                for v in T.vectorized(LANES):
-                    acc[v] = T.float32(0)
-                for grp in T.serial(k // g):
-                    for v in T.vectorized(LANES):
-                        part[v] = T.float32(0)
-                    for h in T.unroll(g // LANES):
+                for row in T.serial(ROWS):
+                    if task * ROWS + row < n:
                         for v in T.vectorized(LANES):
-                            part[v] = part[v] + T.Cast("float32", xf[grp * g + h * LANES + v]) * \
-                                (T.Cast("float32", wb[i * k + grp * g + h * LANES + v]) - T.float32(zero))
-                    for v in T.vectorized(LANES):
-                        acc[v] = acc[v] + part[v] * T.Cast("float32", s[i, grp])
-                total[0] = T.float32(0)
-                for v in T.serial(LANES):
-                    total[0] = total[0] + acc[v]
-                if add:
-                    y[0, 0, i] = T.Cast(d, total[0]) + rf[i]
-                else:
-                    y[0, 0, i] = T.Cast(out_dtype, T.Cast(d, total[0]))
+                            acc[v] = T.float32(0)
+                        for grp in T.serial(k // g):
+                            for v in T.vectorized(LANES):
+                                part[v] = T.float32(0)
+                            for h in T.unroll(g // LANES):
+                                for v in T.vectorized(LANES):
+                                    part[v] = part[v] + T.Cast("float32", xf[grp * g + h * LANES + v]) * (T.Cast(
+                                        "float32", wb[(task * ROWS + row) * k + grp * g + h * LANES + v])
+                                        - T.float32(zero))
+                            for v in T.vectorized(LANES):
+                                acc[v] = acc[v] + part[v] * T.Cast("float32", s[task * ROWS + row, grp])
+                        total[0] = T.float32(0)
+                        for v in T.serial(LANES):
+                            total[0] = total[0] + acc[v]
+                        if add:
+                            y[0, 0, task * ROWS + row] = T.Cast(d, total[0]) + rf[task * ROWS + row]
+                        else:
+                            y[0, 0, task * ROWS + row] = T.Cast(out_dtype, T.Cast(d, total[0]))
 
     x_t, w_t, s_t = (1, 1, k), (n, k // q.per_word), (n, k // g)
     if add:
