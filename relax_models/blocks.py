@@ -339,6 +339,22 @@ class DecoderForCausalLM(nn.Module):
         self._bind_lora(lora_ids, lora_pool)
         return self.logits(self.model(embeds, kv_cache)), kv_cache
 
+    # A LoRA build's forward functions with the adapters: the plain ones run steps where no token has one, at the
+    # speed of a build without LoRA
+    def prefill_lora(self, embeds: Tensor, kv_cache: PagedKVCache, lora_ids: Tensor, lora_pool: list[Tensor]):
+        return self.prefill(embeds, kv_cache, lora_ids, lora_pool)
+
+    def decode_lora(self, embeds: Tensor, kv_cache: PagedKVCache, lora_ids: Tensor, lora_pool: list[Tensor]):
+        return self.decode(embeds, kv_cache, lora_ids, lora_pool)
+
+    def batch_prefill_lora(self, embeds: Tensor, logit_positions: Tensor, kv_cache: PagedKVCache,
+                           lora_ids: Tensor, lora_pool: list[Tensor]):
+        return self.batch_prefill(embeds, logit_positions, kv_cache, lora_ids, lora_pool)
+
+    def batch_decode_lora(self, embeds: Tensor, kv_cache: PagedKVCache, lora_ids: Tensor,
+                          lora_pool: list[Tensor]):
+        return self.batch_decode(embeds, kv_cache, lora_ids, lora_pool)
+
     def create_paged_kv_cache(self, max_batch_size: tirx.Var, max_total_seq_len: tirx.Var,
                               prefill_chunk_size: tirx.Var, page_size: tirx.Var,
                               support_sliding_window: tirx.Var) -> PagedKVCache:
@@ -376,26 +392,24 @@ class DecoderForCausalLM(nn.Module):
         h = self.cfg.hidden_size
         packed = {"param_mode": "packed", "effect_mode": "none"}
         kv = nn.spec.Object(object_type=PagedKVCache)
-
-        def lora(tokens: str | int) -> dict:
-            if self.lora is None:
-                return {}
-            return {"lora_ids": nn.spec.Tensor([tokens], "int32"), "lora_pool": self.lora.pool_spec()}
-
-        return {
+        spec = {
             "embed": {"input_ids": nn.spec.Tensor(["seq_len"], "int32"), "$": packed},
-            "prefill": {"embeds": nn.spec.Tensor([1, "seq_len", h], self.dtype), "kv_cache": kv, **lora("seq_len"),
-                        "$": packed},
-            "decode": {"embeds": nn.spec.Tensor([1, 1, h], self.dtype), "kv_cache": kv, **lora(1), "$": packed},
+            "prefill": {"embeds": nn.spec.Tensor([1, "seq_len", h], self.dtype), "kv_cache": kv, "$": packed},
+            "decode": {"embeds": nn.spec.Tensor([1, 1, h], self.dtype), "kv_cache": kv, "$": packed},
             "batch_prefill": {"embeds": nn.spec.Tensor([1, "seq_len", h], self.dtype),
-                              "logit_positions": nn.spec.Tensor(["batch_size"], "int32"), "kv_cache": kv,
-                              **lora("seq_len"), "$": packed},
-            "batch_decode": {"embeds": nn.spec.Tensor(["batch_size", 1, h], self.dtype), "kv_cache": kv,
-                             **lora("batch_size"), "$": packed},
+                              "logit_positions": nn.spec.Tensor(["batch_size"], "int32"), "kv_cache": kv, "$": packed},
+            "batch_decode": {"embeds": nn.spec.Tensor(["batch_size", 1, h], self.dtype), "kv_cache": kv, "$": packed},
             "create_paged_kv_cache": {
                 "max_batch_size": int, "max_total_seq_len": int, "prefill_chunk_size": int, "page_size": int,
                 "support_sliding_window": int, "$": {"param_mode": "none", "effect_mode": "none"}},
         }
+        if self.lora is not None:   # each token's adapter slot (as many as the embeds' tokens) and the pool
+            for name, tokens in (("prefill", "seq_len"), ("decode", 1), ("batch_prefill", "seq_len"),
+                                 ("batch_decode", "batch_size")):
+                args = {k: v for k, v in spec[name].items() if k != "$"}
+                spec[f"{name}_lora"] = {**args, "lora_ids": nn.spec.Tensor([tokens], "int32"),
+                                        "lora_pool": self.lora.pool_spec(), "$": packed}
+        return spec
 
 
 def _last_position(x: te.Tensor) -> te.Tensor:

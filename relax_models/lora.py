@@ -3,8 +3,9 @@
 Each token of a step carries the pool slot of its request's adapter (-1: none), and a projection y = x W^T adds
 (x A[slot]^T) B[slot]^T: A is the adapter's down-projection, B its up-projection with the adapter's scaling folded
 in. The pool holds `max_loras` adapters of rank up to `max_rank`, smaller ranks padded with zeros. The pool is no
-weight: each call takes it as an input (A and B of every adapted projection, in the order of
-mlcc/lora_format.py's LoraLayout.targets), filled at run time by runtime/device/lora.py.
+weight: the entry points that take adapters (DecoderForCausalLM's `*_lora` twins) take it as an input (A and B of
+every adapted projection, in the order of mlcc/lora_format.py's LoraLayout.targets), filled at run time by
+runtime/device/lora.py; the plain entry points leave the projections as they are.
 
 HF keeps q/k/v and gate/up apart where the decoder fuses them: a fused projection's adapter holds one A per HF part
 (`parts`) and each output row of B reads the rank slice of its own part's A.
@@ -99,6 +100,8 @@ class LoraProjection(nn.Module):
         self.tokens, self.index = tokens, index
 
     def forward(self, x: Tensor) -> Tensor:
+        if self.tokens.ids is None:   # an entry point without adapters
+            return self._base[0](x)
         return self._base[0](x) + lora_delta(x, self.tokens, self.index)
 
     def to(self, dtype: str | None = None) -> None:  # cast (or not) by the projection it wraps

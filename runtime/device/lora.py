@@ -5,8 +5,9 @@ A build serving adapters (`CompileOptions.max_loras`) records in mlcc-config.jso
 each adaptable projection: our name, its input width, the HF modules it fuses with their widths, and the factor its
 weight was scaled by. An adapter's tensors map onto those by HF module name, so every family maps the same way.
 
-Each forward call gets the pool and one int32 slot per token (-1: no adapter): the slot of the sequence the token
-belongs to, bound by the engine core when the sequence is admitted. Slots are filled on demand and reused least
+A step where some token has an adapter runs the library's `<name>_lora` functions, which take the pool and one int32
+slot per token (-1: no adapter): the slot of the sequence the token belongs to, bound by the engine core when the
+sequence is admitted. A step where none has one runs the plain functions, as fast as a build without LoRA. Slots are filled on demand and reused least
 recently used first, never while a running request's adapter holds them (the scheduler admits no more distinct
 adapters than there are slots).
 """
@@ -26,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from mlcc.errors import LoraAdapterError
+from mlcc.errors import ArtifactError, LoraAdapterError
 from mlcc.lora_format import LoraLayout
 from mlcc.runtime.device.interface import KVCacheOps, ModelFunctions
 
@@ -34,7 +35,7 @@ log = logging.getLogger(__name__)
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
-# the forward functions of a LoRA build, which take (..., kv, lora_ids, lora_pool, params)
+# the forward functions that a LoRA build has twins of, `<name>_lora`, taking (..., kv, lora_ids, lora_pool, params)
 _FORWARD = ("prefill", "decode", "batch_prefill", "batch_decode")
 # PEFT's tensor names: [base_model.model.]<module>.lora_A|B[.<adapter name>].weight
 _LORA_KEY = re.compile(r"^(?:base_model\.model\.)?(?P<module>.+)\.lora_(?P<ab>[AB])(?:\.[A-Za-z0-9_]+)?\.weight$")
@@ -250,9 +251,11 @@ class LoraPool:
             self._seq_slot[seq_id] = slot
 
     # -- the forward functions -------------------------------------------------------------------------------------
-    def wrap(self, fns: ModelFunctions, kv_ops: KVCacheOps) -> tuple[ModelFunctions, KVCacheOps]:
-        """`fns` whose forward functions take the usual arguments and pass each token's slot and the pool, and
-        `kv_ops` whose begin_forward notes each step's sequences (what the slots are read from)."""
+    def wrap(self, fns: ModelFunctions, kv_ops: KVCacheOps, get: Callable[[str], Callable]
+             ) -> tuple[ModelFunctions, KVCacheOps]:
+        """`fns` whose forward functions run the library's `<name>_lora` twin (which takes each token's slot and the
+        pool after the KV cache; get(name) looks it up) for a step where some token has an adapter, the plain one
+        otherwise; and `kv_ops` whose begin_forward notes each step's sequences, which the slots are read from."""
         begin = kv_ops.begin_forward
 
         def begin_forward(kv, seq_ids, lens):
@@ -260,13 +263,20 @@ class LoraPool:
             self._step = np.repeat(np.asarray(slots, np.int32), [int(n) for n in lens])
             return begin(kv, seq_ids, lens)
 
-        def forward(raw: Callable) -> Callable:
-            def call(*args):   # (..., kv, params) → (..., kv, lora_ids, lora_pool, params)
-                return raw(*args[:-1], self._step_ids(), self.tensors, args[-1])
+        def forward(plain: Callable, with_lora: Callable) -> Callable:
+            def call(*args):   # (..., kv, params) → (..., kv, lora_ids, lora_pool, params) with adapters
+                if not (self._step >= 0).any():
+                    return plain(*args)
+                return with_lora(*args[:-1], self._step_ids(), self.tensors, args[-1])
 
             return call
 
-        fns = dataclasses.replace(fns, **{name: forward(getattr(fns, name)) for name in _FORWARD})
+        try:
+            twins = {name: get(f"{name}_lora") for name in _FORWARD}
+        except Exception as e:  # noqa: BLE001 - TVM's error for a function the library lacks
+            raise ArtifactError(f"the library lacks the LoRA forward functions ({e.__class__.__name__}): built by an "
+                                "earlier mlcc; recompile it") from None
+        fns = dataclasses.replace(fns, **{name: forward(getattr(fns, name), twins[name]) for name in _FORWARD})
         return fns, dataclasses.replace(kv_ops, begin_forward=begin_forward)
 
     def _step_ids(self):

@@ -326,7 +326,7 @@ class LoadedModel(PagedModel):
             from mlcc.runtime.device.lora import LoraLayout, LoraPool
 
             self.lora = LoraPool(LoraLayout.from_config(self.config["lora"]), self.dev)
-            self.fns, self.kv_ops = self.lora.wrap(self.fns, self.kv_ops)
+            self.fns, self.kv_ops = self.lora.wrap(self.fns, self.kv_ops, lambda name: self.vm[name])
         self._reshape = tvm.get_global_func("vm.builtin.reshape")
         self.argmax, self.sample = self.fns.argmax_logits, self.fns.sample_top_p_top_k
         if self.fns.decode_graph is not None:
