@@ -93,11 +93,14 @@ def test_each_adapter_alone_and_all_mixed_match_peft(engine, adapters, hf_models
     assert engine.model.lora.loads > loads
 
 
-@pytest.mark.parametrize("kind, quant", [("llama", "q4f32_1"), ("qwen3", "q0f32"), ("granite", "q0f32")])
-def test_qlora_and_other_families_match_peft(lora_build, hf_models, tmp_path, kind, quant):
+@pytest.mark.parametrize("kind, quant", [("llama", "q4f32_1"), ("llama", "q0f16"), ("qwen3", "q0f32"),
+                                         ("granite", "q0f32")])
+def test_qlora_float16_and_other_families_match_peft(lora_build, hf_models, tmp_path, kind, quant):
     """q4 base weights with float adapters (QLoRA: the reference merges the adapter into the dequantized weights);
-    Qwen3 (wider heads, q/k norms); Granite (its residual multiplier, folded into o_proj and down_proj, scales
-    their adapters' products too)."""
+    a float16 model (its pool float16 too: logits within test_parity's float16 bound, 2e-2); Qwen3 (wider heads,
+    q/k norms); Granite (its residual multiplier, folded into o_proj and down_proj, scales their adapters'
+    products too)."""
+    f32 = quant.endswith("f32") or quant.endswith("f32_1")
     base = hf_models(kind)
     adapters = {"x": make_adapter(base, tmp_path / "x", 4, RANK, ALL_MODULES),
                 "y": make_adapter(base, tmp_path / "y", 5, 4, ["q_proj", "v_proj", "up_proj"], alpha=8)}
@@ -106,8 +109,9 @@ def test_qlora_and_other_families_match_peft(lora_build, hf_models, tmp_path, ki
     want = {name: peft_greedy(hf, PROMPT, path, N) for name, path in [(None, None), *adapters.items()]}
     with Engine(lora_build(kind, quant), target="llvm", max_batch=4,
                 lora={k: str(v) for k, v in adapters.items()}) as e:
-        assert _greedy(e, [(PROMPT, m) for m in names]) == [want[m] for m in names]
-    # and the logits of one prefill of the three, within float32 rounding of peft's
+        if f32:   # (float16 rounding may flip a near tie)
+            assert _greedy(e, [(PROMPT, m) for m in names]) == [want[m] for m in names]
+    # and the logits of one prefill of the three, within the model dtype's rounding of peft's
     from test_parity import rel_err
 
     model = LoadedModel(lora_build(kind, quant))
@@ -119,7 +123,7 @@ def test_qlora_and_other_families_match_peft(lora_build, hf_models, tmp_path, ki
     got = model.prefill(list(range(3)), [PROMPT] * 3).numpy()
     ref = {name: peft_last_logits(hf, PROMPT, adapters.get(name)) for name in names}
     for row, name in enumerate(names):
-        assert rel_err(got[row], ref[name]) < 1e-4, name
+        assert rel_err(got[row], ref[name]) < (1e-4 if f32 else 2e-2), name
         if name:   # the adapter matters
             assert rel_err(ref[name], ref[None]) > 1e-2
 
