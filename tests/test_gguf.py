@@ -147,10 +147,10 @@ def write_gguf(hf_dir, kind: str, path, k_quants: bool = False, split_max_tensor
     return replaced
 
 
-def _compile_gguf(path, out):
+def _compile_gguf(path, out, quant: str = "q0f32"):
     from mlcc.compiler.build import compile_model
 
-    compile_model(path, "llvm", "q0f32", out)
+    compile_model(path, "llvm", quant, out)
     m = LoadedModel(out)
     m.create_kv_cache(1, 256, 64)
     m.add_sequence(0)
@@ -173,13 +173,17 @@ def test_gguf_model_matches_transformers(kind, hf_models, tmp_path):
 def test_gguf_k_quants_are_dequantized_exactly(hf_models, tmp_path):
     path = tmp_path / "kq.gguf"
     replaced = write_gguf(hf_models("qwen3_256"), "qwen3_256", path, k_quants=True)
-    m = _compile_gguf(path, tmp_path / "art")
-    hf = hf_model(hf_models("qwen3_256"))
+    assert len(replaced) >= 4
+    _assert_matches_dequantized(_compile_gguf(path, tmp_path / "art"), hf_models("qwen3_256"), replaced)
+
+
+def _assert_matches_dequantized(m: LoadedModel, hf_dir, replaced: dict[str, np.ndarray]) -> None:
+    """Prefill and one decode step within 1e-4 of transformers carrying the GGUF's quantized matrices dequantized."""
+    hf = hf_model(hf_dir)
     with torch.no_grad():
         for name, p in hf.named_parameters():
             if name in replaced:
                 p.copy_(torch.from_numpy(replaced[name]))
-    assert len(replaced) >= 4
     assert rel_err(m.prefill([0], [PROMPT]).numpy()[0], hf_logits(hf, PROMPT)[-1]) <= 1e-4
     assert rel_err(m.decode([0], [42]).numpy()[0], hf_logits(hf, PROMPT + [42])[-1]) <= 1e-4
 
@@ -193,13 +197,12 @@ def test_gguf_q8_0_keeps_its_codes_and_scales_in_q8f32_1(hf_models, tmp_path):
     import gguf
     import tvm
 
-    from mlcc.compiler.build import compile_model
     from mlcc.runtime.device.model import load_params
 
     path = tmp_path / "q8.gguf"
     replaced = write_gguf(hf_models("qwen2"), "qwen2", path, quantize_to="Q8_0")
     out = tmp_path / "art"
-    compile_model(path, "llvm", "q8f32_1", out)
+    m = _compile_gguf(path, out, "q8f32_1")
     specs = json.loads((out / "mlcc-config.json").read_text())["params"]
     names = [p["name"] for p in specs]
     params = load_params(out, specs, tvm.cpu())
@@ -210,18 +213,8 @@ def test_gguf_q8_0_keeps_its_codes_and_scales_in_q8f32_1(hf_models, tmp_path):
     blocks = np.asarray(emb.data).reshape(-1, 34)   # Q8_0: an fp16 d, then 32 int8 codes
     np.testing.assert_array_equal(codes.reshape(-1, 32), blocks[:, 2:].view(np.int8))
     np.testing.assert_array_equal(scales.reshape(-1), blocks[:, :2].copy().view(np.float16).reshape(-1))
-
-    m = LoadedModel(out)
-    m.create_kv_cache(1, 256, 64)
-    m.add_sequence(0)
-    hf = hf_model(hf_models("qwen2"))
-    with torch.no_grad():
-        for name, p in hf.named_parameters():
-            if name in replaced:
-                p.copy_(torch.from_numpy(replaced[name]))
     assert len(replaced) >= 8
-    assert rel_err(m.prefill([0], [PROMPT]).numpy()[0], hf_logits(hf, PROMPT)[-1]) <= 1e-4
-    assert rel_err(m.decode([0], [42]).numpy()[0], hf_logits(hf, PROMPT + [42])[-1]) <= 1e-4
+    _assert_matches_dequantized(m, hf_models("qwen2"), replaced)
 
 
 def test_gguf_tokenizer_and_template_come_from_the_metadata(hf_models, tmp_path):
