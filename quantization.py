@@ -16,7 +16,11 @@ rather than TensorRT-LLM's one scale per output row: groups of 32 are the machin
 decodes (CPU GEMM, the CUDA cuBLASLt scratch decoder, dlight, WebGPU) and tensor-parallel splits already respect,
 and they are llama.cpp's Q8_0 block (32 int8 codes, one fp16 scale), so a GGUF Q8_0 tensor re-quantizes to the
 same codes and scales; the cost is 0.5 (f16) or 1 (f32) bit per weight of scales over per-row ones. Like q4f16_1
-they quantize the embedding and LM head too.
+they quantize the embedding and LM head too. Kernels that read the codes: the CPU decode GEMV and many-token GEMM
+(schedules/cpu_gemv.py, cpu_gemm.py), CUDA's batch-1 decode GEMV (schedules/cuda_gemv.py, q8f16_1); CUDA projections
+over 16 tokens decode into a float16 scratch for cuBLASLt (compiler/vendor_gemm.py: mlcc has no int8 GEMM, and
+dlight's generic one is what would read them otherwise, as it does for 16 tokens or fewer and on WebGPU, Metal and
+ROCm).
 
 The published 4-bit checkpoints (AWQ, GPTQ, compressed-tensors pack-quantized; compiler/int4_checkpoint.py) keep
 their codes and group size: q4f16_awq / q4f32_awq carry their zero points (AWQ, asymmetric GPTQ and
