@@ -173,14 +173,15 @@ def test_float8_codes_decode_exactly_in_tir():
     np.testing.assert_array_equal(got.numpy()[finite], want[finite])
 
 
-def test_float8_refuses_expert_weights_in_one_line(hf_models):
+@pytest.mark.parametrize("quant,why", [("e4m3_e4m3_f16", "no float8"), ("q8f32_1", "no q8f32_1 form")])
+def test_float8_and_int8_refuse_expert_weights_in_one_line(quant, why, hf_models):
     from mlcc.compiler.build import export_module
     from mlcc.compiler.weights import load_source
     from mlcc.errors import UnsupportedQuantizationError
     from mlcc.targets import get_target
 
-    with pytest.raises(UnsupportedQuantizationError, match="e4m3_e4m3_f16: mixture-of-experts weights have no float8"):
-        export_module(load_source(hf_models("mixtral")), get_target("llvm"), get_quantization("e4m3_e4m3_f16"))
+    with pytest.raises(UnsupportedQuantizationError, match=f"{quant}: mixture-of-experts weights have {why}"):
+        export_module(load_source(hf_models("mixtral")), get_target("llvm"), get_quantization(quant))
 
 
 @pytest.mark.parametrize("name", ["q8f16_1", "q8f32_1"])
