@@ -150,16 +150,19 @@ def llama_cpp_row(key: str, chunks: list[list[int]], threads: int, python: str) 
 
 
 def table(rows: list[dict]) -> str:
-    """The README's table: one line per model, corpus and engine/scheme."""
-    out = ["| model (GGUF as published) | corpus | weights | ppl | ± | ppl tok/s | decode tok/s |",
-           "|---|---|---|---|---|---|---|"]
+    """The README's table: one line per model, corpus and engine/scheme; load: the machine's 1-minute load average
+    before the row (other work on a shared machine slows the tok/s columns, not the ppl)."""
+    out = ["| model (GGUF as published) | corpus | tokens scored | weights | ppl | ± | ppl tok/s | decode tok/s | load |",
+           "|---|---|---|---|---|---|---|---|---|"]
+    groups: dict[tuple, list[dict]] = {}   # each model, corpus and slice together, in the order first measured
     for r in rows:
-        if "ppl" not in r:
-            continue
+        if "ppl" in r:
+            groups.setdefault((r["model"], r["corpus"], r["scored_tokens"]), []).append(r)
+    for r in [r for g in groups.values() for r in g]:
         what = r["quant"] if r["engine"] == "mlcc" else f"{r['engine']} {r['quant']}"
         decode = f"{r['decode_tok_per_s']:.1f}" if r.get("decode_tok_per_s") else "—"
-        out.append(f"| {r['model']} {r['published']} | {r['corpus']} | {what} | {r['ppl']:.4f} | {r['ppl_error']:.3f} "
-                   f"| {r['tok_per_s']:.0f} | {decode} |")
+        out.append(f"| {r['model']} {r['published']} | {r['corpus']} | {r['scored_tokens']} | {what} | {r['ppl']:.4f} | {r['ppl_error']:.3f} "
+                   f"| {r['tok_per_s']:.0f} | {decode} | {r['load_avg_1min']} |")
     return "\n".join(out)
 
 
