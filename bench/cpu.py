@@ -58,8 +58,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from harness import build_info, cached_gguf, cli, source_commit, write_json
 from cpu_perplexity import cmd_perplexity, perplexity_args
+from harness import build_info, cached_gguf, cli, source_commit, write_json
 
 PROMPT = "What is the capital of France?"
 SHORT = "Tell me a story about a dragon."

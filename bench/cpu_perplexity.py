@@ -170,7 +170,7 @@ def cmd_perplexity(a) -> None:
     if a.table:
         print(table(json.loads(Path(a.table).read_text())))
         return
-    from cpu import decode_tok_s   # bench/cpu.py, which runs this subcommand
+    from cpu import decode_tok_s  # bench/cpu.py, which runs this subcommand
 
     from mlcc.quantization import QUANTIZATIONS
     from mlcc.runtime.jit import resolve_model
@@ -194,12 +194,12 @@ def cmd_perplexity(a) -> None:
             print(json.dumps(row), flush=True)
             write_json(a.out, name, rows)
         chunks = chunks_of(key, text, a)
-        peers = [("transformers", lambda: transformers_row(key, chunks, threads))] if a.transformers else []
+        peers = [(transformers_row, (key, chunks, threads))] if a.transformers else []
         if a.llama_python:
-            peers.append(("llama.cpp", lambda: llama_cpp_row(key, chunks, threads, a.llama_python)))
-        for _, measure in peers:
+            peers.append((llama_cpp_row, (key, chunks, threads, a.llama_python)))
+        for measure, args in peers:
             load = round(os.getloadavg()[0], 2)
-            rows.append({**where, **measure(), "threads": threads, "command": bench_cmd, "load_avg_1min": load})
+            rows.append({**where, **measure(*args), "threads": threads, "command": bench_cmd, "load_avg_1min": load})
             print(json.dumps(rows[-1]), flush=True)
             write_json(a.out, name, rows)
     print(table(rows))
