@@ -93,8 +93,10 @@ def test_each_adapter_alone_and_all_mixed_match_peft(engine, adapters, hf_models
     assert engine.model.lora.loads > loads
 
 
-@pytest.mark.parametrize("kind, quant", [("llama", "q4f32_1"), ("llama", "q0f16"), ("qwen3", "q0f32"),
-                                         ("granite", "q0f32")])
+# (the other families' builds are slow-marked to keep CI's time: llama covers QLoRA and float16 there)
+@pytest.mark.parametrize("kind, quant", [("llama", "q4f32_1"), ("llama", "q0f16"),
+                                         pytest.param("qwen3", "q0f32", marks=pytest.mark.slow),
+                                         pytest.param("granite", "q0f32", marks=pytest.mark.slow)])
 def test_qlora_float16_and_other_families_match_peft(lora_build, hf_models, tmp_path, kind, quant):
     """q4 base weights with float adapters (QLoRA: the reference merges the adapter into the dequantized weights);
     a float16 model (its pool float16 too: logits within test_parity's float16 bound, 2e-2); Qwen3 (wider heads,
