@@ -473,6 +473,9 @@ def compile_model(model: str | Path, target: str, quant: str, output: str | Path
     source = load_source(model)
     t0 = time.time()
     built = export_module(source, preset, q, context_window, tensor_parallel, options)
+    from .vision_files import vision_section
+
+    vision = vision_section(source.path, built.family.module, built.cfg) if source.kind == "hf" else None
     t1 = time.time()
     log.info("read %s and exported its model in %.1fs", source.path.name, t1 - t_read)
     if source.fp8 is not None:
@@ -535,6 +538,8 @@ def compile_model(model: str | Path, target: str, quant: str, output: str | Path
         tok = converting.result()
     t3 = time.time()
     config = _config_json(built, lib_name, tok, {"kind": source.kind, "path": str(source.path)})
+    if vision is not None:   # the runtime's image preprocessing and where image tokens go
+        config["vision"] = vision
     (tmp / artifact.CONFIG_FILE).write_text(json.dumps(config, indent=1))
     # Replace the output only once everything is written: an interrupted compile leaves the old folder intact.
     if out.exists():

@@ -15,10 +15,11 @@ SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 VOCAB = 320
 
 
-def write_byte_tokenizer(folder: Path, bos_token: str | None = None) -> None:
+def write_byte_tokenizer(folder: Path, bos_token: str | None = None, extra_specials: tuple[str, ...] = ()) -> None:
     """tokenizer.json (byte-level BPE without merges, built with `tokenizers`) and tokenizer_config.json (ChatML,
     EOS <|im_end|>) into `folder`. bos_token: a special token the config asks to start every prompt with
-    (add_bos_token), which the template writes first."""
+    (add_bos_token), which the template writes first. extra_specials: more special tokens, after the others (a
+    vision-language model's image tokens)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from tokenizers.pre_tokenizers import ByteLevel
 
@@ -27,7 +28,7 @@ def write_byte_tokenizer(folder: Path, bos_token: str | None = None) -> None:
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens(SPECIALS + ([bos_token] if bos_token else []))
+    tok.add_special_tokens(SPECIALS + ([bos_token] if bos_token else []) + list(extra_specials))
     tok.save(str(Path(folder) / "tokenizer.json"))
     config = {"chat_template": CHATML, "eos_token": "<|im_end|>", "bos_token": bos_token}
     if bos_token:

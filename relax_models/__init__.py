@@ -13,7 +13,7 @@ from typing import Any, Callable
 
 from mlcc.errors import UnknownArchitectureError
 
-from . import deepseek, gemma, gemma2, gemma3, gpt_oss, granite, llama, mixtral, olmo2, phi3, qwen2, qwen2_moe, qwen3, qwen3_moe
+from . import deepseek, gemma, gemma2, gemma3, gemma3_vision, gpt_oss, granite, llama, mixtral, olmo2, phi3, qwen2, qwen2_moe, qwen3, qwen3_moe
 from .blocks import DecoderConfig, DecoderForCausalLM
 from .weight_plans import check_tensor_parallel, shard_weight
 
@@ -49,8 +49,8 @@ class Family:
 
 _FAMILIES = {m.__name__.rsplit(".", 1)[1]: Family(m.__name__.rsplit(".", 1)[1], m,
                                                   getattr(m, "MODEL_CLS", DecoderForCausalLM))
-             for m in (llama, qwen2, qwen3, gemma, gemma2, gemma3, phi3, olmo2, granite, mixtral, qwen2_moe,
-                       qwen3_moe, gpt_oss, deepseek)}
+             for m in (llama, qwen2, qwen3, gemma, gemma2, gemma3, gemma3_vision, phi3, olmo2, granite, mixtral,
+                       qwen2_moe, qwen3_moe, gpt_oss, deepseek)}
 
 # HF model_type → family
 ARCHITECTURES: dict[str, Family] = {
@@ -62,7 +62,7 @@ ARCHITECTURES: dict[str, Family] = {
     "gemma": _FAMILIES["gemma"],
     "gemma2": _FAMILIES["gemma2"],
     "gemma3_text": _FAMILIES["gemma3"],
-    "gemma3": _FAMILIES["gemma3"],
+    "gemma3": _FAMILIES["gemma3_vision"],   # (Gemma3ForConditionalGeneration; its text model without vision_config)
     "phi3": _FAMILIES["phi3"],
     "olmo2": _FAMILIES["olmo2"],
     "granite": _FAMILIES["granite"],

@@ -145,7 +145,7 @@ def _reads_row_major(block, w) -> bool:
     iters = block.iter_vars
     spatial = [iv.var for iv in iters if iv.iter_type == 0]
     reduce = [iv.var for iv in iters if iv.iter_type == 2]
-    if len(reduce) != 1 or not spatial:
+    if len(reduce) != 1 or not spatial or len(region.region) != 2:   # (batched matmuls: a 3-D or 4-D operand)
         return False
     first, second = (r.min for r in region.region)
     return first.same_as(spatial[-1]) and second.same_as(reduce[0])
