@@ -192,10 +192,17 @@ class EngineConfig:
     # (None: as compiled; when compiling with adapters, at least 4 and at least 16 or the adapters' largest rank)
     max_loras: int | None = None
     max_lora_rank: int | None = None
+    # images in chat messages (vision-language models): the hosts whose https URLs may be fetched (a domain allows its
+    # subdomains; none: data: URLs only), and the limits each request's images must keep
+    allowed_media_domains: tuple[str, ...] = ()
+    max_images_per_request: int = 8
+    max_image_pixels: int = 25_000_000      # width x height of one image, checked before its pixels are decoded
+    max_image_bytes: int = 20 << 20         # one image's encoded bytes (base64-decoded, or downloaded)
 
     def __post_init__(self) -> None:
         positive = ("max_batch", "prefill_chunk", "page_size", "context_window", "kv_cache_tokens",
-                    "tensor_parallel", "num_threads", "max_loras", "max_lora_rank")
+                    "tensor_parallel", "num_threads", "max_loras", "max_lora_rank", "max_images_per_request",
+                    "max_image_pixels", "max_image_bytes")
         for name in positive:
             v = getattr(self, name)
             if v is not None and (type(v) is not int or v < 1):
@@ -286,6 +293,15 @@ class EngineConfig:
         parser.add_argument("--max-lora-rank", type=int, default=None, metavar="R",
                             help="the largest LoRA rank served (a compile-time choice; default: as compiled, 16 or "
                                  "the --lora adapters' largest when compiling)")
+        parser.add_argument("--allowed-media-domains", nargs="*", default=[], metavar="DOMAIN",
+                            help="hosts whose https image URLs may be fetched (a domain allows its subdomains); "
+                                 "without it only data: URLs are taken")
+        parser.add_argument("--max-images-per-request", type=int, default=d.max_images_per_request, metavar="N",
+                            help="images one request may carry (default: %(default)s)")
+        parser.add_argument("--max-image-pixels", type=int, default=d.max_image_pixels, metavar="N",
+                            help="width x height of one image (default: %(default)s)")
+        parser.add_argument("--max-image-bytes", type=int, default=d.max_image_bytes, metavar="N",
+                            help="one image's encoded size in bytes (default: %(default)s)")
         CompileOptions.add_cli_argument(parser, "; what a model compiled on first use is built with: an artifacts "
                                                 "folder must have been built with it")
 
@@ -299,6 +315,9 @@ class EngineConfig:
                    speculative_config=args.speculative_config, tensor_parallel=args.tensor_parallel,
                    reasoning_parser=args.reasoning_parser, kv_cache_dtype=args.kv_cache_dtype,
                    lora=_parse_lora(args.lora) or None, max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
+                   allowed_media_domains=tuple(args.allowed_media_domains),
+                   max_images_per_request=args.max_images_per_request, max_image_pixels=args.max_image_pixels,
+                   max_image_bytes=args.max_image_bytes,
                    options=CompileOptions.parse(args.option) if args.option else None)
 
     def describe(self) -> str:

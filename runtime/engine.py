@@ -116,6 +116,11 @@ class Engine:
     def kv_cache_tokens(self) -> int:
         return self.config.kv_cache_tokens
 
+    @property
+    def vision(self) -> dict[str, Any] | None:
+        """How this model takes images (mlcc-config.json's `vision`: preprocessing, image tokens); None: text only."""
+        return self.model.config.get("vision")
+
     # -- LoRA adapters -------------------------------------------------------------------------------------------
     def load_lora(self, name: str, path: str | Path) -> LoraAdapter:
         """Serve the PEFT adapter in folder `path` as model `name` (requests pick it by their `model` field); refused

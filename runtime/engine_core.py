@@ -30,6 +30,7 @@ from mlcc.runtime.core.request import Event, Request
 from mlcc.runtime.core.sampler import DeviceDraw, Sampler
 from mlcc.runtime.core.scheduler import Scheduler
 from mlcc.runtime.device.graph_decode import decode_pipelined
+from mlcc.runtime.device.interface import EmbedRows
 from mlcc.runtime.device.token_fetch import TokenFetcher
 from mlcc.runtime.spec.speculative import Speculator
 
@@ -221,7 +222,7 @@ class EngineCore:
         extra = self.model.seq_lens.get(r.seq_id, kv_len) - kv_len
         if extra > 0:   # a pipelined decode's wasted last step
             self.model.popn(r.seq_id, extra)
-        tokens = (r.prompt_ids + r.output_ids)[:kv_len]
+        tokens = r.cache_ids((r.prompt_ids + r.output_ids)[:kv_len])
         cache.insert(r.seq_id, tokens, r.kv_pages, r.source, r.fork_pos, len(r.prompt_ids), r.lora_key)
         r.source, r.fork_pos, r.cache_pages = None, 0, 0
 
@@ -232,7 +233,8 @@ class EngineCore:
         if batched:
             reqs = [r for r, _ in batched]
             chunks = [r.prefill_ids[r.kv_len: r.kv_len + n] for r, n in batched]
-            logits = self.model.prefill([r.seq_id for r in reqs], chunks)
+            images = [self._image_rows(r, n) for r, n in batched]
+            logits = self.model.prefill([r.seq_id for r in reqs], chunks, images if any(images) else None)
             self._read(reqs, chunks)
             self._ready_to_sample(reqs, logits, sampled, all_logits, rows)
         for r, n in scored:   # its own call: logits at every position of the chunk
@@ -249,6 +251,25 @@ class EngineCore:
         self.stats["prefill_steps"] += 1
         for logits, group, group_rows in zip(all_logits, sampled, rows):
             self._sample_and_emit(group, logits, group_rows)
+
+    def _image_rows(self, r: Request, n: int):
+        """The encoder's rows for the image tokens among r's next n prefill tokens (runtime.device.model.EmbedRows),
+        or None. The encoder runs once per request, when a prefill first reaches one of its images: not at all
+        where the prefix cache already holds them."""
+        start, stop = r.kv_len, r.kv_len + n
+        hit = [img for img in r.images if img.start < stop and img.start + img.length > start]
+        if not hit:
+            return None
+        if r.image_rows is None:
+            r.image_rows = self.model.embed_images(np.stack([img.pixels for img in r.images]))
+            self.stats["images_encoded"] += len(r.images)
+        offsets, rows = [], []
+        for img in r.images:
+            lo, hi = max(start, img.start), min(stop, img.start + img.length)
+            if lo < hi:
+                offsets.append(np.arange(lo - start, hi - start))
+                rows.append(r.image_rows[r.images.index(img), lo - img.start: hi - img.start])
+        return EmbedRows(np.concatenate(offsets), np.concatenate(rows))
 
     @staticmethod
     def _scores_prompt(r: Request) -> bool:
@@ -276,7 +297,8 @@ class EngineCore:
                     f.prompt_logprobs = list(r.prompt_logprobs)
                     f.cached_tokens = r.cached_tokens
                     if self.prefix_cache is not None:
-                        self.prefix_cache.shared(r.prefill_ids, r.kv_pages, f.kv_pages, r.kv_len, r.lora_key)
+                        self.prefix_cache.shared(r.cache_ids(r.prefill_ids), r.kv_pages, f.kv_pages, r.kv_len,
+                                                 r.lora_key)
             if r.max_new == 0:
                 for m in members:
                     m.finish_reason = "length"

@@ -47,17 +47,24 @@ def make_gemma3_vision(folder: Path, seed: int = 0, image_size: int = 64, patch_
             if name.endswith("mm_input_projection_weight"):
                 p.copy_(0.2 * torch.randn_like(p))
     model.save_pretrained(folder)
-    write_byte_tokenizer(folder, extra_specials=IMAGE_SPECIALS)
-    tok_cfg = json.loads((folder / "tokenizer_config.json").read_text())
-    tok_cfg.update(chat_template=GEMMA3_TEMPLATE, extra_special_tokens=dict(zip(
-        ("boi_token", "image_token", "eoi_token"), IMAGE_SPECIALS)))
-    (folder / "tokenizer_config.json").write_text(json.dumps(tok_cfg))
+    _write_tokenizer(folder)
     tokenizer = tf.AutoTokenizer.from_pretrained(folder)
     processor = tf.Gemma3Processor(
         image_processor=tf.Gemma3ImageProcessorPil(size={"height": image_size, "width": image_size}),
         tokenizer=tokenizer, chat_template=GEMMA3_TEMPLATE, image_seq_length=tokens_per_image)
     processor.save_pretrained(folder)
+    _write_tokenizer(folder)   # (the processor saved its tokenizer over ours, in another form)
     return folder
+
+
+def _write_tokenizer(folder: Path) -> None:
+    """The byte tokenizer with the image tokens, as a plain fast tokenizer (not the GemmaTokenizer model_type gemma3
+    would make AutoTokenizer build) that names them as Gemma3Processor reads them."""
+    write_byte_tokenizer(folder, extra_specials=IMAGE_SPECIALS)
+    tok_cfg = json.loads((folder / "tokenizer_config.json").read_text())
+    tok_cfg.update(chat_template=GEMMA3_TEMPLATE, tokenizer_class="PreTrainedTokenizerFast", extra_special_tokens=dict(
+        zip(("boi_token", "image_token", "eoi_token"), IMAGE_SPECIALS)))
+    (folder / "tokenizer_config.json").write_text(json.dumps(tok_cfg))
 
 
 def png_data_url(pixels: np.ndarray) -> str:

@@ -51,6 +51,7 @@ class CallSpec:
     prefix: str = ""
     prefix_ids: list[int] = dataclasses.field(default_factory=list)
     lora: Any = None   # the LoRA adapter the `model` field names (runtime.device.lora.LoraAdapter), or None
+    images: tuple = ()   # the prompt's images (runtime.core.request.PromptImage)
 
 
 class Call:
@@ -82,6 +83,7 @@ class Call:
                                 decoder, engine.tokenizer.eos_ids, rng=np.random.default_rng(seed),
                                 logit_bias=self.spec.logit_bias, top_logprobs=self.top_logprobs,
                                 prompt_top_logprobs=self.spec.prompt_top_logprobs, lora=self.spec.lora,
+                                images=self.spec.images,
                                 matcher=self.spec.make_matcher() if self.spec.make_matcher else None))
         reqs[0].forks = reqs[1:]
         engine.core.submit(reqs[0])

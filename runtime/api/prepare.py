@@ -10,6 +10,7 @@ from typing import Any
 from mlcc.errors import ContextWindowExceededError, RequestError
 from mlcc.runtime.api import reasoning, structured, tool_calls
 from mlcc.runtime.api.call import Call, CallSpec
+from mlcc.runtime.api.images import ImageLimits, load_images, place_images
 from mlcc.runtime.core.logit_processing import TOP_LOGPROBS
 from mlcc.runtime.core.sampler import SamplingParams
 
@@ -24,14 +25,28 @@ def chat_call(engine: Any, fields: dict[str, Any]) -> Call:
     calling = bool(tools) and choice != "none"
     fmt = engine.tool_format if tools else None
     takes_tools = tool_calls.template_takes_tools(engine.tokenizer.chat_template)
-    messages = [_template_message(m, None if takes_tools else engine.tool_format) for m in fields["messages"]]
+    urls = _image_urls(fields["messages"])
+    vision = engine.vision if urls else None
+    if urls and vision is None:
+        raise RequestError("this model takes no images (it has no vision encoder); send text only",
+                           param=urls[0][1])
+    pixels = load_images(urls, vision, ImageLimits.of(engine.config)) if urls else []
+    image_parts = _template_renders_images(engine.tokenizer.chat_template)
+    messages = [_template_message(m, None if takes_tools else engine.tool_format,
+                                  vision["placeholder"] if vision else None, image_parts) for m in fields["messages"]]
     if tools and not takes_tools:
         messages = _with_tools_prompt(messages, tool_calls.tools_system_prompt(tools, fmt))
         template_tools = None
     else:
         template_tools = list(tools) or None
     kwargs = fields.get("chat_template_kwargs")
-    if kwargs:
+    images = ()
+    if urls:
+        text = engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tools=template_tools,
+                                                    template_kwargs=kwargs)
+        ids = engine.tokenizer.encode(_expand_images(text, vision, len(urls)))
+        images = place_images(ids, pixels, vision)
+    elif kwargs:
         ids = engine.tokenizer.encode(engine.tokenizer.apply_chat_template(
             messages, add_generation_prompt=True, tools=template_tools, template_kwargs=kwargs))
     else:
@@ -54,7 +69,8 @@ def chat_call(engine: Any, fields: dict[str, Any]) -> Call:
         kind = "openai_gptoss"
     return _make(engine, True, fields, ids, max_tokens, spec, top, None,
                  make_parser=(lambda: tool_calls.tool_call_parser(fmt, tools)) if calling else None,
-                 make_reasoner=(lambda: reasoning.make_parser(kind)) if kind else None, reasoning_kind=kind)
+                 make_reasoner=(lambda: reasoning.make_parser(kind)) if kind else None, reasoning_kind=kind,
+                 images=images)
 
 
 def completion_call(engine: Any, fields: dict[str, Any]) -> Call:
@@ -139,14 +155,45 @@ def _grammar_spec(fields: dict[str, Any]) -> Any:
     return structured.spec_from_response_format(rf)
 
 
-def _template_message(m: dict[str, Any], calls_as_text: Any = None) -> dict[str, Any]:
+def _image_urls(messages: list[dict[str, Any]]) -> list[tuple[str, str]]:
+    """(url, the part's parameter path) of every image_url part, in prompt order."""
+    return [(part["image_url"]["url"], f"messages[{i}].content[{j}].image_url")
+            for i, m in enumerate(messages) if isinstance(m.get("content"), list)
+            for j, part in enumerate(m["content"]) if part["type"] == "image_url"]
+
+
+def _template_renders_images(template: str | None) -> bool:
+    """Whether a chat template writes image parts itself (HF's {"type": "image"} items, as Gemma 3's does); other
+    templates get the image placeholder inside the text."""
+    return bool(template) and ("'image'" in template or '"image"' in template)
+
+
+def _expand_images(text: str, vision: dict[str, Any], count: int) -> str:
+    """The rendered prompt with each image's placeholder replaced by its whole token sequence, as the model's
+    processor does before tokenizing."""
+    placeholder = vision["placeholder"]
+    found = text.count(placeholder)
+    if found != count:
+        raise RequestError(f"the chat template wrote {found} image placeholders ({placeholder}) for {count} images; "
+                           f"do not write {placeholder} as text", param="messages")
+    return text.replace(placeholder, vision["expanded"])
+
+
+def _template_message(m: dict[str, Any], calls_as_text: Any = None, image_placeholder: str | None = None,
+                      image_parts: bool = False) -> dict[str, Any]:
     """OpenAI's message → what HF chat templates read: content parts joined into one string, tool-call arguments
     as objects (templates render them with tojson). calls_as_text: for a template that ignores tools, the
     runtime.api.tool_calls.ToolFormat an assistant's earlier calls are written into its content with, as the model
-    was told to write them."""
+    was told to write them. A message with images keeps its parts ({"type": "image"} items) for a template that
+    renders them (image_parts), else gets image_placeholder in the text where each image is."""
     m = dict(m)
     content = m.get("content")
-    if isinstance(content, list):
+    if isinstance(content, list) and any(part["type"] == "image_url" for part in content):
+        if image_parts:
+            m["content"] = [{"type": "image"} if part["type"] == "image_url" else part for part in content]
+        else:
+            m["content"] = "".join(part["text"] if part["type"] == "text" else image_placeholder for part in content)
+    elif isinstance(content, list):
         m["content"] = "".join(part["text"] for part in content)
     if m.get("tool_calls") and calls_as_text is not None:
         fmt = calls_as_text

@@ -40,7 +40,19 @@ class TextPart(_Model):
     text: str
 
 
+class ImageUrl(_Model):
+    url: str = Field(description="a data: URL (data:image/png;base64,...) or an https URL of an allowed domain")
+    detail: Literal["auto", "low", "high"] | None = None
+
+
+class ImageUrlPart(_Model):
+    type: Literal["image_url"]
+    image_url: ImageUrl
+
+
 Content = str | list[TextPart]
+UserContent = str | list[Annotated[TextPart | ImageUrlPart, Field(discriminator="type")]]
+_PART_TYPES = ("text", "image_url")
 
 
 class _Message(_Model):
@@ -48,12 +60,12 @@ class _Message(_Model):
 
     @field_validator("content", mode="before", check_fields=False)
     @classmethod
-    def _text_parts_only(cls, v: Any) -> Any:
+    def _known_parts_only(cls, v: Any) -> Any:
         for part in v if isinstance(v, list) else ():
             kind = part.get("type") if isinstance(part, dict) else None
-            if isinstance(kind, str) and kind != "text":
-                raise ValueError(f"content part type '{kind}' is not supported: this server serves text-only models;"
-                                 " send text parts ({\"type\": \"text\", \"text\": ...}) or a string")
+            if isinstance(kind, str) and kind not in _PART_TYPES:
+                raise ValueError(f"content part type '{kind}' is not supported; send text parts "
+                                 "({\"type\": \"text\", \"text\": ...}), image_url parts in user messages, or a string")
         return v
 
 
@@ -69,7 +81,7 @@ class DeveloperMessage(_Message):
 
 class UserMessage(_Message):
     role: Literal["user"]
-    content: Content
+    content: UserContent
 
 
 class FunctionCall(_Model):

@@ -23,6 +23,10 @@ found, up to one token before the prompt's end.
 Keys include the LoRA adapter a sequence ran with (its load's unique key, 0 for none): each adapter has a tree of
 its own, as the same tokens give other K/V under another adapter.
 
+Keys also include the images of a prompt: an image's tokens are all the same id, so `image_keyed` replaces them
+with negative keys drawn from the image's content hash (one per position, never a real token id): a prompt with
+another image at the same place shares the cache only up to that image.
+
 Models with sliding-window layers only continue sequences, never fork them (TVM's attention over a shared prefix
 block windows each block on its own, which is exact only within the window). Requests that score their prompt
 (echo with logprobs, which needs the logits of every prompt position) do not look up.
@@ -38,6 +42,17 @@ from typing import Any, Callable, Iterable, Sequence
 log = logging.getLogger(__name__)
 
 _MAX_CANDIDATES = 64   # entries compared token by token inside the last matched page
+
+
+def image_keyed(tokens: Sequence[int], images: Iterable[Any]) -> list[int]:
+    """tokens with each image's run (runtime.core.request.PromptImage: start, length, digest) replaced by keys of
+    its content: -1 - (62 bits of the digest + position in the run)."""
+    out = list(tokens)
+    for img in images:
+        base = int(img.digest[:16], 16) >> 2
+        for i in range(img.start, min(img.start + img.length, len(out))):
+            out[i] = -1 - ((base + i - img.start) & ((1 << 62) - 1))
+    return out
 
 
 class _Page:

@@ -28,6 +28,16 @@ class Event:
     cached_tokens: int = 0         # finish: prompt tokens whose KV came from the prefix cache
 
 
+@dataclasses.dataclass(frozen=True, eq=False)
+class PromptImage:
+    """An image of the prompt: its run of `length` image tokens from position `start`, the encoder's input (float32
+    [channels, height, width], preprocessed) and that input's sha256 (what the prefix cache keys its tokens by)."""
+    start: int
+    length: int
+    pixels: np.ndarray
+    digest: str
+
+
 @dataclasses.dataclass(eq=False)
 class SharedPrefix:
     """Full KV pages that forked sequences hold together (TVM frees them with the last holder)."""
@@ -77,6 +87,10 @@ class Request:
     cache_pages: int = 0
     cached_tokens: int = 0
     retired_len: int = 0
+    # the prompt's images (vision-language models) and, once a prefill first reads one, every image's rows from the
+    # encoder ([images, tokens per image, hidden], on the host)
+    images: tuple[PromptImage, ...] = ()
+    image_rows: Any = None
 
     def __post_init__(self) -> None:
         self.prefill_ids = list(self.prompt_ids)
@@ -99,6 +113,13 @@ class Request:
     def decoding(self) -> bool:
         """Has sampled a token that the next decode step feeds in."""
         return not self.reading_prompt and bool(self.output_ids) and self.finish_reason is None
+
+    def cache_ids(self, tokens: list[int]) -> list[int]:
+        """`tokens` (a prefix of prompt + output) as the prefix cache keys them: image tokens by their image's
+        content (runtime.core.prefix_cache.image_keyed)."""
+        from mlcc.runtime.core.prefix_cache import image_keyed
+
+        return image_keyed(tokens, self.images) if self.images else tokens
 
     def group(self) -> list["Request"]:
         return [self, *self.forks]

@@ -172,7 +172,7 @@ class Scheduler:
         for r in admit:
             if r.kv_len or r.prompt_top_logprobs is not None:   # echo's prompt scoring needs every position
                 continue
-            hit = cache.match(r.prefill_ids, r.lora_key)
+            hit = cache.match(r.cache_ids(r.prefill_ids), r.lora_key)
             if not r.output_ids:
                 r.cached_tokens = min(hit.pos, len(r.prompt_ids)) if hit else 0
             if hit is not None:

@@ -15,10 +15,26 @@ import dataclasses
 from pathlib import Path
 from typing import Any, Callable
 
+import numpy as np
+
 from mlcc import artifact
 from mlcc.errors import ArtifactError
 
 Function = Callable[..., Any]
+
+
+@dataclasses.dataclass(frozen=True)
+class EmbedRows:
+    """Rows that replace the token embeddings at `offsets` (ascending) of one sequence's token list: an image's
+    rows from image_embed in place of its image tokens'."""
+
+    offsets: np.ndarray   # int [k]
+    rows: np.ndarray      # [k, hidden]
+
+    def window(self, start: int, stop: int) -> EmbedRows | None:
+        """The rows of tokens start..stop, offsets from start; None where there are none."""
+        keep = (self.offsets >= start) & (self.offsets < stop)
+        return EmbedRows(self.offsets[keep] - start, self.rows[keep]) if keep.any() else None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,8 +60,12 @@ class ModelFunctions:
     apply_logit_bias: Function | None = None
     # (logits [b, vocab], ids int32[b]) -> (logprob of ids f32[b], top ids int32[b, K], top logprobs f32[b, K])
     logprobs: Function | None = None
+    # (pixel_values [images, channels, size, size], params) -> [images, tokens per image, hidden]: vision-language
+    # models only
+    image_embed: Function | None = None
 
-    OPTIONAL = frozenset({"sample_top_p_top_k", "decode_graph", "apply_bitmask", "apply_logit_bias", "logprobs"})
+    OPTIONAL = frozenset({"sample_top_p_top_k", "decode_graph", "apply_bitmask", "apply_logit_bias", "logprobs",
+                          "image_embed"})
     LOGIT_FUNCTIONS = ("apply_bitmask", "apply_logit_bias", "logprobs")
 
     @classmethod

@@ -15,7 +15,7 @@ import numpy as np
 from mlcc import artifact, tvm_compat
 from mlcc.errors import RequestError
 from mlcc.runtime.device.graph_decode import GraphDecode, register_graph_attention
-from mlcc.runtime.device.interface import KVCacheOps, ModelFunctions
+from mlcc.runtime.device.interface import EmbedRows, KVCacheOps, ModelFunctions
 from mlcc.runtime.device.token_fetch import UploadBuffer
 
 log = logging.getLogger(__name__)
@@ -133,18 +133,23 @@ class PagedModel:
             raise ValueError(f"token id out of range [0, {self.vocab}): {int(arr.min())}..{int(arr.max())}")
         return arr
 
-    def prefill(self, seq_ids: Sequence[int], token_lists: Sequence[Sequence[int]]):
+    def prefill(self, seq_ids: Sequence[int], token_lists: Sequence[Sequence[int]],
+                images: Sequence[EmbedRows | None] | None = None):
         """Ragged prefill of several sequences in one call; logits [len(seq_ids), vocab] of each last token.
+        images: per sequence, the encoder's rows that replace its image tokens' embeddings (or None).
 
         A model with sliding-window layers takes at most `max_prefill_chunk` new tokens of a sequence per forward
         (TVM's sliding attention is exact only then): longer lists go through in rounds."""
         limit = self.max_prefill_chunk
         if not limit or max(len(t) for t in token_lists) <= limit:
-            return self._prefill_once(seq_ids, token_lists)
+            return self._prefill_once(seq_ids, token_lists, images)
         rows: dict[int, Any] = {}
         for start in range(0, max(len(t) for t in token_lists), limit):
             live = [i for i, t in enumerate(token_lists) if len(t) > start]
-            out = self._prefill_once([seq_ids[i] for i in live], [token_lists[i][start:start + limit] for i in live])
+            part = None if images is None else [
+                images[i].window(start, start + limit) if images[i] is not None else None for i in live]
+            out = self._prefill_once([seq_ids[i] for i in live], [token_lists[i][start:start + limit] for i in live],
+                                     part)
             host = out.numpy() if len(live) < len(seq_ids) else None
             for row, i in enumerate(live):
                 rows[i] = (out, row, host)
@@ -153,10 +158,14 @@ class PagedModel:
         return self.to_device(np.stack([r[2][r[1]] if r[2] is not None else r[0].numpy()[r[1]]
                                         for _, r in sorted(rows.items())]))
 
-    def _prefill_once(self, seq_ids: Sequence[int], token_lists: Sequence[Sequence[int]]):
+    def _prefill_once(self, seq_ids: Sequence[int], token_lists: Sequence[Sequence[int]],
+                      images: Sequence[EmbedRows | None] | None = None):
         lens = [len(t) for t in token_lists]
         flat = [t for ts in token_lists for t in ts]
-        emb = self._embed_shaped(flat, [1, len(flat), self.hidden])
+        if images is not None and any(r is not None for r in images):
+            emb = self._spliced_embeds(flat, lens, images)
+        else:
+            emb = self._embed_shaped(flat, [1, len(flat), self.hidden])
         self.kv_ops.begin_forward(self.kv, self._shape(list(seq_ids)), self._shape(lens))
         if len(seq_ids) == 1:
             out = self.fns.prefill(emb, self.kv, self.params)
@@ -166,6 +175,25 @@ class PagedModel:
         self.kv_ops.end_forward(self.kv)
         self._grow(seq_ids, lens)
         return self._logits(out, len(seq_ids))
+
+    def _spliced_embeds(self, flat: list[int], lens: list[int], images: Sequence[EmbedRows | None]):
+        """The token embeddings with the image tokens' rows replaced by the encoder's (spliced on the host: one
+        round trip per prefill that reads image tokens)."""
+        starts = np.cumsum([0, *lens[:-1]])
+        at = np.concatenate([r.offsets + s for r, s in zip(images, starts) if r is not None])
+        ids = np.asarray(flat, dtype=np.int32)
+        ids[at] = 0   # (an image token id may lie past the embedding table, as in transformers)
+        host = self.embed(ids.tolist()).numpy().reshape(len(flat), self.hidden)
+        host[at] = np.concatenate([r.rows for r in images if r is not None]).astype(host.dtype)
+        return self._reshape(self.to_device(host), self._shape([1, len(flat), self.hidden]))
+
+    def embed_images(self, pixels: np.ndarray) -> np.ndarray:
+        """Preprocessed images float32 [n, channels, size, size] → the rows of their image tokens [n, tokens,
+        hidden] on the host."""
+        if self.fns.image_embed is None:
+            raise RequestError(f"{self.dir} takes no images: its library has no image encoder", param="messages")
+        dtype = self.config.get("model_dtype", "float32")
+        return self.fns.image_embed(self.to_device(pixels.astype(dtype)), self.params).numpy()
 
     def decode(self, seq_ids: Sequence[int], tokens: Sequence[int]):
         """One new token for each sequence; logits [len(seq_ids), vocab]."""

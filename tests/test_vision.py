@@ -1,0 +1,119 @@
+"""Vision-language models against transformers: a tiny random Gemma3ForConditionalGeneration (SigLIP 64x64, patch
+16, 4 image tokens) compiled for the CPU in float32.
+
+Tolerances: logits with images rel. err ≤ 1e-4 (relative to the largest |logit|, as tests/test_parity.py) and greedy
+ids identical. The reference is transformers' processor (chat template, image processing) and model, run with the
+causal mask over image tokens (the model called without token_type_ids, as transformers' generate does after the
+prompt): mlcc's attention is causal over an image's tokens, where Gemma 3's prefill in transformers lets them see
+each other both ways (docs/ARCHITECTURE.md, Images).
+"""
+
+import numpy as np
+import pytest
+import torch
+from vision_support import EOS, make_gemma3_vision, png_data_url, random_image
+
+from mlcc.runtime.device.interface import EmbedRows
+from mlcc.runtime.device.model import LoadedModel
+
+
+@pytest.fixture(scope="module")
+def gemma3(tmp_path_factory):
+    from mlcc.compiler.build import compile_model
+
+    hf_dir = make_gemma3_vision(tmp_path_factory.mktemp("hf-gemma3-vision"))
+    art = tmp_path_factory.mktemp("art-gemma3-vision") / "model"
+    compile_model(hf_dir, "llvm", "q0f32", art)
+    return hf_dir, art
+
+
+@pytest.fixture(scope="module")
+def reference(gemma3):
+    import transformers as tf
+
+    hf_dir, _ = gemma3
+    return (tf.AutoProcessor.from_pretrained(hf_dir),
+            tf.Gemma3ForConditionalGeneration.from_pretrained(hf_dir, dtype=torch.float32).eval())
+
+
+@pytest.fixture(scope="module")
+def engine(gemma3):
+    from mlcc.runtime.engine import Engine
+
+    e = Engine(gemma3[1], target="llvm", max_batch=2)
+    yield e
+    e.shutdown()
+
+
+def _ours(images, text):
+    return [{"role": "user", "content": [*({"type": "image_url", "image_url": {"url": png_data_url(im)}}
+                                           for im in images), {"type": "text", "text": text}]}]
+
+
+def _theirs(images, text):
+    from PIL import Image
+
+    return [{"role": "user", "content": [*({"type": "image", "image": Image.fromarray(im)} for im in images),
+                                         {"type": "text", "text": text}]}]
+
+
+def _hf_inputs(processor, images, text):
+    return processor.apply_chat_template(_theirs(images, text), add_generation_prompt=True, tokenize=True,
+                                         return_dict=True, return_tensors="pt")
+
+
+def rel_err(a, b) -> float:
+    return float(np.abs(np.asarray(a, np.float64) - b).max() / np.abs(b).max())
+
+
+@pytest.mark.parametrize("count", [1, 2])
+def test_prompt_pixels_and_logits_with_images_match_transformers(gemma3, reference, engine, count):
+    from mlcc.runtime.api.prepare import chat_call
+
+    processor, hf = reference
+    images = [random_image(i, 50 + 9 * i, 70 - 5 * i) for i in range(count)]
+    call = chat_call(engine, {"messages": _ours(images, "What is in the picture?"), "max_tokens": 4})
+    inputs = _hf_inputs(processor, images, "What is in the picture?")
+    assert call.ids == inputs["input_ids"][0].tolist()   # template and image token expansion
+    pixels = np.stack([img.pixels for img in call.spec.images])
+    assert np.abs(pixels - inputs["pixel_values"].numpy()).max() <= 1e-6   # resize, rescale, normalise
+
+    m = LoadedModel(gemma3[1])
+    m.create_kv_cache(1, 256, 256)
+    m.add_sequence(0)
+    rows = m.embed_images(pixels)
+    offsets = np.concatenate([np.arange(img.start, img.start + img.length) for img in call.spec.images])
+    ours = m.prefill([0], [call.ids], [EmbedRows(offsets, rows.reshape(-1, rows.shape[-1]))]).numpy()[0]
+    with torch.no_grad():
+        ref = hf(input_ids=inputs["input_ids"], pixel_values=inputs["pixel_values"]).logits[0, -1].double().numpy()
+    assert rel_err(ours, ref) <= 1e-4, rel_err(ours, ref)
+
+
+def test_greedy_chat_with_images_then_a_text_turn_matches_transformers(reference, engine):
+    processor, hf = reference
+    images = [random_image(7), random_image(8, 64, 64)]
+    messages = _ours(images, "Describe both.")
+    reply = engine.chat.completions.create(messages=messages, max_tokens=12, temperature=0)
+    inputs = _hf_inputs(processor, images, "Describe both.")
+    with torch.no_grad():
+        out = hf.generate(input_ids=inputs["input_ids"], pixel_values=inputs["pixel_values"], max_new_tokens=12,
+                          do_sample=False, eos_token_id=EOS, pad_token_id=0)
+    expected = processor.tokenizer.decode(out[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
+    assert reply.choices[0].message.content == expected and len(out[0]) > inputs["input_ids"].shape[1]
+    assert reply.usage.prompt_tokens == inputs["input_ids"].shape[1]
+
+    # a text-only turn after the image turn: the images stay in the conversation
+    follow = [*messages, {"role": "assistant", "content": expected}, {"role": "user", "content": "And now?"}]
+    reply2 = engine.chat.completions.create(messages=follow, max_tokens=8, temperature=0)
+    theirs = [*_theirs(images, "Describe both."),
+              {"role": "assistant", "content": [{"type": "text", "text": expected}]},
+              {"role": "user", "content": [{"type": "text", "text": "And now?"}]}]
+    inputs2 = processor.apply_chat_template(theirs, add_generation_prompt=True, tokenize=True, return_dict=True,
+                                            return_tensors="pt")
+    with torch.no_grad():
+        out2 = hf.generate(input_ids=inputs2["input_ids"], pixel_values=inputs2["pixel_values"], max_new_tokens=8,
+                           do_sample=False, eos_token_id=EOS, pad_token_id=0)
+    assert reply2.choices[0].message.content == processor.tokenizer.decode(
+        out2[0, inputs2["input_ids"].shape[1]:], skip_special_tokens=True)
+    # the second turn's prompt starts with the first one's: its image tokens came from the prefix cache
+    assert reply2.usage.prompt_tokens_details.cached_tokens > 0
