@@ -115,7 +115,7 @@ def _jobs(source: ModelSource, built: Any, rank: int) -> Iterator[_Job]:
     wanted = {p["name"]: p for p in built.params}
     shards = built.cfg.tensor_parallel_shards
     fixups = source_fixups(source, built.family, built.cfg)
-    for ours, (names, combine) in built.family.weight_plan(built.cfg).items():
+    for ours, (names, combine) in built.family.weight_plan(built.cfg, source.kind).items():
         base = ours.removesuffix(".weight")
         quantized = f"{base}.q_weight" in wanted
         if quantized and keeps_int4(source, built.quant, names, combine, fixups):

@@ -404,7 +404,7 @@ def load_gguf(path: Path) -> ModelSource:
     fixups = family.gguf_fixups(cfg)
     tensors: dict[str, Callable[[], np.ndarray]] = {}
     rows: dict[str, tuple[int, Callable[[int, int], np.ndarray]]] = {}
-    for sources, _ in family.weight_plan(cfg).values():
+    for sources, _ in family.weight_plan(cfg, "gguf").values():
         for hf_name in sources:
             g = tmap.get_name(hf_name, try_suffixes=(".weight", ".bias"))
             if g is None or g not in by_name:
@@ -477,7 +477,7 @@ def load_source(path: str | Path) -> ModelSource:
 def iter_float_params(source: ModelSource, family, cfg) -> Iterator[tuple[str, np.ndarray]]:
     """(our name, float32 array) for every parameter of the unquantized model, assembled per the family plan."""
     fixups = source_fixups(source, family, cfg)
-    for ours, (names, combine) in family.weight_plan(cfg).items():
+    for ours, (names, combine) in family.weight_plan(cfg, source.kind).items():
         yield ours, float_param(source, names, combine, fixups)
 
 

@@ -2,7 +2,8 @@
 
 Every family builds the shared decoder (blocks.py); its module parses the config (`config_from_hf`), says where the
 weights live (`hf_weight_plan`, optional `hf_fixups`), and reads GGUF metadata (`gguf_config`, optional
-`gguf_fixups`); a family whose model is not the plain decoder names its class `MODEL_CLS` (the MoE families).
+`gguf_fixups`, and `gguf_weight_plan` where llama.cpp lays the tensors out other than HF does, not only renamed); a
+family whose model is not the plain decoder names its class `MODEL_CLS` (the MoE families).
 """
 
 from __future__ import annotations
@@ -27,7 +28,10 @@ class Family:
     def config_from_hf(self, cfg: dict[str, Any]) -> DecoderConfig:
         return self.module.config_from_hf(cfg)
 
-    def weight_plan(self, cfg: DecoderConfig) -> dict[str, tuple[list[str], Callable | None]]:
+    def weight_plan(self, cfg: DecoderConfig, source: str = "hf") -> dict[str, tuple[list[str], Callable | None]]:
+        """Where each parameter comes from in a checkpoint of kind `source` ("hf" | "gguf")."""
+        if source == "gguf" and hasattr(self.module, "gguf_weight_plan"):
+            return self.module.gguf_weight_plan(cfg)
         return self.module.hf_weight_plan(cfg)
 
     def hf_fixups(self, cfg: DecoderConfig) -> dict[str, Callable]:
@@ -80,6 +84,7 @@ GGUF_ARCHITECTURES: dict[str, Family] = {
                                           "granite")},
     "qwen2moe": _FAMILIES["qwen2_moe"], "qwen3moe": _FAMILIES["qwen3_moe"],
     "mixtral": _FAMILIES["mixtral"],  # (what gguf_model_type calls llama.cpp's `llama` files with experts)
+    "gpt-oss": _FAMILIES["gpt_oss"], "deepseek2": _FAMILIES["deepseek"],
 }
 
 

@@ -87,3 +87,33 @@ def decoder_config(cfg: dict[str, Any], sliding_pattern: Callable[[int], bool] |
     )
     fields.update(switches)
     return DecoderConfig(**fields)
+
+
+def gguf_rope_scaling(fields: dict[str, Any], arch: str) -> dict[str, Any] | None:
+    """HF's rope_scaling from llama.cpp's `rope.scaling.*` keys; None where the file scales nothing. YaRN only among
+    the scalings these keys describe alone (linear and LongRoPE families read their own)."""
+    g = lambda k: fields.get(f"{arch}.rope.scaling.{k}")  # noqa: E731
+    kind = g("type")
+    if kind in (None, "none"):
+        return None
+    if kind != "yarn":
+        raise UnsupportedConfigError(f"GGUF {arch}.rope.scaling.type {kind!r} is not supported for this architecture; "
+                                     "supported: none, yarn")
+    scaling: dict[str, Any] = {"rope_type": "yarn", "factor": float(g("factor"))}
+    for key, ours in (("original_context_length", "original_max_position_embeddings"), ("yarn_beta_fast", "beta_fast"),
+                      ("yarn_beta_slow", "beta_slow"), ("yarn_attn_factor", "attention_factor")):
+        if g(key) is not None:
+            scaling[ours] = int(g(key)) if ours.startswith("original") else float(g(key))
+    return scaling
+
+
+def gguf_single_value(fields: dict[str, Any], key: str) -> Any:
+    """A GGUF key llama.cpp may write as one value or as one per layer: the value, which must be the same in every
+    layer (mlcc's configs hold one)."""
+    value = fields.get(key)
+    if isinstance(value, list):
+        if len(set(value)) != 1:
+            raise UnsupportedConfigError(f"GGUF {key} differs between layers ({sorted(set(value))}); mlcc supports one "
+                                         "value for every layer")
+        value = value[0]
+    return value

@@ -17,6 +17,11 @@ topk_group best of n_group expert groups (a group's score: V2 its best expert, V
 renormalised where norm_topk_prob says so and scaled by routed_scaling_factor, plus n_shared_experts always-on
 experts as one MLP. Released checkpoints interleave the rotary channels (V2 always, V3 with rope_interleave); the
 weight plan permutes those rows to the half-split layout rope.py rotates.
+
+llama.cpp's GGUF (`deepseek2`, V2 and V3 alike) keeps HF's rows (interleaved rotary channels included) and says
+which router in its metadata (`expert_gating_func`: softmax as V2, sigmoid with the `exp_probs_b` correction bias
+as V3). Files converted since llama.cpp absorbs the up-projections (`attention.key_length_mla` set) store kv_b_proj
+split per head as `attn_k_b` [h, latent, nope] and `attn_v_b` [h, v, latent]; older ones keep `attn_kv_b`.
 """
 
 from __future__ import annotations
@@ -35,7 +40,7 @@ from mlcc.errors import UnsupportedConfigError, UnsupportedKVCacheDtypeError
 
 from . import rope
 from .blocks import MLP, DecoderForCausalLM, _rms_norm
-from .config_utils import rope_theta_and_scaling
+from .config_utils import gguf_rope_scaling, gguf_single_value, rope_theta_and_scaling
 from .moe import ExpertsMLP, MoEConfig
 from .moe_kernels import _OPAQUE, ExpertFormat, _gpu
 from .weight_plans import Plan, decoder_plan
@@ -57,10 +62,13 @@ class DeepseekConfig(MoEConfig):
     routed_scaling_factor: float = 1.0
     first_dense: int = 0
     rope_interleave: bool = True
+    kv_b_split: bool = False          # kv_b_proj stored as per-head k_b / v_b (llama.cpp's newer GGUF)
 
 
 def config_from_hf(cfg: dict[str, Any]) -> DeepseekConfig:
-    v3 = cfg.get("model_type") != "deepseek_v2"
+    # V3's router (sigmoid scores with a correction bias, groups by their best two) or V2's (softmax, groups by
+    # their best); published configs say so in scoring_func, transformers' by model_type
+    v3 = cfg.get("scoring_func", "softmax" if cfg.get("model_type") == "deepseek_v2" else "sigmoid") == "sigmoid"
     theta, scaling = rope_theta_and_scaling(cfg)
     heads = int(cfg["num_attention_heads"])
     rope_dim, nope = int(cfg["qk_rope_head_dim"]), int(cfg["qk_nope_head_dim"])
@@ -94,7 +102,8 @@ def config_from_hf(cfg: dict[str, Any]) -> DeepseekConfig:
         correction_bias=v3, n_group=int(cfg.get("n_group") or 1) if grouped else 1,
         topk_group=int(cfg.get("topk_group") or 1) if grouped else 1,
         routed_scaling_factor=float(cfg.get("routed_scaling_factor") or 1.0), first_dense=first,
-        rope_interleave=bool(cfg.get("rope_interleave", True)) if v3 else True)
+        rope_interleave=bool(cfg.get("rope_interleave", True)) if v3 else True,
+        kv_b_split=bool(cfg.get("kv_b_split", False)))
 
 
 class LatentAttention(nn.Module):
@@ -328,3 +337,69 @@ def hf_weight_plan(cfg: DeepseekConfig) -> Plan:
                     [f"{shared}.gate_proj.weight", f"{shared}.up_proj.weight"], lambda ts: np.concatenate(ts, 0))
                 plan[f"{ours}.mlp.shared_experts.down_proj.weight"] = ([f"{shared}.down_proj.weight"], None)
     return plan
+
+
+def gguf_weight_plan(cfg: DeepseekConfig) -> Plan:
+    """The HF plan under the names gguf's table maps llama.cpp's tensors from, with kv_b_proj read from its per-head
+    halves where the file splits it (see the module docstring)."""
+    plan = hf_weight_plan(cfg)
+    for i in range(cfg.num_hidden_layers):
+        ours = hf = f"model.layers.{i}"
+        if cfg.kv_b_split:
+            attn = f"{hf}.self_attn"
+            plan[f"{ours}.self_attn.w_uk"] = ([f"{attn}.k_b_proj.weight"], _transposed_heads)
+            plan[f"{ours}.self_attn.w_uv"] = ([f"{attn}.v_b_proj.weight"], _transposed_heads)
+        if cfg.sparse_layers[i] and cfg.correction_bias:
+            plan[f"{ours}.mlp.correction_bias"] = ([f"{hf}.mlp.gate.e_score_correction.bias"], None)
+    return plan
+
+
+def _transposed_heads(ts: list[np.ndarray]) -> np.ndarray:
+    return ts[0].transpose(0, 2, 1)
+
+
+# llama.cpp's expert_gating_func values → HF scoring_func
+_GATING = {1: "softmax", 2: "sigmoid"}
+
+
+def gguf_config(fields: dict[str, Any], arch: str, vocab_size: int, has_output: bool) -> dict[str, Any]:
+    """HF-style config from llama.cpp's `deepseek2` keys."""
+    g = lambda k, d=None: fields.get(f"{arch}.{k}", d)  # noqa: E731
+    rope_dim = int(g("rope.dimension_count"))
+    latent = int(g("attention.kv_lora_rank"))
+    split = g("attention.key_length_mla") is not None
+    # split files give the per-head sizes in the *_mla keys (key_length is then the latent's); older ones in
+    # key_length / value_length, as for any MHA
+    qk_head = int(g("attention.key_length_mla") if split else g("attention.key_length"))
+    v_head = int(g("attention.value_length_mla") if split else g("attention.value_length"))
+    gating = int(g("expert_gating_func", 1))  # llama.cpp's default for files that do not say: softmax (V2)
+    if gating not in _GATING:
+        raise UnsupportedConfigError(f"GGUF {arch}.expert_gating_func {gating} is not supported; supported: 1 "
+                                     "(softmax, DeepSeek-V2), 2 (sigmoid, DeepSeek-V3)")
+    groups = int(g("expert_group_count") or 1)
+    n = int(g("block_count"))
+    cfg: dict[str, Any] = {
+        "hidden_size": int(g("embedding_length")), "intermediate_size": int(g("feed_forward_length")),
+        "num_hidden_layers": n, "num_attention_heads": int(g("attention.head_count")), "vocab_size": vocab_size,
+        "rms_norm_eps": float(g("attention.layer_norm_rms_epsilon", 1e-6)),
+        "rope_theta": float(g("rope.freq_base", 10000.0)), "max_position_embeddings": int(g("context_length", 4096)),
+        "tie_word_embeddings": not has_output, "q_lora_rank": int(g("attention.q_lora_rank") or 0),
+        "kv_lora_rank": latent, "qk_rope_head_dim": rope_dim, "qk_nope_head_dim": qk_head - rope_dim,
+        "v_head_dim": v_head, "n_routed_experts": int(g("expert_count")),
+        "num_experts_per_tok": int(g("expert_used_count")),
+        "moe_intermediate_size": int(gguf_single_value(fields, f"{arch}.expert_feed_forward_length")),
+        "n_shared_experts": int(g("expert_shared_count") or 0),
+        "first_k_dense_replace": int(g("leading_dense_block_count") or 0),
+        "routed_scaling_factor": float(g("expert_weights_scale") or 1.0),
+        "norm_topk_prob": bool(g("expert_weights_norm", False)), "scoring_func": _GATING[gating],
+        "n_group": groups, "topk_group": int(g("expert_group_used_count") or groups),
+        "topk_method": "noaux_tc" if gating == 2 else "group_limited_greedy" if groups > 1 else "greedy",
+        # llama.cpp rotates DeepSeek's rows as stored: interleaved pairs
+        "rope_interleave": True, "kv_b_split": split,
+    }
+    scaling = gguf_rope_scaling(fields, arch)
+    if scaling is not None and g("rope.scaling.yarn_log_multiplier") is not None:
+        # the converter writes 0.1 · mscale_all_dim, and llama.cpp's cos/sin factor is HF's with mscale equal to it
+        scaling["mscale"] = scaling["mscale_all_dim"] = float(g("rope.scaling.yarn_log_multiplier")) / 0.1
+    cfg["rope_scaling"] = scaling
+    return cfg

@@ -8,6 +8,10 @@ k). Each expert computes gate, up = x·W_gu + b_gu; gate = min(gate, limit), up 
 experts transposed ([E, in, out]) with gate and up interleaved column by column; the weight plan turns them into
 the [E, out, in] gate-then-up layout of moe.py. Published checkpoints keep the expert weights in MXFP4
 (compiler/mxfp4_checkpoint.py reads them).
+
+llama.cpp's GGUF (`gpt-oss`) stores the experts already split and transposed (`ffn_gate_exps`, `ffn_up_exps`
+[E, I, hidden], `ffn_down_exps` [E, hidden, I], each with its bias), usually as GGML's MXFP4 blocks, which gguf
+dequantizes on reading; it carries no SwiGLU alpha or limit, which llama.cpp fixes at 1.702 and 7.0.
 """
 
 from __future__ import annotations
@@ -24,12 +28,15 @@ from tvm.relax.frontend import nn
 from tvm.relax.frontend.nn import Tensor, op
 from tvm.target import Target
 
+from mlcc.errors import UnsupportedConfigError
+
 from .blocks import DecoderForCausalLM
-from .config_utils import decoder_config
+from .config_utils import decoder_config, gguf_rope_scaling, gguf_single_value
+from .llama import gguf_config as llama_gguf_config
 from .moe import ExpertsMLP, MoEConfig, Router, check_moe_config
 from .moe_gemm import expert_gemv, grouped_gemm
 from .moe_kernels import ExpertFormat, sort_by_expert, topk_softmax, weighted_sum
-from .weight_plans import Plan, decoder_plan
+from .weight_plans import Plan, _concat_rows, decoder_plan
 
 
 @dataclasses.dataclass
@@ -172,3 +179,51 @@ def hf_weight_plan(cfg: GptOssConfig) -> Plan:
         plan[f"{ours}.mlp.experts.down_proj.weight"] = ([f"{mlp}.experts.down_proj"], _transposed)
         plan[f"{ours}.mlp.experts.down_bias"] = ([f"{mlp}.experts.down_proj_bias"], None)
     return plan
+
+
+def gguf_weight_plan(cfg: GptOssConfig) -> Plan:
+    """The GGUF layout under the HF-style names gguf's table maps to it (see the module docstring)."""
+    plan = decoder_plan(cfg)
+    for i in range(cfg.num_hidden_layers):
+        ours = hf = f"model.layers.{i}"
+        del plan[f"{ours}.mlp.gate_up_proj.weight"], plan[f"{ours}.mlp.down_proj.weight"]
+        plan[f"{ours}.self_attn.sinks"] = ([f"{hf}.self_attn.sinks.weight"],
+                                           _padded_sinks(cfg.sink_heads * cfg.head_dim))
+        mlp = f"{hf}.mlp"
+        plan[f"{ours}.mlp.gate.weight"] = ([f"{mlp}.router.weight"], None)
+        plan[f"{ours}.mlp.gate.bias"] = ([f"{mlp}.router.bias"], None)
+        experts = f"{mlp}.experts"
+        plan[f"{ours}.mlp.experts.gate_up_proj.weight"] = (
+            [f"{experts}.gate_proj.weight", f"{experts}.up_proj.weight"], _concat_rows)
+        plan[f"{ours}.mlp.experts.gate_up_bias"] = ([f"{experts}.gate_proj.bias", f"{experts}.up_proj.bias"],
+                                                    _concat_rows)
+        plan[f"{ours}.mlp.experts.down_proj.weight"] = ([f"{experts}.down_proj.weight"], None)
+        plan[f"{ours}.mlp.experts.down_bias"] = ([f"{experts}.down_proj.bias"], None)
+    return plan
+
+
+def gguf_config(fields: dict[str, Any], arch: str, vocab_size: int, has_output: bool) -> dict[str, Any]:
+    """HF-style config from llama.cpp's `gpt-oss` keys."""
+    g = lambda k, d=None: fields.get(f"{arch}.{k}", d)  # noqa: E731
+    cfg = llama_gguf_config(fields, arch, vocab_size, has_output)
+    base, swa_base = g("rope.freq_base"), g("rope.freq_base_swa")
+    if swa_base is not None and base is not None and float(swa_base) != float(base):
+        raise UnsupportedConfigError(f"GGUF {arch}.rope.freq_base_swa ({swa_base}) differs from rope.freq_base "
+                                     f"({base}); gpt-oss uses one RoPE base for every layer: reconvert the model")
+    scaling = gguf_rope_scaling(fields, arch)
+    if scaling is not None:
+        scaling["truncate"] = False  # gpt-oss's own YaRN (its config.json); GGUF has no key for it
+    pattern = g("attention.sliding_window_pattern")
+    n = cfg["num_hidden_layers"]
+    if isinstance(pattern, list):
+        layer_types = [bool(p) for p in pattern][:n]
+    else:  # llama.cpp's rule for a period n: layer i slides unless it is the last of its period; gpt-oss: 2
+        period = int(pattern or 2)
+        layer_types = [period == 0 or i % period < period - 1 for i in range(n)]
+    cfg.update(num_local_experts=int(g("expert_count")), num_experts_per_tok=int(g("expert_used_count")),
+               intermediate_size=int(gguf_single_value(fields, f"{arch}.expert_feed_forward_length")),
+               attention_bias=True, rope_scaling=scaling,
+               layer_types=["sliding_attention" if s else "full_attention" for s in layer_types],
+               # llama.cpp's fixed constants for gpt-oss's clamped SwiGLU (the file does not carry them)
+               swiglu_alpha=1.702, swiglu_limit=7.0)
+    return cfg

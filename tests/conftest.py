@@ -71,20 +71,28 @@ FAMILY_CONFIGS = {
         rope_parameters={
             "rope_type": "yarn", "rope_theta": 150000.0, "factor": 8.0, "beta_fast": 32.0, "beta_slow": 1.0,
             "truncate": False, "original_max_position_embeddings": 64})),
+    # the same with the SwiGLU limit llama.cpp fixes for gpt-oss (GGUF carries none): the GGUF test's model
+    "gpt_oss_limit7": ("GptOssForCausalLM", dict(
+        num_local_experts=8, num_experts_per_tok=2, intermediate_size=64, head_dim=16, sliding_window=WINDOW,
+        initializer_range=0.1, swiglu_limit=7.0, tie_word_embeddings=False,
+        rope_parameters={
+            "rope_type": "yarn", "rope_theta": 150000.0, "factor": 8.0, "beta_fast": 32.0, "beta_slow": 1.0,
+            "truncate": False, "original_max_position_embeddings": 64})),
     # DeepSeek: latent attention (q through its own low rank on V3), a dense first layer, shared experts, routing
     # among the best groups (V3: sigmoid scores with the correction bias; V2: softmax), YaRN with mscale on V3
     "deepseek_v3": ("DeepseekV3ForCausalLM", dict(
         num_hidden_layers=3, num_key_value_heads=4, q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16,
         qk_rope_head_dim=8, v_head_dim=16, n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
         n_shared_experts=1, first_k_dense_replace=1, n_group=4, topk_group=2, routed_scaling_factor=2.5,
-        norm_topk_prob=True, initializer_range=0.1, tie_word_embeddings=False, rope_parameters={
+        norm_topk_prob=True, initializer_range=0.1, tie_word_embeddings=False,
+        scoring_func="sigmoid", rope_parameters={  # (scoring_func as published: llama.cpp's converter reads it)
             "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 128,
             "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 0.707, "mscale_all_dim": 0.707})),
     "deepseek_v2": ("DeepseekV2ForCausalLM", dict(
         num_hidden_layers=2, num_key_value_heads=4, q_lora_rank=None, kv_lora_rank=32, qk_nope_head_dim=16,
         qk_rope_head_dim=8, v_head_dim=16, n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
         n_shared_experts=2, first_k_dense_replace=0, n_group=4, topk_group=2, topk_method="group_limited_greedy",
-        routed_scaling_factor=1.5, initializer_range=0.1, tie_word_embeddings=False)),
+        routed_scaling_factor=1.5, initializer_range=0.1, tie_word_embeddings=False, scoring_func="softmax")),
     # every layer sparse, as llama.cpp's qwen2moe files are (the GGUF test)
     "qwen2_moe_sparse": ("Qwen2MoeForCausalLM", dict(
         num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=64,
