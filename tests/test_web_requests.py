@@ -59,7 +59,7 @@ REFUSED = [
     {"messages": [{"content": "x"}]},
     {"messages": [{"role": "user"}]},
     {"messages": [{"role": "user", "content": 5}]},
-    {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+    {"messages": [{"role": "system", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
     {"messages": [{"role": "user", "content": [{"type": "text"}]}]},
     {"messages": [{"role": "user", "content": "x", "extra": 1}]},
     {"messages": [{"role": "assistant"}]},

@@ -10,7 +10,7 @@ ids against the vocabulary, the context window, whether a grammar compiles.
 from __future__ import annotations
 
 import json
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
@@ -52,20 +52,23 @@ class ImageUrlPart(_Model):
 
 Content = str | list[TextPart]
 UserContent = str | list[Annotated[TextPart | ImageUrlPart, Field(discriminator="type")]]
-_PART_TYPES = ("text", "image_url")
 
 
 class _Message(_Model):
     name: str | None = None
+    _part_types: ClassVar[tuple[str, ...]] = ("text",)
 
     @field_validator("content", mode="before", check_fields=False)
     @classmethod
     def _known_parts_only(cls, v: Any) -> Any:
         for part in v if isinstance(v, list) else ():
             kind = part.get("type") if isinstance(part, dict) else None
-            if isinstance(kind, str) and kind not in _PART_TYPES:
+            if kind == "image_url" and kind not in cls._part_types:
+                raise ValueError("image_url parts are taken in user messages only")
+            if isinstance(kind, str) and kind not in cls._part_types:
                 raise ValueError(f"content part type '{kind}' is not supported; send text parts "
-                                 "({\"type\": \"text\", \"text\": ...}), image_url parts in user messages, or a string")
+                                 "({\"type\": \"text\", \"text\": ...}) or a string (image_url parts in user "
+                                 "messages)")
         return v
 
 
@@ -82,6 +85,7 @@ class DeveloperMessage(_Message):
 class UserMessage(_Message):
     role: Literal["user"]
     content: UserContent
+    _part_types: ClassVar[tuple[str, ...]] = ("text", "image_url")
 
 
 class FunctionCall(_Model):
