@@ -164,6 +164,9 @@ class Attention(nn.Module):
             self.q_norm = _rms_norm(cfg, self.num_q_heads * self.head_dim)
             self.k_norm = _rms_norm(cfg, self.num_kv_heads * self.head_dim)
         self.rope = rope.rope_for_layer(cfg, layer_id) if cfg.rope_in_model else None
+        # set while an entry point is traced whose new tokens attend to each other both ways (the CPU attention
+        # kernels read a negative softmax scale so: schedules/cpu_attention.py)
+        self.bidirectional = False
         if cfg.attention_sinks:
             # The sinks reach the attention kernels as extra q heads after the real ones (schedules/cpu_attention.py
             # reads them there), so the KV cache stores nothing more than without them.
@@ -201,6 +204,7 @@ class Attention(nn.Module):
             qkv = self.rope(qkv, positions, self.num_q_heads + self.num_kv_heads,
                             before=self._head_norm() if fused_norm else None)
         scale = self.cfg.attention_scale or self.head_dim**-0.5
+        scale = -scale if self.bidirectional else scale
         if self.cfg.attention_sinks:
             extra = self.cfg.sink_heads
             q, kv = op.split(qkv, [self.num_q_heads], axis=2)

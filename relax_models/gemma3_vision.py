@@ -113,6 +113,18 @@ class Gemma3VisionForCausalLM(DecoderForCausalLM):
         """[images, channels, size, size] preprocessed → [images, tokens_per_image, hidden] rows for image tokens."""
         return self.multi_modal_projector(self.vision_tower(pixel_values)).astype(self.dtype)
 
+    def prefill_image(self, embeds: Tensor, kv_cache: Any):
+        """prefill of one image's tokens, which attend to each other both ways (transformers' token_type_ids mask):
+        the CPU attention kernels only (schedules/cpu_attention.py), so exported for the llvm target alone."""
+        attentions = [layer.self_attn for layer in self.model.layers]
+        for a in attentions:
+            a.bidirectional = True
+        try:
+            return self.prefill(embeds, kv_cache)
+        finally:
+            for a in attentions:
+                a.bidirectional = False
+
     def get_default_spec(self) -> dict:
         spec = super().get_default_spec()
         if self.vision_tower is not None:
@@ -121,6 +133,8 @@ class Gemma3VisionForCausalLM(DecoderForCausalLM):
                 "pixel_values": nn.spec.Tensor(["num_images", v.num_channels, v.image_size, v.image_size],
                                                self.dtype),
                 "$": {"param_mode": "packed", "effect_mode": "none"}}
+            if self.target.kind.name == "llvm":
+                spec["prefill_image"] = {k: v for k, v in spec["prefill"].items()}
         return spec
 
 

@@ -58,7 +58,7 @@ class EngineCore:
         self.sampler = sampler
         self.config = config
         self.page_size = page_size = config.page_size
-        prefill_chunk = min(config.prefill_chunk, config.kv_cache_tokens)
+        self.prefill_chunk = prefill_chunk = min(config.prefill_chunk, config.kv_cache_tokens)
         model.create_kv_cache(config.max_batch, config.kv_cache_tokens, prefill_chunk, page_size)
         self.total_pages = model.free_pages()
         self.failure: Exception | None = None   # what a failed step raised; the engine then serves nothing more
@@ -229,11 +229,18 @@ class EngineCore:
     def _prefill(self, plan: Plan) -> None:
         scored = [(r, n) for r, n in plan.prefill if self._scores_prompt(r)]
         batched = [(r, n) for r, n in plan.prefill if not self._scores_prompt(r)]
+        with_images = [(r, n) for r, n in batched if self.model.bidirectional_images and
+                       any(img.start < r.kv_len + n and img.start + img.length > r.kv_len for img in r.images)]
+        batched = [(r, n) for r, n in batched if all(r is not q for q, _ in with_images)]
         sampled, all_logits, rows = [], [], []
+        for r, n in with_images:   # each on its own: its images in forwards of their own
+            chunk, logits = self._prefill_with_images(r, n)
+            self._read([r], [chunk])
+            self._ready_to_sample([r], logits, sampled, all_logits, rows)
         if batched:
             reqs = [r for r, _ in batched]
             chunks = [r.prefill_ids[r.kv_len: r.kv_len + n] for r, n in batched]
-            images = [self._image_rows(r, n) for r, n in batched]
+            images = [self._image_rows(r, r.kv_len, r.kv_len + n) for r, n in batched]
             logits = self.model.prefill([r.seq_id for r in reqs], chunks, images if any(images) else None)
             self._read(reqs, chunks)
             self._ready_to_sample(reqs, logits, sampled, all_logits, rows)
@@ -252,11 +259,10 @@ class EngineCore:
         for logits, group, group_rows in zip(all_logits, sampled, rows):
             self._sample_and_emit(group, logits, group_rows)
 
-    def _image_rows(self, r: Request, n: int):
-        """The encoder's rows for the image tokens among r's next n prefill tokens (runtime.device.model.EmbedRows),
-        or None. The encoder runs once per request, when a prefill first reaches one of its images: not at all
-        where the prefix cache already holds them."""
-        start, stop = r.kv_len, r.kv_len + n
+    def _image_rows(self, r: Request, start: int, stop: int) -> EmbedRows | None:
+        """The encoder's rows for the image tokens among r's prefill tokens start..stop, or None. The encoder runs
+        once per request, when a prefill first reaches one of its images: not at all where the prefix cache already
+        holds them."""
         hit = [img for img in r.images if img.start < stop and img.start + img.length > start]
         if not hit:
             return None
@@ -270,6 +276,28 @@ class EngineCore:
                 offsets.append(np.arange(lo - start, hi - start))
                 rows.append(r.image_rows[r.images.index(img), lo - img.start: hi - img.start])
         return EmbedRows(np.concatenate(offsets), np.concatenate(rows))
+
+    def _prefill_with_images(self, r: Request, n: int) -> tuple[list[int], object]:
+        """Up to n of r's prefill tokens, each whole image among them prefilled on its own with its tokens attending
+        to each other both ways (as Gemma 3 reads images), the text around them causally. The chunk stops before an
+        image it would cut; an image longer than a forward may take is read causally (logged). Returns the tokens
+        read and the logits of the last one."""
+        start, stop = r.kv_len, r.kv_len + n
+        limit = min(self.model.max_prefill_chunk or self.prefill_chunk, self.prefill_chunk)
+        for img in r.images:
+            if img.start < stop < img.start + img.length and img.start > start:
+                stop = img.start
+        cuts = sorted({start, stop} | {p for img in r.images for p in (img.start, img.start + img.length)
+                                       if start < p < stop})
+        logits = None
+        for a, b in zip(cuts, cuts[1:]):
+            whole = any(img.start == a and img.start + img.length == b for img in r.images)
+            if whole and b - a > limit:
+                log.warning("an image of %d tokens exceeds a forward's %d: its tokens attend causally", b - a, limit)
+            rows = self._image_rows(r, a, b)
+            logits = self.model.prefill([r.seq_id], [r.prefill_ids[a:b]], [rows] if rows is not None else None,
+                                        bidirectional=whole and b - a <= limit)
+        return r.prefill_ids[start:stop], logits
 
     @staticmethod
     def _scores_prompt(r: Request) -> bool:

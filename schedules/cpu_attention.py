@@ -16,6 +16,11 @@ the query's own position: the ragged prefill over the new tokens, or the paged c
 (decode, where the new key is appended first); the calls over a cached prefix start empty, so when TVM merges the
 partial states the sink is counted once.
 
+A negative softmax scale asks for bidirectional attention among the new tokens (the ragged prefill without its
+causal mask; every kernel uses the scale's magnitude): TVM's KV cache passes the model's scale through untouched and
+has no causal switch of its own, and Gemma 3's image tokens see each other both ways (relax_models/gemma3_vision.py,
+whose `prefill_image` prefills one image's tokens that way).
+
 RoPE is never applied here: mlcc's models rotate q/k before the cache (in the model or in TVM's split kernel),
 so the `rotary_mode` argument is always 0 for them.
 
@@ -341,7 +346,7 @@ def paged_prefill(h_kv: int, h_q: int, d: int, dtype: str, sliding_window: bool,
                  lambda b, j, kvh: ((page_values[begin + _get_seq_offset(j, b, length_info, sliding_window)
                                                  // page_size] * 2 * h_kv + kvh) * page_size
                                     + _get_seq_offset(j, b, length_info, sliding_window) % page_size) * w,
-                 v_delta, b, q_indptr[b], q_indptr[b + 1] - q_indptr[b], kv_len, causal, sm_scale,
+                 v_delta, b, q_indptr[b], q_indptr[b + 1] - q_indptr[b], kv_len, causal, T.abs(sm_scale),
                  # (a chunk whose keys reach the query's own position; the prefix of a prefill never does)
                  lambda b, row: k_rope_pos_offset[b] + kv_len > q_rope_position[row])
 
@@ -392,7 +397,8 @@ def ragged_prefill(h_kv: int, h_q: int, d_qk: int, d_v: int, dtype: str, softcap
         for b in T.serial(batch_size):
             body(q, output, lse, kflat, vflat, kscales, vscales,
                  lambda b, j, kvh: ((kv_indptr[b] + j) * h_kv + kvh) * w, 0,
-                 b, q_indptr[b], q_indptr[b + 1] - q_indptr[b], kv_indptr[b + 1] - kv_indptr[b], causal, sm_scale,
+                 b, q_indptr[b], q_indptr[b + 1] - q_indptr[b], kv_indptr[b + 1] - kv_indptr[b],
+                 T.if_then_else(sm_scale < T.float32(0), 0, causal), T.abs(sm_scale),
                  lambda b, row: True)
 
     return batch_prefill_ragged_kv
@@ -467,7 +473,7 @@ def paged_decode(h_kv: int, h_q: int, d: int, dtype: str, sliding_window: bool, 
                     for i in T.serial(d):
                         s[0] = s[0] + T.Cast("float32", Q[b, h, i]) * _element(
                             kv, pages, (page, 0, h // group, off, i))
-                    s[0] = _score(_scaled(kv, s[0], scales[(row + d) // 4]), sm_scale, softcap)
+                    s[0] = _score(_scaled(kv, s[0], scales[(row + d) // 4]), T.abs(sm_scale), softcap)
                     _online_softmax_step(m, den, o, s, d, lambda i: _scaled(
                         kv, _element(kv, pages, (page, 1, h // group, off, i)),
                         scales[(row + h_kv * page_size * w + d) // 4]))

@@ -2,10 +2,10 @@
 16, 4 image tokens) compiled for the CPU in float32.
 
 Tolerances: logits with images rel. err ≤ 1e-4 (relative to the largest |logit|, as tests/test_parity.py) and greedy
-ids identical. The reference is transformers' processor (chat template, image processing) and model, run with the
-causal mask over image tokens (the model called without token_type_ids, as transformers' generate does after the
-prompt): mlcc's attention is causal over an image's tokens, where Gemma 3's prefill in transformers lets them see
-each other both ways (docs/ARCHITECTURE.md, Images).
+ids identical. The reference is transformers' processor (chat template, image processing) and model with everything
+the processor returns: an image's tokens attend to each other both ways (token_type_ids), which the CPU build's
+prefill_image does; the causal reading of the same prompt is measurably different (checked, so the test would see
+the mask missing).
 """
 
 import numpy as np
@@ -82,11 +82,16 @@ def test_prompt_pixels_and_logits_with_images_match_transformers(gemma3, referen
     m.create_kv_cache(1, 256, 256)
     m.add_sequence(0)
     rows = m.embed_images(pixels)
-    offsets = np.concatenate([np.arange(img.start, img.start + img.length) for img in call.spec.images])
-    ours = m.prefill([0], [call.ids], [EmbedRows(offsets, rows.reshape(-1, rows.shape[-1]))]).numpy()[0]
+    cuts = sorted({0, len(call.ids)} | {p for img in call.spec.images for p in (img.start, img.start + img.length)})
+    for a, b in zip(cuts, cuts[1:]):   # text causally, each image on its own both ways (as the engine core does)
+        image = next((i for i, img in enumerate(call.spec.images) if img.start == a), None)
+        spliced = None if image is None else [EmbedRows(np.arange(b - a), rows[image])]
+        ours = m.prefill([0], [call.ids[a:b]], spliced, bidirectional=image is not None).numpy()[0]
     with torch.no_grad():
-        ref = hf(input_ids=inputs["input_ids"], pixel_values=inputs["pixel_values"]).logits[0, -1].double().numpy()
+        ref = hf(**inputs).logits[0, -1].double().numpy()
+        causal = hf(input_ids=inputs["input_ids"], pixel_values=inputs["pixel_values"]).logits[0, -1].double().numpy()
     assert rel_err(ours, ref) <= 1e-4, rel_err(ours, ref)
+    assert rel_err(causal, ref) > 1e-3   # (the image tokens' two-way attention matters here)
 
 
 def test_greedy_chat_with_images_then_a_text_turn_matches_transformers(reference, engine):
@@ -96,8 +101,7 @@ def test_greedy_chat_with_images_then_a_text_turn_matches_transformers(reference
     reply = engine.chat.completions.create(messages=messages, max_tokens=12, temperature=0)
     inputs = _hf_inputs(processor, images, "Describe both.")
     with torch.no_grad():
-        out = hf.generate(input_ids=inputs["input_ids"], pixel_values=inputs["pixel_values"], max_new_tokens=12,
-                          do_sample=False, eos_token_id=EOS, pad_token_id=0)
+        out = hf.generate(**inputs, max_new_tokens=12, do_sample=False, eos_token_id=EOS, pad_token_id=0)
     expected = processor.tokenizer.decode(out[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
     assert reply.choices[0].message.content == expected and len(out[0]) > inputs["input_ids"].shape[1]
     assert reply.usage.prompt_tokens == inputs["input_ids"].shape[1]
@@ -111,8 +115,7 @@ def test_greedy_chat_with_images_then_a_text_turn_matches_transformers(reference
     inputs2 = processor.apply_chat_template(theirs, add_generation_prompt=True, tokenize=True, return_dict=True,
                                             return_tensors="pt")
     with torch.no_grad():
-        out2 = hf.generate(input_ids=inputs2["input_ids"], pixel_values=inputs2["pixel_values"], max_new_tokens=8,
-                           do_sample=False, eos_token_id=EOS, pad_token_id=0)
+        out2 = hf.generate(**inputs2, max_new_tokens=8, do_sample=False, eos_token_id=EOS, pad_token_id=0)
     assert reply2.choices[0].message.content == processor.tokenizer.decode(
         out2[0, inputs2["input_ids"].shape[1]:], skip_special_tokens=True)
     # the second turn's prompt starts with the first one's: its image tokens came from the prefix cache

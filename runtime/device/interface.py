@@ -63,9 +63,11 @@ class ModelFunctions:
     # (pixel_values [images, channels, size, size], params) -> [images, tokens per image, hidden]: vision-language
     # models only
     image_embed: Function | None = None
+    # as prefill, its tokens (one image's) attending to each other both ways: Gemma 3's CPU builds
+    prefill_image: Function | None = None
 
     OPTIONAL = frozenset({"sample_top_p_top_k", "decode_graph", "apply_bitmask", "apply_logit_bias", "logprobs",
-                          "image_embed"})
+                          "image_embed", "prefill_image"})
     LOGIT_FUNCTIONS = ("apply_bitmask", "apply_logit_bias", "logprobs")
 
     @classmethod

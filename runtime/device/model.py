@@ -88,6 +88,11 @@ class PagedModel:
         return self.kv
 
     @property
+    def bidirectional_images(self) -> bool:
+        """Whether an image's tokens are prefilled attending to each other both ways (prefill_image)."""
+        return getattr(self.fns, "prefill_image", None) is not None
+
+    @property
     def has_sliding_window(self) -> bool:
         return any(self.config.get("model_config", {}).get("layer_sliding") or [])
 
@@ -134,13 +139,20 @@ class PagedModel:
         return arr
 
     def prefill(self, seq_ids: Sequence[int], token_lists: Sequence[Sequence[int]],
-                images: Sequence[EmbedRows | None] | None = None):
+                images: Sequence[EmbedRows | None] | None = None, bidirectional: bool = False):
         """Ragged prefill of several sequences in one call; logits [len(seq_ids), vocab] of each last token.
         images: per sequence, the encoder's rows that replace its image tokens' embeddings (or None).
+        bidirectional: one sequence whose new tokens (an image's) attend to each other both ways (the library's
+        prefill_image; at most max_prefill_chunk tokens).
 
         A model with sliding-window layers takes at most `max_prefill_chunk` new tokens of a sequence per forward
         (TVM's sliding attention is exact only then): longer lists go through in rounds."""
         limit = self.max_prefill_chunk
+        if bidirectional:
+            if len(seq_ids) != 1 or (limit and len(token_lists[0]) > limit) or self.fns.prefill_image is None:
+                raise ValueError("a bidirectional prefill takes one sequence of at most max_prefill_chunk tokens, "
+                                 "in a library with prefill_image")
+            return self._prefill_once(seq_ids, token_lists, images, self.fns.prefill_image)
         if not limit or max(len(t) for t in token_lists) <= limit:
             return self._prefill_once(seq_ids, token_lists, images)
         rows: dict[int, Any] = {}
@@ -159,7 +171,7 @@ class PagedModel:
                                         for _, r in sorted(rows.items())]))
 
     def _prefill_once(self, seq_ids: Sequence[int], token_lists: Sequence[Sequence[int]],
-                      images: Sequence[EmbedRows | None] | None = None):
+                      images: Sequence[EmbedRows | None] | None = None, single: Callable | None = None):
         lens = [len(t) for t in token_lists]
         flat = [t for ts in token_lists for t in ts]
         if images is not None and any(r is not None for r in images):
@@ -168,7 +180,7 @@ class PagedModel:
             emb = self._embed_shaped(flat, [1, len(flat), self.hidden])
         self.kv_ops.begin_forward(self.kv, self._shape(list(seq_ids)), self._shape(lens))
         if len(seq_ids) == 1:
-            out = self.fns.prefill(emb, self.kv, self.params)
+            out = (single or self.fns.prefill)(emb, self.kv, self.params)
         else:
             pos = self._positions(np.cumsum(lens).astype(np.int32) - 1)
             out = self.fns.batch_prefill(emb, pos, self.kv, self.params)
