@@ -404,15 +404,32 @@ def load_gguf(path: Path) -> ModelSource:
     fixups = family.gguf_fixups(cfg)
     tensors: dict[str, Callable[[], np.ndarray]] = {}
     rows: dict[str, tuple[int, Callable[[int, int], np.ndarray]]] = {}
+    read: set[str] = set()
     for sources, _ in family.weight_plan(cfg, "gguf").values():
         for hf_name in sources:
             g = tmap.get_name(hf_name, try_suffixes=(".weight", ".bias"))
             if g is None or g not in by_name:
                 continue
+            read.add(g)
             tensors[hf_name] = _gguf_loader(by_name[g], fixups.get(hf_name))
             if len(by_name[g].shape) == 2 and hf_name not in fixups:
                 rows[hf_name] = (int(by_name[g].shape[1]), _gguf_rows(by_name[g], mapping[g]))
+    _refuse_converter_fusions(path, by_name, read)
     return ModelSource("gguf", path, model_type, config, tensors, rows)
+
+
+# tensors convert_hf_to_gguf.py fuses only when asked (→ the flag that asked); an architecture that stores them fused
+# of its own (Phi-3's attn_qkv) reads them, so only unread ones are refused
+_CONVERTER_FUSIONS = {"ffn_gate_up_exps": "--fuse-gate-up-exps", "attn_qkv": "--fuse-qkv"}
+
+
+def _refuse_converter_fusions(path: Path, by_name: dict[str, Any], read: set[str]) -> None:
+    for name in sorted(by_name):
+        parts = name.split(".")
+        flag = _CONVERTER_FUSIONS.get(parts[2]) if len(parts) > 2 and parts[0] == "blk" else None
+        if flag is not None and name not in read:
+            raise ModelSourceError(f"{path}: '{name}' is fused as llama.cpp's convert_hf_to_gguf.py {flag} writes it, "
+                                   f"which mlcc does not read for this architecture; convert the model without {flag}")
 
 
 def _gguf_arch_enum(arch: str):

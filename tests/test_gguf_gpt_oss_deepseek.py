@@ -4,17 +4,23 @@ split into gate and up and every expert projection transposed to [E, out, in] as
 alike; DeepSeek's experts stacked, kv_b_proj split per head into attn_k_b (transposed) and attn_v_b, or kept whole as
 conversions before llama.cpp absorbed it did), compiled for the CPU and compared with transformers carrying the
 same weights (the MXFP4 experts dequantized): q0f32 logits rel. err ≤ 1e-4 through prefill and decode, and the
-greedy ids transformers generates."""
+greedy ids transformers generates. Where LLAMA_CPP_DIR names a llama.cpp source tree (the llama-cpp-python sdist
+ships one in vendor/llama.cpp), the same models also go through its own convert_hf_to_gguf.py."""
 
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 from conftest import PROMPT
 from test_gguf import _write_tokenizer
+from test_gpt_oss import write_mxfp4_checkpoint
 from test_parity import hf_model, run_greedy
 
 from mlcc.runtime.device.model import LoadedModel
@@ -126,9 +132,10 @@ def write_gpt_oss_gguf(hf_dir, path) -> dict[str, np.ndarray]:
     return replaced
 
 
-def write_deepseek2_gguf(hf_dir, path, split_kv_b: bool = True) -> None:
+def write_deepseek2_gguf(hf_dir, path, split_kv_b: bool = True, fuse_gate_up_exps: bool = False) -> None:
     """DeepseekV2Model's file (V2 and V3 alike). split_kv_b=False: as llama.cpp converted before it absorbed
-    kv_b_proj (attn_kv_b whole, the MHA head sizes in key_length / value_length, no *_mla keys)."""
+    kv_b_proj (attn_kv_b whole, the MHA head sizes in key_length / value_length, no *_mla keys);
+    fuse_gate_up_exps: the experts' gate and up stacked into one `ffn_gate_up_exps`, which llama.cpp also loads."""
     import gguf
     from safetensors.numpy import load_file
 
@@ -170,6 +177,13 @@ def write_deepseek2_gguf(hf_dir, path, split_kv_b: bool = True) -> None:
                 continue
             per = [tensors[name.replace(".experts.0.", f".experts.{e}.")] for e in range(hp["n_routed_experts"])]
             name, a = name.replace(".experts.0.", ".experts."), np.stack(per)
+            if fuse_gate_up_exps and name.endswith(("gate_proj.weight", "up_proj.weight")):
+                if name.endswith("gate_proj.weight"):
+                    up = np.stack([tensors[n.replace("gate_proj", "up_proj")] for n in
+                                   (name.replace(".experts.", f".experts.{e}.") for e in range(len(per)))])
+                    gname = _gguf_name(tmap, name).replace("ffn_gate_exps", "ffn_gate_up_exps")
+                    w.add_tensor(gname, np.ascontiguousarray(np.concatenate([a, up], axis=1)))
+                continue
         name = name.replace("e_score_correction_bias", "e_score_correction.bias")
         if name.endswith("kv_b_proj.weight") and split_kv_b:
             kv_b = a.reshape(heads, nope + v_dim, latent)
@@ -239,3 +253,42 @@ def test_unknown_expert_gating_is_refused_in_one_line(hf_models, tmp_path):
     with pytest.raises(UnsupportedConfigError, match="expert_gating_func 3 is not supported") as e:
         family_for("deepseek2", "gguf").gguf_config(fields, "deepseek2", 512, True)
     assert "\n" not in str(e.value)
+
+
+def test_gate_up_fused_by_the_converter_is_refused_in_one_line(hf_models, tmp_path):
+    from mlcc.compiler.weights import load_source
+    from mlcc.errors import ModelSourceError
+
+    path = tmp_path / "fused.gguf"
+    write_deepseek2_gguf(hf_models("deepseek_v3"), path, fuse_gate_up_exps=True)
+    with pytest.raises(ModelSourceError, match=r"'blk\.1\.ffn_gate_up_exps\.weight' is fused .* convert the model "
+                                               r"without --fuse-gate-up-exps") as e:
+        load_source(path)
+    assert "\n" not in str(e.value)
+
+
+# llama.cpp's converter as a script; the test models' byte-level tokenizer is not in its table of pre-tokenizers
+# (a hash of how known tokenizers split a sample text), so that lookup answers "default"
+_CONVERT = """
+import os, runpy, sys
+tree = sys.argv[1]
+sys.path[:0] = [tree, os.path.join(tree, "gguf-py")]
+import conversion.base
+conversion.base.TextModel.get_vocab_base_pre = lambda self, tokenizer: "default"
+sys.argv = ["convert_hf_to_gguf.py", *sys.argv[2:]]
+runpy.run_path(os.path.join(tree, "convert_hf_to_gguf.py"), run_name="__main__")
+"""
+
+
+@pytest.mark.skipif(not os.environ.get("LLAMA_CPP_DIR"), reason="LLAMA_CPP_DIR (a llama.cpp source tree) is not set")
+@pytest.mark.parametrize("kind", ["gpt_oss_limit7", "deepseek_v3", "deepseek_v2"])
+def test_llama_cpp_converter_output_matches_transformers(kind, hf_models, tmp_path):
+    """The GGUF llama.cpp itself writes (gpt-oss from an MXFP4 checkpoint, its blocks repacked as GGML's)."""
+    src, ref = hf_models(kind), hf_models(kind)
+    if kind.startswith("gpt_oss"):
+        ref, src = tmp_path / "float", tmp_path / "mxfp4"
+        write_mxfp4_checkpoint(hf_models(kind), ref, src)
+    path = tmp_path / "model.gguf"
+    subprocess.run([sys.executable, "-c", _CONVERT, str(Path(os.environ["LLAMA_CPP_DIR"]).resolve()), str(src),
+                    "--outtype", "f32", "--outfile", str(path)], check=True, capture_output=True)
+    _check_greedy(_compile(path, tmp_path / "art"), hf_model(ref), 8)

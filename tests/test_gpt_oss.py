@@ -89,12 +89,11 @@ def test_mxfp4_roundtrip():
     np.testing.assert_array_equal(mxfp4_checkpoint.dequantize(*mxfp4_checkpoint.quantize(once)), once)
 
 
-def test_mxfp4_checkpoint_matches_its_dequantized_weights(hf_models, tmp_path):
-    """A checkpoint written as OpenAI publishes gpt-oss (experts as MXFP4 blocks and scales, quantization_config
-    mxfp4) against transformers carrying the same values in float."""
+def write_mxfp4_checkpoint(src, ref, ckpt) -> None:
+    """`src` written as OpenAI publishes gpt-oss into `ckpt` (experts as MXFP4 blocks and scales, quantization_config
+    mxfp4), and into `ref` the same values in float."""
     from safetensors.numpy import load_file, save_file
 
-    src = hf_models("gpt_oss")
     tensors = load_file(src / "model.safetensors")
     packed, floats = dict(tensors), dict(tensors)
     for name in [n for n in tensors if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
@@ -102,7 +101,6 @@ def test_mxfp4_checkpoint_matches_its_dequantized_weights(hf_models, tmp_path):
         floats[name] = np.ascontiguousarray(mxfp4_checkpoint.dequantize(blocks, scales).swapaxes(1, 2))
         del packed[name]
         packed[f"{name}_blocks"], packed[f"{name}_scales"] = blocks, scales
-    ref, ckpt = tmp_path / "float", tmp_path / "mxfp4"
     for folder, weights in ((ref, floats), (ckpt, packed)):
         shutil.copytree(src, folder)
         save_file(weights, str(folder / "model.safetensors"), metadata={"format": "pt"})
@@ -111,8 +109,13 @@ def test_mxfp4_checkpoint_matches_its_dequantized_weights(hf_models, tmp_path):
                                                                                       "model.layers.*.mlp.router"]}
     (ckpt / "config.json").write_text(json.dumps(cfg))
 
+
+def test_mxfp4_checkpoint_matches_its_dequantized_weights(hf_models, tmp_path):
+    """A checkpoint written as OpenAI publishes gpt-oss against transformers carrying the same values in float."""
     from mlcc.compiler.build import compile_model
 
+    ref, ckpt = tmp_path / "float", tmp_path / "mxfp4"
+    write_mxfp4_checkpoint(hf_models("gpt_oss"), ref, ckpt)
     compile_model(ckpt, "llvm", "q0f32", tmp_path / "art")
     m = LoadedModel(tmp_path / "art")
     m.create_kv_cache(1, 256, 64)
