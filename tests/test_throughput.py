@@ -9,6 +9,7 @@ import sys
 import pytest
 
 from mlcc import Engine
+from mlcc.errors import ArtifactError
 from mlcc.runtime.serve.throughput import run_throughput, synthetic_prompts
 
 
@@ -48,6 +49,8 @@ def test_a_shape_only_build_runs_with_its_placeholder_tokenizer(hf_models, tmp_p
     hf_config = json.loads((hf_models("llama") / "config.json").read_text())
     out = tmp_path / "shape"
     compile_shape_only("llama", hf_config, "llvm", "q0f32", out)
+    with pytest.raises(ArtifactError, match=r"shape-only build: it has no weight files.*`--weights random`"):
+        Engine(out, target="llvm")
     with Engine(out, target="llvm", weights="random", max_batch=2) as engine:
         assert engine.model.config["tokenizer"]["placeholder"] is True
         row = run_throughput(engine, 6, 5, 3, warmup=0)

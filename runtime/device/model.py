@@ -324,6 +324,10 @@ class LoadedModel(PagedModel):
             raise artifact.ArtifactError(
                 f"{self.dir} is a {self.config['target']} build (model.wasm): it runs in a browser or Node.js, not in "
                 f"the Python engine; `mlcc web {self.dir} --output SITE` writes the page and node_chat.mjs")
+        if weights == "files" and self.config.get("weights") == "none":
+            raise artifact.ArtifactError(
+                f"{self.dir} is a shape-only build: it has no weight files. For benchmarks, load it with random "
+                "weights: `--weights random` (mlcc serve, mlcc bench throughput) or Engine(..., weights='random')")
         if verify_checksums and weights == "files":
             artifact.verify_shards(self.dir)
         tvm_compat.load_backend_runtimes(self.device_kind)

@@ -97,7 +97,14 @@ async def run_load(base_url: str, model: str | None, api_key: str, num_prompts: 
     """shared_prefix: the fraction of each prompt's words that are the same words, in the same order, for all."""
     import openai
 
-    client = openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0)
+    # closed before the caller's event loop ends: its connections cannot be closed after that
+    async with openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0) as client:
+        return await _run_load(client, model, num_prompts, input_len, output_len, rate, concurrency, seed, timeout,
+                               shared_prefix)
+
+
+async def _run_load(client, model: str | None, num_prompts: int, input_len: str, output_len: str, rate: float | None,
+                    concurrency: int | None, seed: int, timeout: float, shared_prefix: float) -> dict[str, Any]:
     if model is None:
         model = (await client.models.list()).data[0].id
     rng = random.Random(seed)

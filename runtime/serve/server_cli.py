@@ -22,6 +22,9 @@ def add_serve_parser(sub) -> None:
     s.add_argument("--shutdown-grace-seconds", type=float, default=30.0, metavar="S",
                    help="on SIGTERM, refuse new requests (503) and give running ones S seconds to finish before "
                         "aborting them (a second signal exits at once) (default: %(default)s)")
+    s.add_argument("--weights", choices=("files", "random"), default="files",
+                   help="random: fill the parameters with seeded random values, for serving benchmarks of a "
+                        "shape-only build (one with no weight files); the answers are noise (default: %(default)s)")
     add_ray_arguments(s)
     s.set_defaults(func=run_serve)
 
@@ -49,7 +52,7 @@ def run_serve(args: argparse.Namespace) -> int:
     from mlcc.runtime.serve.server import create_app
 
     check_port_free(args.host, args.port)   # before minutes of loading, not after
-    config = EngineConfig.from_cli(args)
+    config = dataclasses.replace(EngineConfig.from_cli(args), weights=args.weights)
     if args.allow_runtime_lora and config.lora is None:
         config = dataclasses.replace(config, lora={})   # LoRA served, the adapters loaded later
     if args.ray:
