@@ -51,6 +51,46 @@ def presets() -> dict:
     return module.PRESETS
 
 
+def build_shape_with_tokenizer(model: str, quant: str, target: str, out: str | Path,
+                               tokenizer_gguf: str | Path | None = None, layers: int | None = None,
+                               vocab_multiple: int = 1, options=None) -> dict[str, Any]:
+    """A preset's shape compiled with no checkpoint (weights random at load: `--weights random`) but with a real
+    tokenizer and chat template, a GGUF's (default: the bundled SmolLM2-135M-Instruct's), so that text goes in and
+    out as with a real model. The shape's vocab_size becomes the tokenizer's token count, rounded up to
+    `vocab_multiple`: at 1 every id the random model can sample decodes to text (the preset's own vocabulary, Llama
+    3's 128,256, would let it sample ids past SmolLM2's 49,152 that decode to nothing). `layers` replaces the
+    decoder's depth (a small stand-in built the same way). Only the library, config and tokenizer are written: a few
+    MB whatever the shape. Returns what was built."""
+    import shutil
+
+    from mlcc import artifact
+    from mlcc.compiler.build import compile_shape_only
+    from mlcc.compiler.tokenizer_files import write_tokenizer
+    from mlcc.runtime.jit import default_model_path
+
+    gguf = Path(tokenizer_gguf) if tokenizer_gguf else default_model_path()
+    out = Path(out)
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir(parents=True)
+    write_tokenizer("gguf", gguf, out)
+    vocab = json.loads((out / "tokenizer.json").read_text())
+    n_tokens = max([*vocab["model"]["vocab"].values(), *[t["id"] for t in vocab.get("added_tokens", [])]]) + 1
+    preset = presets()[model]
+    cfg = preset.hf_config()
+    cfg["vocab_size"] = -(-n_tokens // vocab_multiple) * vocab_multiple
+    if layers is not None:
+        cfg["num_hidden_layers"] = layers
+    seconds = compile_shape_only(preset.family, cfg, target, quant, out, options=options)
+    # compile_shape_only writes its placeholder tokenizer (a word per id) over the real one: written again after it
+    info = write_tokenizer("gguf", gguf, out)
+    config = artifact.read_config(out)
+    config["tokenizer"] = info
+    (out / artifact.CONFIG_FILE).write_text(json.dumps(config, indent=1))
+    return {"out": str(out), "shape": model, "quant": quant, "target": target, "layers": cfg["num_hidden_layers"],
+            "vocab_size": cfg["vocab_size"], "tokenizer_tokens": n_tokens, "tokenizer": gguf.name,
+            "compile_s": round(seconds, 1), "bytes": sum(f.stat().st_size for f in out.rglob("*") if f.is_file())}
+
+
 def cached_gguf(name: str, given: str | None = None) -> Path:
     """A real model's file: `given` when passed, else WEIGHTS/name. Exits naming both when it is not there, since
     downloading multi-hundred-MB checkpoints is not a benchmark's business."""

@@ -14,13 +14,37 @@ beside transformers' `generate_batch` (fp16) on the same shape and prompts, same
     python bench/serve.py prefix-cpu --out /tmp/prefix-cache                        # this CPU, the bundled SmolLM2
     python bench/serve.py prefix-load --model DIR --weights random --target cuda --out OUT   # e.g. the 8B shape
 
+The soak on the Llama-3-8B shape (the CUDA machine, ~8 minutes on an H100: server start with the kernels compiled
+at load, the sweep ~1.5 min, the soak 5 min). `build` writes a shape-only folder (library, config, tokenizer: ~7 MB,
+so it travels with the checkout; .dev/ is git-ignored) that the server fills with random weights:
+
+    python bench/serve.py build --out .dev/soak8b                                 # any machine, ~1 min
+    python bench/serve.py http --model .dev/soak8b --weights random --target cuda --rates 2,8,32 \
+        --soak-seconds 300 --soak-clients 256 --out OUT                            # the CUDA machine
+
+and its stand-in on this CPU, the same recipe on a 4-layer SmolLM2-135M shape (~30 s of soak, ~2 min in all):
+
+    python bench/serve.py build --out /tmp/soak-tiny --shape smollm2-135m --quant q4f32_1 --target llvm --layers 4
+    python bench/serve.py http --model /tmp/soak-tiny --weights random --target llvm --rates 1,4 --num-prompts 8 \
+        --output-len 32 --soak-seconds 30 --soak-clients 8 --out /tmp/soak
+
+build: a preset's shape (--shape, default llama3-8b; --layers to cut its depth) for --target in --quant, no
+checkpoint, with a real tokenizer and chat template (--tokenizer-gguf, default the bundled SmolLM2-135M-Instruct's:
+the OpenAI endpoints take text, unlike the placeholder tokenizer of `bench/decode.py build`). The shape's vocab_size
+is set to the tokenizer's token count (49,152 for SmolLM2, in place of Llama 3's 128,256), so that every id the
+random model samples decodes to text; the embedding and the logits are that much smaller than the real 8B's.
+
 http:
 1. Sweep: open-loop Poisson arrivals at each --rates value (mlcc.runtime.serve.loadgen, what `mlcc bench serve`
    runs), streaming completions with a fixed output length (EOS ignored); per rate TTFT and ITL p50/p90/p99 (ms),
    output tok/s, errors.
 2. Soak: --soak-clients concurrent streaming chat clients for --soak-seconds, random prompts and lengths, 20% of
-   the requests disconnecting after 1-20 chunks. Pass: 0 client errors (a disconnect we caused is not one), 0 KV
-   pages in use once idle, the server alive.
+   the requests disconnecting after 1-20 chunks, and every --probe-every seconds a greedy probe (a fixed prompt,
+   temperature 0, --probe-tokens tokens, EOS ignored) whose text must equal the first probe's. Failed requests are
+   counted as 5xx (an HTTP status of 500 or more, or a server error reported inside a stream after its 200 headers;
+   the server's own count of 5xx responses from /metrics beside it) or as other errors. Pass: 0 errors, 0 5xx, every
+   probe's text the first's, 0 KV pages in use once idle, the server alive; the sweep without errors. serve.json's
+   "latency" holds each rate's TTFT and ITL p50/p99.
 3. --batched: the same 256 prompts x 128 new tokens submitted at once to mlcc's Engine (max_batch 64) and to
    transformers' continuous batching (`generate_batch`, fp16, the SmolLM2 shape with random weights; CUDA only).
 --shared-prefix F: that fraction of every sweep prompt is the same for all requests (a common system prompt); with
@@ -61,7 +85,7 @@ import time
 from pathlib import Path
 
 import numpy as np
-from harness import build_info, cli, device_name, presets, write_json
+from harness import add_options_argument, build_info, build_shape_with_tokenizer, cli, device_name, presets, write_json
 
 WORDS = "the quick brown fox jumps over a lazy dog while seven wizards quietly judge boxing matches".split()
 
@@ -75,12 +99,21 @@ def metric(base: str, name: str) -> float:
     raise KeyError(name)
 
 
+def server_5xx(base: str) -> float:
+    """Responses the server itself sent with a 5xx status (mlcc_requests_total, every endpoint)."""
+    import httpx
+
+    return sum(float(line.split()[-1]) for line in httpx.get(f"{base}/metrics").text.splitlines()
+               if line.startswith("mlcc_requests_total{") and 'status="5' in line)
+
+
 def start_server(a, extra: tuple[str, ...] = ()) -> tuple[subprocess.Popen, str]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     cmd = [sys.executable, "-m", "mlcc", "serve", *([a.model] if a.model else []), "--target", a.target,
-           "--port", str(port), "--max-batch", str(max(a.soak_clients, 8)), "--policy", "max_util", *extra]
+           "--port", str(port), "--max-batch", str(max(a.soak_clients, 8)), "--policy", "max_util",
+           "--weights", a.weights, *extra]
     log = open(Path(a.out) / f"server{'-'.join(('',) + extra)}.log", "w")
     return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT), f"http://127.0.0.1:{port}"
 
@@ -118,36 +151,111 @@ async def client_loop(base: str, model: str, stop_at: float, rng: random.Random,
                     stats["completed"] += 1
                 stats["chunks"] += n
             except Exception as e:  # noqa: BLE001 - counted, reported
-                stats["errors"] += 1
-                stats["error_samples"].add(f"{type(e).__name__}: {e}"[:200])
+                count_error(stats, e)
 
 
-def soak(base: str, seconds: int, clients: int) -> dict:
+def count_error(stats: dict, e: Exception) -> None:
+    """A failed request, as an HTTP 5xx or as another error. A stream whose 200 headers are out reports a server
+    failure in band (an error event of type server_error): counted with the 5xx, since it is the same failure."""
+    import openai
+
+    status = getattr(e, "status_code", None)
+    in_band = isinstance(e, openai.APIError) and isinstance(e.body, dict) and e.body.get("type") == "server_error"
+    kind = "http_5xx" if (status is not None and status >= 500) or (status is None and in_band) else "errors"
+    stats[kind] += 1
+    stats["error_samples"].add(f"{kind} {type(e).__name__}: {e}"[:200])
+
+
+async def probe_loop(base: str, model: str, stop_at: float, every: float, max_tokens: int, stats: dict) -> None:
+    """Every `every` seconds while the soak runs, the same greedy request (fixed prompt, temperature 0, EOS
+    ignored so that it is always `max_tokens` long): its text must equal the first probe's. A different answer
+    under load means one sequence's state leaked into another's (KV pages, preemption, batching). With random
+    weights the answer is one prompt-dependent token repeated, so the text alone catches only gross corruption: the
+    largest change of a probe token's logprob from the first probe's is reported beside it (batches of other sizes
+    round differently, so it is a diagnostic, not a pass condition), and the first probe's smallest margin between
+    its top two candidates (random logits are close: a mismatch at a token whose margin is below the drift may be
+    rounding rather than a leak; each mismatch sample says where it diverged and that token's margin)."""
+    import openai
+
+    messages = [{"role": "user", "content": "List the planets of the solar system in order, with one fact each."}]
+    first: list = []
+    async with openai.AsyncOpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0, timeout=300) as client:
+        next_at = time.monotonic()
+        while next_at < stop_at:
+            await asyncio.sleep(max(0.0, next_at - time.monotonic()))
+            next_at += every
+            try:
+                r = await client.chat.completions.create(model=model, messages=messages, max_tokens=max_tokens,
+                                                         temperature=0, logprobs=True, top_logprobs=2,
+                                                         extra_body={"ignore_eos": True})
+            except Exception as e:  # noqa: BLE001 - counted, reported
+                stats["probe_errors"] += 1
+                count_error(stats, e)
+                continue
+            text = r.choices[0].message.content or ""
+            tokens = r.choices[0].logprobs.content or []
+            stats["probes"] += 1
+            if stats["probe_text"] is None:
+                stats["probe_text"], first = text, tokens
+                # how far apart the first probe's top two candidates were: a later probe whose text differs
+                # where this margin is below its logprob drift may be rounding, not corruption
+                margins = [t.top_logprobs[0].logprob - t.top_logprobs[1].logprob for t in tokens
+                           if len(t.top_logprobs) > 1]
+                stats["probe_min_top2_margin"] = round(min(margins), 5) if margins else None
+            elif text != stats["probe_text"]:
+                stats["probe_mismatches"] += 1
+                at = next((i for i, (x, y) in enumerate(zip(tokens, first)) if x.token != y.token),
+                          min(len(tokens), len(first)))
+                margin = (first[at].top_logprobs[0].logprob - first[at].top_logprobs[1].logprob
+                          if at < len(first) and len(first[at].top_logprobs) > 1 else None)
+                stats["probe_mismatch_samples"] = (stats["probe_mismatch_samples"] + [
+                    {"text": text, "first_different_token": at, "first_probe_top2_margin_there": margin}])[:3]
+            else:
+                drift = max((abs(x.logprob - y.logprob) for x, y in zip(tokens, first)), default=0.0)
+                stats["probe_logprob_max_drift"] = max(stats["probe_logprob_max_drift"], round(drift, 5))
+
+
+def soak(base: str, seconds: int, clients: int, probe_every: float = 10.0, probe_tokens: int = 32) -> dict:
     import httpx
 
     model = httpx.get(f"{base}/v1/models").json()["data"][0]["id"]
-    stats = {"completed": 0, "disconnects": 0, "errors": 0, "chunks": 0, "error_samples": set()}
+    stats = {"completed": 0, "disconnects": 0, "errors": 0, "http_5xx": 0, "chunks": 0, "error_samples": set(),
+             "probes": 0, "probe_mismatches": 0, "probe_errors": 0, "probe_text": None, "probe_mismatch_samples": [],
+             "probe_logprob_max_drift": 0.0, "probe_min_top2_margin": None}
     stop_at = time.monotonic() + seconds
     tokens_before = metric(base, "mlcc_generation_tokens_total")
+    server_5xx_before = server_5xx(base)
 
     async def run():
-        await asyncio.gather(*[client_loop(base, model, stop_at, random.Random(i), stats) for i in range(clients)])
+        await asyncio.gather(probe_loop(base, model, stop_at, probe_every, probe_tokens, stats),
+                             *[client_loop(base, model, stop_at, random.Random(i), stats) for i in range(clients)])
 
     t = time.monotonic()
     asyncio.run(run())
     wall = time.monotonic() - t
-    for _ in range(100):
-        if metric(base, "mlcc_running_requests") == 0:
+    # every client has its answer or has hung up; an aborted request's pages are freed by the engine's next step
+    for _ in range(300):
+        if metric(base, "mlcc_running_requests") == 0 and metric(base, "mlcc_kv_pages_used") == 0:
             break
         time.sleep(0.1)
     stats.update(wall_s=round(wall, 1), clients=clients, pages_used_after=metric(base, "mlcc_kv_pages_used"),
                  aborted_seen_by_server=metric(base, "mlcc_requests_aborted_total"),
+                 server_5xx_responses=server_5xx(base) - server_5xx_before,
                  generated_tokens=metric(base, "mlcc_generation_tokens_total") - tokens_before,
                  server_alive=httpx.get(f"{base}/health").status_code == 200)
     stats["streamed_tok_s"] = round(stats["generated_tokens"] / wall, 1)
     stats["error_samples"] = sorted(stats["error_samples"])[:5]
-    stats["pass"] = stats["errors"] == 0 and stats["pages_used_after"] == 0 and stats["server_alive"]
+    stats["pass"] = (stats["errors"] == 0 and stats["http_5xx"] == 0 and stats["server_5xx_responses"] == 0
+                     and stats["probes"] > 0 and stats["probe_mismatches"] == 0 and stats["pages_used_after"] == 0
+                     and stats["server_alive"])
     return stats
+
+
+def latency_summary(rows: list[dict]) -> list[dict]:
+    """TTFT and inter-token latency p50/p99 (ms) of each sweep rate."""
+    return [{"rate": r["rate"], "ttft_p50_ms": r["ttft_ms"]["p50"], "ttft_p99_ms": r["ttft_ms"]["p99"],
+             "itl_p50_ms": r["itl_ms"]["p50"], "itl_p99_ms": r["itl_ms"]["p99"], "output_tok_s": r["output_tok_s"],
+             "errors": r["errors"]} for r in rows]
 
 
 def batched_throughput(a, n_prompts: int = 256, new_tokens: int = 128) -> dict:
@@ -180,14 +288,16 @@ def cmd_http(a) -> None:
     from mlcc.runtime.serve.loadgen import wait_until_healthy
 
     Path(a.out).mkdir(parents=True, exist_ok=True)
-    res: dict = {"model": a.model or "bundled default", "target": a.target}
+    res: dict = {"build": build_info(), "model": a.model or "bundled default", "weights": a.weights,
+                 "target": a.target, "load_before": _loadavg()}
     proc, base = start_server(a)
     try:
         wait_until_healthy(base, proc, timeout=900)
         res["sweep"] = sweep(base, a)
+        res["latency"] = latency_summary(res["sweep"])
         write_json(a.out, "serve.json", res)
         if a.soak_seconds:
-            res["soak"] = soak(base, a.soak_seconds, a.soak_clients)
+            res["soak"] = soak(base, a.soak_seconds, a.soak_clients, a.probe_every, a.probe_tokens)
             print(json.dumps(res["soak"], indent=1), flush=True)
     finally:
         proc.terminate()
@@ -203,9 +313,21 @@ def cmd_http(a) -> None:
     if a.batched:
         res["batched"] = batched_throughput(a)
         print(json.dumps(res["batched"], indent=1))
+    res["load_after"] = _loadavg()
+    res["pass"] = res.get("soak", {"pass": True})["pass"] and \
+        not any(r["errors"] for r in res["sweep"] + res.get("sweep_no_prefix_cache", []))
     write_json(a.out, "serve.json", res)
-    if not res.get("soak", {"pass": True})["pass"] or \
-            any(r["errors"] for r in res["sweep"] + res.get("sweep_no_prefix_cache", [])):
+    for r in res["latency"]:
+        print(f"rate {r['rate']}: TTFT p50 {r['ttft_p50_ms']} / p99 {r['ttft_p99_ms']} ms, ITL p50 "
+              f"{r['itl_p50_ms']} / p99 {r['itl_p99_ms']} ms, {r['output_tok_s']} tok/s, {r['errors']} errors")
+    if "soak" in res:
+        k = res["soak"]
+        print(f"soak {k['wall_s']} s x {k['clients']} clients: {k['completed']} completed, {k['disconnects']} "
+              f"disconnected, {k['errors']} errors, {k['http_5xx']} 5xx (server: {k['server_5xx_responses']:.0f}), "
+              f"probes {k['probes']} ({k['probe_mismatches']} mismatched), KV pages after "
+              f"{k['pages_used_after']:.0f}, server alive {k['server_alive']}: {'PASS' if k['pass'] else 'FAIL'}")
+    print("PASS" if res["pass"] else "FAIL", flush=True)
+    if not res["pass"]:
         sys.exit(1)
 
 
@@ -362,10 +484,32 @@ def _http_args(p) -> None:
     p.add_argument("--output-len", default="128", help="tokens per answer: N or uniform:A:B")
     p.add_argument("--soak-seconds", type=int, default=180, help="0: no soak")
     p.add_argument("--soak-clients", type=int, default=64)
+    p.add_argument("--probe-every", type=float, default=10.0, help="seconds between the soak's greedy probes")
+    p.add_argument("--probe-tokens", type=int, default=32, help="tokens each greedy probe generates")
+    p.add_argument("--weights", default="files", choices=["files", "random"],
+                   help="random: the server fills the weights with random values (`build`'s shape-only folders)")
     p.add_argument("--batched", action="store_true", help="also batched throughput against transformers (CUDA)")
     p.add_argument("--shared-prefix", type=float, default=0.0, help="fraction of each sweep prompt shared by all")
     p.add_argument("--prefix-ab", action="store_true", help="the sweep again on a server without the prefix cache")
     p.add_argument("--out", required=True)
+
+
+def cmd_build(a) -> None:
+    from mlcc.options import CompileOptions
+
+    r = build_shape_with_tokenizer(a.shape, a.quant, a.target, a.out, a.tokenizer_gguf, a.layers,
+                                   options=CompileOptions.parse(a.option) if a.option else None)
+    print(json.dumps(r, indent=1))
+
+
+def _build_args(p) -> None:
+    p.add_argument("--out", required=True, help="the artifacts folder to write (replaced if it exists)")
+    p.add_argument("--shape", default="llama3-8b", help="a preset of mlcc.relax_models.presets")
+    p.add_argument("--quant", default="q4f16_1")
+    p.add_argument("--target", default="cuda")
+    p.add_argument("--layers", type=int, default=None, help="decoder layers (default: the preset's)")
+    p.add_argument("--tokenizer-gguf", default=None, help="default: the bundled SmolLM2-135M-Instruct's")
+    add_options_argument(p)
 
 
 def _prefix_cpu_args(p) -> None:
@@ -462,6 +606,6 @@ def _throughput_args(p) -> None:
 
 
 if __name__ == "__main__":
-    cli(__doc__, {"http": (cmd_http, _http_args), "prefix-cpu": (cmd_prefix_cpu, _prefix_cpu_args),
+    cli(__doc__, {"build": (cmd_build, _build_args), "http": (cmd_http, _http_args), "prefix-cpu": (cmd_prefix_cpu, _prefix_cpu_args),
                   "prefix-load": (cmd_prefix_load, _prefix_load_args),
                   "throughput": (cmd_throughput, _throughput_args)})

@@ -21,12 +21,11 @@ from __future__ import annotations
 
 import asyncio
 import json
-import shutil
 import statistics
 import time
 from pathlib import Path
 
-from harness import build_info, cli, presets, write_json
+from harness import build_info, build_shape_with_tokenizer, cli, write_json
 
 LENGTH = 48
 SCHEMA = {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 9},
@@ -141,25 +140,9 @@ def cmd_cpu(a) -> None:
 
 def cmd_build(a) -> None:
     """The 8B shape for CUDA with the vocabulary of a real tokenizer (the bundled SmolLM2's, or --tokenizer-gguf)."""
-    from mlcc import artifact
-    from mlcc.compiler.build import compile_shape_only
-    from mlcc.compiler.tokenizer_files import write_tokenizer
-    from mlcc.runtime.jit import default_model_path
-
-    gguf = Path(a.tokenizer_gguf) if a.tokenizer_gguf else default_model_path()
-    out = Path(a.out) / "llama3-8b-q4f16_1"
-    shutil.rmtree(out, ignore_errors=True)
-    out.mkdir(parents=True)
-    info = write_tokenizer("gguf", gguf, out)
-    vocab = json.loads((out / "tokenizer.json").read_text())
-    n_tokens = max([*vocab["model"]["vocab"].values(), *[t["id"] for t in vocab.get("added_tokens", [])]]) + 1
-    cfg = presets()["llama3-8b"].hf_config()
-    cfg["vocab_size"] = (n_tokens + 63) // 64 * 64
-    seconds = compile_shape_only("llama", cfg, "cuda", "q4f16_1", out)
-    config = artifact.read_config(out)
-    config["tokenizer"] = info
-    (out / artifact.CONFIG_FILE).write_text(json.dumps(config, indent=1))
-    print(f"built {out} (vocab {cfg['vocab_size']}, tokenizer of {gguf.name}) in {seconds:.0f} s")
+    r = build_shape_with_tokenizer("llama3-8b", "q4f16_1", "cuda", Path(a.out) / "llama3-8b-q4f16_1",
+                                   a.tokenizer_gguf, vocab_multiple=64)
+    print(f"built {r['out']} (vocab {r['vocab_size']}, tokenizer of {r['tokenizer']}) in {r['compile_s']:.0f} s")
 
 
 def check_logit_functions(model) -> dict:
