@@ -370,12 +370,21 @@ class AsyncEngine:
         self.engine.shutdown()
 
 
+def _has_images(messages: Any) -> bool:
+    return isinstance(messages, list) and any(
+        isinstance(m, dict) and isinstance(m.get("content"), list) and
+        any(isinstance(p, dict) and p.get("type") == "image_url" for p in m["content"]) for m in messages)
+
+
 class _AsyncCreate:
     def __init__(self, engine: Engine, sync_api: _ChatCompletions | _Completions):
         self.engine, self.sync_api = engine, sync_api
 
     async def create(self, *, stream: bool = False, **kw: Any):
-        call = self.sync_api.make_call(stream=stream, **kw)   # validation errors raise here, at the await
+        if _has_images(kw.get("messages")):   # decoding (or fetching) images: off the event loop
+            call = await asyncio.to_thread(self.sync_api.make_call, stream=stream, **kw)
+        else:
+            call = self.sync_api.make_call(stream=stream, **kw)   # validation errors raise here, at the await
         if stream:
             return _async_stream(self.engine, call)
         async for i, ev in self.engine.run_async(call):

@@ -495,3 +495,10 @@ def _token_ids(engine, prompt: str, n: int, **params) -> tuple[list[int], str]:
             out.append(ev.token_id)
         if ev.kind != "delta":
             return out, ev.finish_reason
+
+
+def test_images_to_a_text_only_model_are_refused_naming_the_part(engine):
+    parts = [{"type": "text", "text": "hi"}, {"type": "image_url", "image_url": {"url": "data:image/png;base64,AA=="}}]
+    with pytest.raises(RequestError) as e:
+        engine.chat.completions.create(messages=[{"role": "user", "content": parts}], max_tokens=2)
+    assert e.value.param == "messages[0].content[1].image_url" and "takes no images" in str(e.value)

@@ -106,9 +106,9 @@ def decode(data: bytes, limits: ImageLimits, param: str):
         img = Image.open(io.BytesIO(data))
     except (UnidentifiedImageError, OSError, ValueError):
         raise RequestError(f"{param}: not an image PIL can read (PNG, JPEG, WebP, GIF, ...)", param=param) from None
-    except Image.DecompressionBombError:
-        raise RequestError(f"{param}: the image is larger than max_image_pixels ({limits.max_pixels}); send a "
-                           "smaller image or raise the server's --max-image-pixels", param=param) from None
+    except Image.DecompressionBombError as e:   # (PIL's own bound, past twice its MAX_IMAGE_PIXELS)
+        raise RequestError(f"{param}: the image is larger than max_image_pixels ({limits.max_pixels}): {e}; send "
+                           "a smaller image", param=param) from None
     width, height = img.size
     if width * height > limits.max_pixels:
         raise RequestError(f"{param}: the image is {width}x{height}, more than max_image_pixels ({limits.max_pixels}); "

@@ -113,6 +113,9 @@ def create_app(engine: Engine, api_key: str | None = None, served_name: str | No
     finish."""
     aengine = AsyncEngine(engine)
     name = served_name or engine.model_name
+    # a vision-language model's requests carry their images base64-encoded (4/3 of their bytes)
+    body_limit = MAX_BODY_BYTES + (engine.config.max_images_per_request * engine.config.max_image_bytes * 4 // 3
+                                   if engine.vision else 0)
     metrics = _Metrics(engine)
     lifecycle = Lifecycle(shutdown_grace_seconds, failure=lambda: engine.core.failure)
     app = FastAPI(title="mlcc", version="1")
@@ -135,9 +138,9 @@ def create_app(engine: Engine, api_key: str | None = None, served_name: str | No
             metrics.requests.labels(endpoint_label(request), "503").inc()
             return _error(503, refusal, etype="server_error", code="service_unavailable")
         length = request.headers.get("content-length")
-        if length and length.isdigit() and int(length) > MAX_BODY_BYTES:
+        if length and length.isdigit() and int(length) > body_limit:
             metrics.requests.labels(endpoint_label(request), "413").inc()
-            return _too_large()
+            return _too_large(body_limit)
         response = await call_next(request)
         metrics.requests.labels(endpoint_label(request), str(response.status_code)).inc()
         return response
@@ -173,8 +176,8 @@ def create_app(engine: Engine, api_key: str | None = None, served_name: str | No
         chunks, size = [], 0
         async for chunk in request.stream():   # a chunked body has no content-length: count as it arrives
             size += len(chunk)
-            if size > MAX_BODY_BYTES:
-                raise RequestError(f"request body over {MAX_BODY_BYTES} bytes", code="request_too_large")
+            if size > body_limit:
+                raise RequestError(f"request body over {body_limit} bytes", code="request_too_large")
             chunks.append(chunk)
         # a megabyte-sized body takes a few hundred milliseconds to check: off the event loop, which streams
         return await run_in_threadpool(parse_json_body, b"".join(chunks))
@@ -309,8 +312,8 @@ def create_app(engine: Engine, api_key: str | None = None, served_name: str | No
     return app
 
 
-def _too_large() -> JSONResponse:
-    return _error(413, f"request body over {MAX_BODY_BYTES} bytes", code="request_too_large")
+def _too_large(limit: int) -> JSONResponse:
+    return _error(413, f"request body over {limit} bytes", code="request_too_large")
 
 
 def _has_text(chunk: Any) -> bool:
