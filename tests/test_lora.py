@@ -298,3 +298,57 @@ def test_pipelined_and_speculative_decoding_keep_the_adapter(lora_build, adapter
     with Engine(lora_build("llama"), target="llvm", max_batch=2, lora={"a2": str(adapters["a2"])}, **settings) as e:
         assert [_greedy(e, [(prompt, m)], n=12)[0] for m in ("a2", None)] == want
         assert e.core.stats["pipelined_tokens" if "pipeline" in settings else "spec_drafts"] > 0
+
+
+# -- CUDA ------------------------------------------------------------------------------------------------------------
+
+def _cuda_present() -> bool:
+    from test_gpu_families import _cuda_present as present
+
+    return present()
+
+
+def _forced_logits(folder, adapters, names: list[str | None], steps: list[int]):
+    """Logits [1 + steps, sequences, vocab] of one batch, sequence i on adapter names[i] (None: none): one batched
+    prefill of a 39-token prompt each (rotated per row), then decode steps fed fixed tokens, so that two builds see
+    the same inputs whatever their greedy ids."""
+    import numpy as np
+
+    model = LoadedModel(folder)
+    n, seqs = len(names), list(range(len(names)))
+    model.create_kv_cache(n, 512, 256)
+    loaded = {name: read_adapter(name, adapters[name], model.lora.layout) for name in set(names) - {None}}
+    in_use = {a.key for a in loaded.values()}
+    for seq, name in zip(seqs, names):
+        model.add_sequence(seq)
+        model.lora.bind(seq, model.lora.acquire(loaded[name], in_use) if name else None)
+    prompts = [(PROMPT * 3)[seq:] + (PROMPT * 3)[:seq] for seq in seqs]
+    rows = [model.prefill(seqs, prompts).numpy().reshape(n, -1)]
+    rows += [model.decode(seqs, [t + 3 * seq for seq in seqs]).numpy().reshape(n, -1) for t in steps]
+    return np.stack(rows).astype(np.float64)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _cuda_present(), reason="no CUDA device")
+@pytest.mark.parametrize("quant", ["q4f16_1", "q0f16"])
+def test_mixed_adapters_on_cuda_match_the_cpu_build(hf_models, adapters, tmp_path, quant):
+    """Two adapters and base rows in one batch on CUDA (the twins' gathered products through dlight's schedules,
+    beside the q4 GEMM / cuBLASLt prefill and the batched and batch-1 decode kernels) against the CPU build of the
+    same quantization and adapters: logits within test_gpu_families' float16 bound (2e-2 relative to the largest
+    |logit|) at every step and row, and the same argmax wherever a row's top two logits are further apart than its
+    difference; then one adapter alone at batch 1 (the decode GEMV path)."""
+    import numpy as np
+
+    options = CompileOptions(max_loras=SLOTS, max_lora_rank=RANK)
+    for target, name in (("llvm", "cpu"), ("cuda", "cuda")):
+        compile_model(hf_models("llama"), target, quant, tmp_path / name, options=options)
+    steps = [(7 * i + 3) % 300 for i in range(24)]
+    for names in (["a1", None, "a2", "a1"], ["a2"]):
+        cpu = _forced_logits(tmp_path / "cpu", adapters, names, steps)
+        cuda = _forced_logits(tmp_path / "cuda", adapters, names, steps)
+        diff = np.abs(cuda - cpu).max(axis=-1)
+        errs = diff / np.abs(cpu).max(axis=-1)
+        assert errs.max() <= 2e-2, f"{names}: rel err per step and row: {np.round(errs, 4).tolist()}"
+        top2 = np.sort(cpu, axis=-1)[..., -2:]
+        decisive = top2[..., 1] - top2[..., 0] > 2 * diff
+        assert ((cuda.argmax(-1) == cpu.argmax(-1)) | ~decisive).all(), names
