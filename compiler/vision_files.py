@@ -25,7 +25,16 @@ def vision_section(source_dir: Path, family_module: Any, cfg: Any) -> dict[str, 
         return None
     pre_path, pre = _image_processor(source_dir)
     size = pre.get("size") or {}
-    height, width = int(size.get("height", vision.image_size)), int(size.get("width", vision.image_size))
+    shortest = None
+    if "shortest_edge" in size:   # (CLIP's processors: the short side resized, then a center crop)
+        shortest, crop = int(size["shortest_edge"]), pre.get("crop_size") or {}
+        if not pre.get("do_center_crop", True) or not crop or int(crop["height"]) > shortest or \
+                int(crop["width"]) > shortest:
+            raise ModelSourceError(f"{pre_path}: images resized to a {shortest}-pixel short side must be center-"
+                                   f"cropped to at most that for the encoder's square input; crop_size is {crop}")
+        height, width = int(crop["height"]), int(crop["width"])
+    else:
+        height, width = int(size.get("height", vision.image_size)), int(size.get("width", vision.image_size))
     if (height, width) != (vision.image_size, vision.image_size):
         raise ModelSourceError(f"{pre_path}: images resized to {height}x{width}, but the encoder takes "
                                f"{vision.image_size}x{vision.image_size}; the processor and config.json disagree")
@@ -36,7 +45,7 @@ def vision_section(source_dir: Path, family_module: Any, cfg: Any) -> dict[str, 
         raise ModelSourceError(f"{pre_path}: resample {resample} is not one of PIL's filters {sorted(_RESAMPLE)}")
     channels = vision.num_channels
     preprocess = {
-        "size": [height, width], "resample": _RESAMPLE[resample],
+        "size": [height, width], "shortest_edge": shortest, "resample": _RESAMPLE[resample],
         "rescale_factor": float(pre.get("rescale_factor", 1 / 255)) if pre.get("do_rescale", True) else 1.0,
         "mean": [float(x) for x in _per_channel(pre.get("image_mean", 0.5), channels)]
         if pre.get("do_normalize", True) else [0.0] * channels,

@@ -95,7 +95,7 @@ class ModelSource:
 # multimodal checkpoints name their language model one way on the Hub and another once transformers saves them
 _PREFIX_ALIASES = (("model.language_model.", "language_model.model."),
                    ("model.vision_tower.", "vision_tower.vision_model."), ("model.vision_tower.", "vision_tower."),
-                   ("model.multi_modal_projector.", "multi_modal_projector."))
+                   ("model.multi_modal_projector.", "multi_modal_projector."), ("lm_head.", "language_model.lm_head."))
 _MERGED_EXPERTS = re.compile(r"^(.*\.experts)\.([A-Za-z_][A-Za-z0-9_]*)\.weight$")
 
 

@@ -14,7 +14,7 @@ from typing import Any, Callable
 
 from mlcc.errors import UnknownArchitectureError
 
-from . import deepseek, gemma, gemma2, gemma3, gemma3_vision, gpt_oss, granite, llama, mixtral, olmo2, phi3, qwen2, qwen2_moe, qwen3, qwen3_moe
+from . import deepseek, gemma, gemma2, gemma3, gemma3_vision, gpt_oss, granite, llama, llava, mixtral, olmo2, phi3, qwen2, qwen2_moe, qwen3, qwen3_moe
 from .blocks import DecoderConfig, DecoderForCausalLM
 from .weight_plans import check_tensor_parallel, shard_weight
 
@@ -54,7 +54,7 @@ class Family:
 _FAMILIES = {m.__name__.rsplit(".", 1)[1]: Family(m.__name__.rsplit(".", 1)[1], m,
                                                   getattr(m, "MODEL_CLS", DecoderForCausalLM))
              for m in (llama, qwen2, qwen3, gemma, gemma2, gemma3, gemma3_vision, phi3, olmo2, granite, mixtral,
-                       qwen2_moe, qwen3_moe, gpt_oss, deepseek)}
+                       qwen2_moe, qwen3_moe, gpt_oss, deepseek, llava)}
 
 # HF model_type → family
 ARCHITECTURES: dict[str, Family] = {
@@ -67,6 +67,7 @@ ARCHITECTURES: dict[str, Family] = {
     "gemma2": _FAMILIES["gemma2"],
     "gemma3_text": _FAMILIES["gemma3"],
     "gemma3": _FAMILIES["gemma3_vision"],   # (Gemma3ForConditionalGeneration; its text model without vision_config)
+    "llava": _FAMILIES["llava"],
     "phi3": _FAMILIES["phi3"],
     "olmo2": _FAMILIES["olmo2"],
     "granite": _FAMILIES["granite"],

@@ -106,7 +106,7 @@ class Gemma3VisionForCausalLM(DecoderForCausalLM):
         super().__init__(cfg, target, dtype)
         self.vision_tower = self.multi_modal_projector = None
         if getattr(cfg, "vision", None) is not None:
-            self.vision_tower = siglip.SiglipVisionModel(cfg.vision)
+            self.vision_tower = siglip.VisionTransformer(cfg.vision)
             self.multi_modal_projector = _Projector(cfg)
 
     def image_embed(self, pixel_values: Tensor) -> Tensor:

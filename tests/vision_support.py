@@ -67,6 +67,51 @@ def _write_tokenizer(folder: Path) -> None:
     (folder / "tokenizer_config.json").write_text(json.dumps(tok_cfg))
 
 
+LLAVA_IMAGE = 256 + len(SPECIALS)   # "<image>", the one extra special token of the LLaVA test model
+LLAVA_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% if m['content'] is string %}{{ m['content'] }}"
+    "{% else %}{% for item in m['content'] %}{% if item['type'] == 'image' %}<image>\n"
+    "{% elif item['type'] == 'text' %}{{ item['text'] }}{% endif %}{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def make_llava(folder: Path, seed: int = 0) -> Path:
+    """LlavaForConditionalGeneration: a 3-layer CLIP (32x32, patch 8, read at layer -2 without its class token: 16
+    image tokens), a Llama language model, LlavaProcessor's files (CLIP's short-side resize and center crop)."""
+    import torch
+    import transformers as tf
+
+    torch.manual_seed(seed)
+    text = tf.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                          num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=512, eos_token_id=EOS,
+                          bos_token_id=None, tie_word_embeddings=False)
+    vision = tf.CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=2,
+                                 image_size=32, patch_size=8, projection_dim=32)
+    model = tf.LlavaForConditionalGeneration(tf.LlavaConfig(
+        text_config=text.to_dict(), vision_config=vision.to_dict(), image_token_index=LLAVA_IMAGE,
+        vision_feature_layer=-2, vision_feature_select_strategy="default")).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias") or "norm" in name:
+                p.add_(0.1 * torch.randn_like(p))
+    model.save_pretrained(folder)
+
+    def write_tokenizer() -> None:
+        write_byte_tokenizer(folder, extra_specials=("<image>",))
+        tok_cfg = json.loads((folder / "tokenizer_config.json").read_text())
+        tok_cfg.update(chat_template=LLAVA_TEMPLATE, tokenizer_class="PreTrainedTokenizerFast")
+        (folder / "tokenizer_config.json").write_text(json.dumps(tok_cfg))
+
+    write_tokenizer()
+    processor = tf.LlavaProcessor(
+        image_processor=tf.CLIPImageProcessorPil(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32}),
+        tokenizer=tf.AutoTokenizer.from_pretrained(folder), chat_template=LLAVA_TEMPLATE, patch_size=8,
+        vision_feature_select_strategy="default", num_additional_image_tokens=1)
+    processor.save_pretrained(folder)
+    write_tokenizer()
+    return folder
+
+
 def png_data_url(pixels: np.ndarray) -> str:
     """uint8 [H, W, 3] → a data: URL of its PNG."""
     from PIL import Image

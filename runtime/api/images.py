@@ -130,7 +130,16 @@ def preprocess(img: Any, spec: dict[str, Any]) -> np.ndarray:
 
     height, width = spec["size"]
     resample = getattr(Image.Resampling, spec["resample"].upper())
-    pixels = np.asarray(img.resize((width, height), resample=resample), dtype=np.float32)
+    shortest = spec.get("shortest_edge")
+    if shortest:   # the short side to `shortest` (the long one truncated, as transformers), then a center crop
+        w, h = img.size
+        short, long = min(w, h), max(w, h)
+        scaled = (shortest, int(shortest * long / short))
+        img = img.resize(scaled if w <= h else scaled[::-1], resample=resample)
+        top, left = (img.size[1] - height) // 2, (img.size[0] - width) // 2
+        pixels = np.asarray(img.crop((left, top, left + width, top + height)), dtype=np.float32)
+    else:
+        pixels = np.asarray(img.resize((width, height), resample=resample), dtype=np.float32)
     mean, std = np.asarray(spec["mean"], np.float32), np.asarray(spec["std"], np.float32)
     pixels = (pixels * np.float32(spec["rescale_factor"]) - mean) / std
     return np.ascontiguousarray(pixels.transpose(2, 0, 1))
