@@ -71,6 +71,9 @@ def export_module(source: ModelSource, preset: TargetPreset, quant: Quantization
     check_target_reads(preset, quant)
     family.check_tensor_parallel(cfg, tensor_parallel, quant.group_size if quant.kind == "group" else None)
     cfg.tensor_parallel_shards = tensor_parallel
+    if getattr(cfg, "vision", None) is not None and tensor_parallel > 1:
+        raise UnsupportedConfigError(f"--tensor-parallel {tensor_parallel}: vision-language models run on one device "
+                                     "(the runtime encodes images outside the tensor-parallel workers); use 1")
     check_kv_cache_dtype(preset, cfg, options.kv_cache_dtype)
     cfg.kv_cache_dtype = options.kv_cache_dtype
     target = preset.tvm_target()

@@ -120,3 +120,29 @@ def test_greedy_chat_with_images_then_a_text_turn_matches_transformers(reference
         out2[0, inputs2["input_ids"].shape[1]:], skip_special_tokens=True)
     # the second turn's prompt starts with the first one's: its image tokens came from the prefix cache
     assert reply2.usage.prompt_tokens_details.cached_tokens > 0
+
+
+def test_prefill_chunks_stop_before_an_image_they_would_cut(gemma3, reference, engine):
+    """With 8-token prefill chunks the image (prompt tokens 23..26) would be cut at 24: the chunk stops at 23 and the
+    image goes whole into the next forward, so the answer is transformers' all the same."""
+    from mlcc.runtime.engine import Engine
+
+    images = [random_image(9)]
+    small = Engine(gemma3[1], target="llvm", max_batch=1, prefill_chunk=8)
+    try:
+        ours = small.chat.completions.create(messages=_ours(images, "Hm?"), max_tokens=6, temperature=0)
+    finally:
+        small.shutdown()
+    assert ours.choices[0].message.content == engine.chat.completions.create(
+        messages=_ours(images, "Hm?"), max_tokens=6, temperature=0).choices[0].message.content
+
+
+def test_vision_models_refuse_tensor_parallel(gemma3):
+    from mlcc.compiler.build import export_module
+    from mlcc.compiler.quantize import get_quantization
+    from mlcc.compiler.weights import load_source
+    from mlcc.errors import UnsupportedConfigError
+    from mlcc.targets import get_target
+
+    with pytest.raises(UnsupportedConfigError, match="vision-language models run on one device"):
+        export_module(load_source(gemma3[0]), get_target("cuda"), get_quantization("q4f16_1"), tensor_parallel=2)
