@@ -67,8 +67,9 @@ class DeepseekConfig(MoEConfig):
 
 def config_from_hf(cfg: dict[str, Any]) -> DeepseekConfig:
     # V3's router (sigmoid scores with a correction bias, groups by their best two) or V2's (softmax, groups by
-    # their best); published configs say so in scoring_func, transformers' by model_type
-    v3 = cfg.get("scoring_func", "softmax" if cfg.get("model_type") == "deepseek_v2" else "sigmoid") == "sigmoid"
+    # their best): transformers picks it by model_type; a GGUF (one architecture for both) by its gating function
+    kind = cfg.get("model_type")
+    v3 = cfg["scoring_func"] == "sigmoid" if kind == "deepseek2" else kind != "deepseek_v2"
     theta, scaling = rope_theta_and_scaling(cfg)
     heads = int(cfg["num_attention_heads"])
     rope_dim, nope = int(cfg["qk_rope_head_dim"]), int(cfg["qk_nope_head_dim"])
@@ -84,7 +85,10 @@ def config_from_hf(cfg: dict[str, Any]) -> DeepseekConfig:
     if scaling and scaling.get("mscale_all_dim"):  # transformers' yarn_apply_mscale
         m = rope.yarn_mscale(float(scaling["factor"]), float(scaling["mscale_all_dim"]))
         scale *= m * m
-    experts = int(cfg.get("n_routed_experts") or cfg.get("num_local_experts"))
+    experts = int(cfg.get("n_routed_experts") or cfg.get("num_local_experts") or 0)
+    if experts < 1:
+        raise UnsupportedConfigError("a DeepSeek-architecture model without routed experts (n_routed_experts) is not "
+                                     "supported; mlcc runs DeepSeek-V2/V3's mixture of experts")
     return DeepseekConfig(
         hidden_size=int(cfg["hidden_size"]), intermediate_size=int(cfg["intermediate_size"]), num_hidden_layers=n,
         # the cache sees multi-query attention over the latent (see the module docstring)
@@ -372,12 +376,20 @@ def gguf_config(fields: dict[str, Any], arch: str, vocab_size: int, has_output: 
     # key_length / value_length, as for any MHA
     qk_head = int(g("attention.key_length_mla") if split else g("attention.key_length"))
     v_head = int(g("attention.value_length_mla") if split else g("attention.value_length"))
-    gating = int(g("expert_gating_func", 1))  # llama.cpp's default for files that do not say: softmax (V2)
+    n = int(g("block_count"))
+    # llama.cpp's reading of files that do not say: sigmoid for GLM 4.7 Lite's shapes, else softmax (V2)
+    glm_lite = n in (47, 48) and vocab_size == 154880
+    gating = int(g("expert_gating_func") or (2 if glm_lite else 1))
     if gating not in _GATING:
         raise UnsupportedConfigError(f"GGUF {arch}.expert_gating_func {gating} is not supported; supported: 1 "
                                      "(softmax, DeepSeek-V2), 2 (sigmoid, DeepSeek-V3)")
+    if g("attention.temperature_scale"):
+        raise UnsupportedConfigError(f"GGUF {arch}.attention.temperature_scale: attention temperature tuning "
+                                     "(llama.cpp's for Mistral Large) is not supported")
+    if not g("expert_count"):
+        raise UnsupportedConfigError(f"GGUF {arch} without {arch}.expert_count (a model with no routed experts) is "
+                                     "not supported; mlcc runs DeepSeek-V2/V3's mixture of experts")
     groups = int(g("expert_group_count") or 1)
-    n = int(g("block_count"))
     cfg: dict[str, Any] = {
         "hidden_size": int(g("embedding_length")), "intermediate_size": int(g("feed_forward_length")),
         "num_hidden_layers": n, "num_attention_heads": int(g("attention.head_count")), "vocab_size": vocab_size,

@@ -209,7 +209,7 @@ def gguf_config(fields: dict[str, Any], arch: str, vocab_size: int, has_output: 
     base, swa_base = g("rope.freq_base"), g("rope.freq_base_swa")
     if swa_base is not None and base is not None and float(swa_base) != float(base):
         raise UnsupportedConfigError(f"GGUF {arch}.rope.freq_base_swa ({swa_base}) differs from rope.freq_base "
-                                     f"({base}); gpt-oss uses one RoPE base for every layer: reconvert the model")
+                                     f"({base}): sliding layers with a RoPE base of their own are not supported for gpt-oss")
     scaling = gguf_rope_scaling(fields, arch)
     if scaling is not None:
         scaling["truncate"] = False  # gpt-oss's own YaRN (its config.json); GGUF has no key for it

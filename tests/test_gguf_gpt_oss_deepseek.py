@@ -239,8 +239,12 @@ def test_deepseek2_gguf_matches_transformers(kind, split, hf_models, tmp_path):
     _check_greedy(m, hf_model(hf_models(kind)), 8)
 
 
-def test_unknown_expert_gating_is_refused_in_one_line(hf_models, tmp_path):
-    """A router this family does not implement (llama.cpp's gating functions past softmax and sigmoid)."""
+@pytest.mark.parametrize("key,value,match", [
+    ("expert_gating_func", 3, "expert_gating_func 3 is not supported"),
+    ("attention.temperature_scale", 0.1, "temperature tuning .* is not supported"),
+    ("expert_count", 0, "no routed experts"),
+])
+def test_unsupported_deepseek2_variants_are_refused_in_one_line(key, value, match, hf_models, tmp_path):
     import gguf
 
     from mlcc.errors import UnsupportedConfigError
@@ -249,8 +253,8 @@ def test_unknown_expert_gating_is_refused_in_one_line(hf_models, tmp_path):
     path = tmp_path / "deepseek2.gguf"
     write_deepseek2_gguf(hf_models("deepseek_v2"), path)
     fields = {k: f.contents() for k, f in gguf.GGUFReader(path).fields.items() if not k.startswith("tokenizer.")}
-    fields["deepseek2.expert_gating_func"] = 3
-    with pytest.raises(UnsupportedConfigError, match="expert_gating_func 3 is not supported") as e:
+    fields[f"deepseek2.{key}"] = value
+    with pytest.raises(UnsupportedConfigError, match=match) as e:
         family_for("deepseek2", "gguf").gguf_config(fields, "deepseek2", 512, True)
     assert "\n" not in str(e.value)
 
