@@ -21,7 +21,9 @@ log = logging.getLogger(__name__)
 
 # an HF repo's files mlcc reads: the config, and what compiler/tokenizer_files.py copies next to the build
 HF_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
-            "special_tokens_map.json", "chat_template.jinja")
+            "special_tokens_map.json", "chat_template.jinja",
+            # a vision-language model's image processing (compiler/vision_files.py)
+            "preprocessor_config.json", "processor_config.json", "chat_template.json")
 # what a GGUF repo without a tag is run at (llama.cpp's and Ollama's default)
 DEFAULT_GGUF_TAG = "Q4_K_M"
 LOCAL_ALTERNATIVE = "or pass a local path: `mlcc chat path/to/model-folder-or.gguf`"

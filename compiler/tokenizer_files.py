@@ -11,7 +11,7 @@ from typing import Any
 log = logging.getLogger(__name__)
 
 _HF_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
-             "generation_config.json")
+             "generation_config.json", "chat_template.json")
 
 
 def write_tokenizer(source_kind: str, source_path: Path, out: Path) -> dict[str, Any]:
@@ -44,6 +44,8 @@ def write_placeholder_tokenizer(out: Path, vocab_size: int) -> dict[str, Any]:
 def tokenizer_info(out: Path) -> dict[str, Any]:
     cfg = json.loads((out / "tokenizer_config.json").read_text()) if (out / "tokenizer_config.json").exists() else {}
     template = cfg.get("chat_template")
+    if not template and (out / "chat_template.json").exists():   # (where multimodal processors saved it)
+        template = json.loads((out / "chat_template.json").read_text()).get("chat_template")
     if (out / "chat_template.jinja").exists():
         template = (out / "chat_template.jinja").read_text()
     gen = json.loads((out / "generation_config.json").read_text()) if (out / "generation_config.json").exists() else {}
