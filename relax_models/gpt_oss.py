@@ -209,7 +209,8 @@ def gguf_config(fields: dict[str, Any], arch: str, vocab_size: int, has_output: 
     base, swa_base = g("rope.freq_base"), g("rope.freq_base_swa")
     if swa_base is not None and base is not None and float(swa_base) != float(base):
         raise UnsupportedConfigError(f"GGUF {arch}.rope.freq_base_swa ({swa_base}) differs from rope.freq_base "
-                                     f"({base}): sliding layers with a RoPE base of their own are not supported for gpt-oss")
+                                     f"({base}): gpt-oss with a RoPE base of its own for sliding layers is not "
+                                     "supported")
     scaling = gguf_rope_scaling(fields, arch)
     if scaling is not None:
         scaling["truncate"] = False  # gpt-oss's own YaRN (its config.json); GGUF has no key for it

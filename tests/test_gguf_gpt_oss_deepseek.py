@@ -230,7 +230,8 @@ def test_gpt_oss_gguf_with_mxfp4_experts_matches_transformers(hf_models, tmp_pat
 
 
 # (V3 covers the split kv_b in CI's time, the older whole one V2's router)
-@pytest.mark.parametrize("kind,split", [("deepseek_v3", True), pytest.param("deepseek_v2", True, marks=pytest.mark.slow),
+@pytest.mark.parametrize("kind,split", [("deepseek_v3", True),
+                                        pytest.param("deepseek_v2", True, marks=pytest.mark.slow),
                                         ("deepseek_v2", False)], ids=["v3", "v2", "v2-kv_b-whole"])
 def test_deepseek2_gguf_matches_transformers(kind, split, hf_models, tmp_path):
     path = tmp_path / "deepseek2.gguf"
