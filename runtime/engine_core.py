@@ -186,6 +186,11 @@ class EngineCore:
             else:
                 if hit.pos % ps and self.model.free_pages() == 0:   # no page to copy into: share full pages only
                     hit.pos -= hit.pos % ps
+                    # nor part of an image: its tokens are read in one forward (Gemma 3's see each other)
+                    inside = next((img.start for img in r.images if img.start < hit.pos < img.start + img.length),
+                                  None)
+                    if inside is not None:
+                        hit.pos = inside - inside % ps
                     r.kv_len = hit.pos
                     if not r.output_ids:
                         r.cached_tokens = min(hit.pos, len(r.prompt_ids))
