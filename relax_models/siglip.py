@@ -1,6 +1,6 @@
-"""The vision transformer of SigLIP (HF's SiglipVisionModel without the pooling head) and of CLIP (CLIPVisionModel:
-a class token, a LayerNorm before the layers), the image encoders of Gemma 3 and of LLaVA models, in TVM's
-relax.frontend.nn. `VisionConfig.layers` may stop the encoder early: LLaVA reads a layer's output below the top
+"""The vision transformer of SigLIP (HF's SiglipVisionModel; its pooling head, whose output no vision-language model
+reads, is left out) and of CLIP (CLIPVisionModel: a class token, a LayerNorm before the layers), the image encoders
+of Gemma 3 and of LLaVA models, in TVM's relax.frontend.nn. `VisionConfig.layers` may stop the encoder early: LLaVA reads a layer's output below the top
 (vision_feature_layer), and the layers above it are neither compiled nor loaded.
 
 The patch convolution (kernel = stride = patch) is a reshape into patches and one projection: the checkpoint's
@@ -70,9 +70,6 @@ def vision_config(cfg: dict[str, Any], feature_layer: int | None = None) -> Visi
     if cfg.get("hidden_act", "gelu_pytorch_tanh") not in _ACTIVATIONS:
         raise UnsupportedConfigError(f"vision_config.hidden_act {cfg['hidden_act']!r} is not supported; supported: "
                                      f"{', '.join(_ACTIVATIONS)}")
-    if cfg.get("vision_use_head"):
-        raise UnsupportedConfigError("vision_config.vision_use_head: the attention-pooling head is not compiled; "
-                                     "the vision-language models mlcc serves read the encoder's patch states")
     if cfg["image_size"] % cfg["patch_size"]:
         raise UnsupportedConfigError(f"vision_config: image_size {cfg['image_size']} is not a multiple of "
                                      f"patch_size {cfg['patch_size']}")

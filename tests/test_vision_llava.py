@@ -1,7 +1,7 @@
 """LLaVA against transformers: a tiny random LlavaForConditionalGeneration (CLIP 32x32 read at layer -2 without its
 class token, a Llama language model) compiled for the CPU in float32, through the Engine. Tolerances as
 test_vision.py: logits rel. err ≤ 1e-4, greedy ids identical; LLaVA's language model reads images causally, as
-transformers does."""
+transformers does. `-m slow` adds a SigLIP-tower LLaVA with a Qwen2 language model."""
 
 import numpy as np
 import pytest
@@ -12,13 +12,13 @@ from mlcc.runtime.device.interface import EmbedRows
 from mlcc.runtime.device.model import LoadedModel
 
 
-@pytest.fixture(scope="module")
-def llava(tmp_path_factory):
+@pytest.fixture(scope="module", params=["clip", pytest.param("siglip", marks=pytest.mark.slow)])
+def llava(request, tmp_path_factory):
     import transformers as tf
 
     from mlcc.compiler.build import compile_model
 
-    hf_dir = make_llava(tmp_path_factory.mktemp("hf-llava"))
+    hf_dir = make_llava(tmp_path_factory.mktemp("hf-llava"), tower=request.param)
     art = tmp_path_factory.mktemp("art-llava") / "model"
     compile_model(hf_dir, "llvm", "q0f32", art)
     return (art, tf.AutoProcessor.from_pretrained(hf_dir),

@@ -75,21 +75,26 @@ LLAVA_TEMPLATE = (
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
 
-def make_llava(folder: Path, seed: int = 0) -> Path:
+def make_llava(folder: Path, seed: int = 0, tower: str = "clip") -> Path:
     """LlavaForConditionalGeneration: a 3-layer CLIP (32x32, patch 8, read at layer -2 without its class token: 16
-    image tokens), a Llama language model, LlavaProcessor's files (CLIP's short-side resize and center crop)."""
+    image tokens), a Llama language model, LlavaProcessor's files (CLIP's short-side resize and center crop).
+    tower="siglip": a SigLIP encoder instead (all 16 patches, read at layer -1: before its post_layernorm), with
+    SigLIP's fixed-size resize, and a Qwen2 language model."""
     import torch
     import transformers as tf
 
     torch.manual_seed(seed)
-    text = tf.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                          num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=512, eos_token_id=EOS,
-                          bos_token_id=None, tie_word_embeddings=False)
-    vision = tf.CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=2,
-                                 image_size=32, patch_size=8, projection_dim=32)
+    text_cls = tf.LlamaConfig if tower == "clip" else tf.Qwen2Config
+    text = text_cls(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                    num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=512, eos_token_id=EOS,
+                    bos_token_id=None, tie_word_embeddings=False)
+    vision_cls = tf.CLIPVisionConfig if tower == "clip" else tf.SiglipVisionConfig
+    vision = vision_cls(hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=2,
+                        image_size=32, patch_size=8, **({"projection_dim": 32} if tower == "clip" else {}))
     model = tf.LlavaForConditionalGeneration(tf.LlavaConfig(
         text_config=text.to_dict(), vision_config=vision.to_dict(), image_token_index=LLAVA_IMAGE,
-        vision_feature_layer=-2, vision_feature_select_strategy="default")).eval()
+        vision_feature_layer=-2 if tower == "clip" else -1,
+        vision_feature_select_strategy="default" if tower == "clip" else "full")).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("bias") or "norm" in name:
@@ -103,10 +108,15 @@ def make_llava(folder: Path, seed: int = 0) -> Path:
         (folder / "tokenizer_config.json").write_text(json.dumps(tok_cfg))
 
     write_tokenizer()
+    if tower == "clip":
+        image_processor = tf.CLIPImageProcessorPil(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32})
+    else:
+        image_processor = tf.SiglipImageProcessorPil(size={"height": 32, "width": 32})
     processor = tf.LlavaProcessor(
-        image_processor=tf.CLIPImageProcessorPil(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32}),
-        tokenizer=tf.AutoTokenizer.from_pretrained(folder), chat_template=LLAVA_TEMPLATE, patch_size=8,
-        vision_feature_select_strategy="default", num_additional_image_tokens=1)
+        image_processor=image_processor, tokenizer=tf.AutoTokenizer.from_pretrained(folder),
+        chat_template=LLAVA_TEMPLATE, patch_size=8,
+        vision_feature_select_strategy=model.config.vision_feature_select_strategy,
+        num_additional_image_tokens=int(tower == "clip"))
     processor.save_pretrained(folder)
     write_tokenizer()
     return folder
