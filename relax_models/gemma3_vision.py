@@ -21,6 +21,7 @@ from mlcc.errors import UnsupportedConfigError
 
 from . import gemma3, siglip
 from .blocks import DecoderConfig, DecoderForCausalLM
+from .hf_defaults import with_defaults
 from .weight_plans import Plan, norm_plus_one
 
 # where transformers saves the multimodal parts (the Hub's original names are aliases, compiler/weights.py)
@@ -38,10 +39,12 @@ class Gemma3VisionConfig(DecoderConfig):
 
 
 def config_from_hf(cfg: dict[str, Any]) -> DecoderConfig:
+    if "text_config" in cfg:   # (the Hub's files keep only what differs from transformers' defaults)
+        cfg = {**cfg, "text_config": with_defaults(cfg["text_config"], "gemma3_text")}
     text = gemma3.config_from_hf(cfg)
     if "vision_config" not in cfg:
         return text
-    vision = siglip.vision_config(cfg["vision_config"])
+    vision = siglip.vision_config(with_defaults(cfg["vision_config"], "siglip_vision_model"))
     tokens = int(cfg.get("mm_tokens_per_image", 256))
     side = math.isqrt(tokens)
     if side * side != tokens or vision.patches_per_side % side:
@@ -51,8 +54,9 @@ def config_from_hf(cfg: dict[str, Any]) -> DecoderConfig:
             f"{vision.patches_per_side}")
     return Gemma3VisionConfig(
         **{f.name: getattr(text, f.name) for f in dataclasses.fields(DecoderConfig)}, vision=vision,
-        mm_tokens_per_image=tokens, image_token_id=int(cfg.get("image_token_index", cfg.get("image_token_id", -1))),
-        boi_token_id=int(cfg.get("boi_token_index", -1)), eoi_token_id=int(cfg.get("eoi_token_index", -1)))
+        mm_tokens_per_image=tokens,
+        image_token_id=int(cfg.get("image_token_index", cfg.get("image_token_id", 262144))),
+        boi_token_id=int(cfg.get("boi_token_index", 255999)), eoi_token_id=int(cfg.get("eoi_token_index", 256000)))
 
 
 def hf_weight_plan(cfg: DecoderConfig) -> Plan:

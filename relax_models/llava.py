@@ -19,6 +19,7 @@ from mlcc.errors import UnsupportedConfigError
 
 from . import llama, qwen2, siglip
 from .blocks import ACTIVATIONS, DecoderConfig, DecoderForCausalLM
+from .hf_defaults import with_defaults
 from .weight_plans import Plan
 
 # text_config.model_type → the family module that parses it
@@ -59,15 +60,17 @@ def config_from_hf(cfg: dict[str, Any]) -> DecoderConfig:
     act = cfg.get("projector_hidden_act", "gelu")
     if act not in _PROJECTOR_ACTS:
         raise UnsupportedConfigError(f"projector_hidden_act {act!r}: supported {', '.join(_PROJECTOR_ACTS)}")
-    text_cfg = {"tie_word_embeddings": cfg.get("tie_word_embeddings", False), **cfg["text_config"]}
+    # (the Hub's files keep only what differs from transformers' defaults in the nested configs)
+    text_cfg = {"tie_word_embeddings": cfg.get("tie_word_embeddings", False),
+                **with_defaults(cfg.get("text_config", {}), "llama")}
     text = _text_module(cfg).config_from_hf(text_cfg)
-    vision = siglip.vision_config(cfg["vision_config"], layer)
+    vision = siglip.vision_config(with_defaults(cfg["vision_config"], "clip_vision_model"), layer)
     return LlavaConfig(
         **{f.name: getattr(text, f.name) for f in dataclasses.fields(DecoderConfig)}, vision=vision,
-        text_model_type=cfg["text_config"].get("model_type", "llama"),
+        text_model_type=text_cfg["model_type"],
         drop_class_token=strategy == "default" and vision.clip, projector_act=_PROJECTOR_ACTS[act],
         projector_bias=bool(cfg.get("multimodal_projector_bias", True)),
-        image_token_id=int(cfg.get("image_token_index", cfg.get("image_token_id", -1))))
+        image_token_id=int(cfg.get("image_token_index", cfg.get("image_token_id", 32000))))
 
 
 def hf_weight_plan(cfg: LlavaConfig) -> Plan:

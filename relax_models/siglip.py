@@ -70,9 +70,6 @@ def vision_config(cfg: dict[str, Any], feature_layer: int | None = None) -> Visi
     if cfg.get("hidden_act", "gelu_pytorch_tanh") not in _ACTIVATIONS:
         raise UnsupportedConfigError(f"vision_config.hidden_act {cfg['hidden_act']!r} is not supported; supported: "
                                      f"{', '.join(_ACTIVATIONS)}")
-    if cfg["image_size"] % cfg["patch_size"]:
-        raise UnsupportedConfigError(f"vision_config: image_size {cfg['image_size']} is not a multiple of "
-                                     f"patch_size {cfg['patch_size']}")
     total = int(cfg["num_hidden_layers"])
     layers = total
     if feature_layer is not None:
@@ -162,6 +159,8 @@ class VisionTransformer(nn.Module):
     def forward(self, pixel_values: Tensor) -> Tensor:
         cfg, n = self.cfg, pixel_values.shape[0]
         g, p, c = cfg.patches_per_side, cfg.patch_size, cfg.num_channels
+        if g * p != cfg.image_size:   # (the strided conv leaves the pixels past the last whole patch unread)
+            pixel_values = op.split(op.split(pixel_values, [g * p], axis=2)[0], [g * p], axis=3)[0]
         # [n, c, g·p, g·p] → [n, g·g, c·p·p]: patches in row-major order, each flattened as the conv kernel is
         x = op.reshape(pixel_values, (n, c, g, p, g, p))
         x = op.reshape(op.permute_dims(x, (0, 2, 4, 1, 3, 5)), (n, g * g, c * p * p))
