@@ -52,10 +52,20 @@ def test_llava_logits_and_greedy_chat_match_transformers(llava):
         assert np.abs(pixels - inputs["pixel_values"].numpy()).max() <= 1e-5
         reply = engine.chat.completions.create(messages=_messages(images, "Compare them.", False), max_tokens=10,
                                                temperature=0)
+        # a next turn with plain-string messages: a template that reads parts only gets them as parts
+        follow = [*_messages(images, "Compare them.", False), {"role": "assistant", "content": "Fine."},
+                  {"role": "user", "content": "Why?"}]
+        ids2 = chat_call(engine, {"messages": follow, "max_tokens": 4}).ids
     finally:
         engine.shutdown()
     assert reply.choices[0].message.content == processor.tokenizer.decode(
         out[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
+
+    theirs = [*_messages(images, "Compare them.", True), {"role": "assistant", "content": [{"type": "text",
+                                                                                            "text": "Fine."}]},
+              {"role": "user", "content": [{"type": "text", "text": "Why?"}]}]
+    assert ids2 == processor.apply_chat_template(theirs, add_generation_prompt=True, tokenize=True, return_dict=True,
+                                                 return_tensors="pt")["input_ids"][0].tolist()
 
     m = LoadedModel(art)
     m.create_kv_cache(1, 256, 256)

@@ -68,11 +68,12 @@ def _write_tokenizer(folder: Path) -> None:
 
 
 LLAVA_IMAGE = 256 + len(SPECIALS)   # "<image>", the one extra special token of the LLaVA test model
+# llava-hf's template: it reads content as parts only (images first, then texts, selected by type)
 LLAVA_TEMPLATE = (
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% if m['content'] is string %}{{ m['content'] }}"
-    "{% else %}{% for item in m['content'] %}{% if item['type'] == 'image' %}<image>\n"
-    "{% elif item['type'] == 'text' %}{{ item['text'] }}{% endif %}{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    "{% for message in messages %}{% if message['role'] != 'system' %}{{ message['role'].upper() + ': ' }}{% endif %}"
+    "{% for content in message['content'] | selectattr('type', 'equalto', 'image') %}{{ '<image>\\n' }}{% endfor %}"
+    "{% for content in message['content'] | selectattr('type', 'equalto', 'text') %}{{ content['text'] + ' ' }}"
+    "{% endfor %}{% endfor %}{% if add_generation_prompt %}{{ 'ASSISTANT:' }}{% endif %}")
 
 
 def make_llava(folder: Path, seed: int = 0, tower: str = "clip") -> Path:

@@ -33,7 +33,8 @@ def chat_call(engine: Any, fields: dict[str, Any]) -> Call:
     pixels = load_images(urls, vision, ImageLimits.of(engine.config)) if urls else []
     image_parts = _template_renders_images(engine.tokenizer.chat_template)
     messages = [_template_message(m, None if takes_tools else engine.tool_format,
-                                  vision["placeholder"] if vision else None, image_parts) for m in fields["messages"]]
+                                  vision["placeholder"] if vision else None, image_parts and bool(urls))
+                for m in fields["messages"]]
     if tools and not takes_tools:
         messages = _with_tools_prompt(messages, tool_calls.tools_system_prompt(tools, fmt))
         template_tools = None
@@ -184,15 +185,19 @@ def _template_message(m: dict[str, Any], calls_as_text: Any = None, image_placeh
     """OpenAI's message → what HF chat templates read: content parts joined into one string, tool-call arguments
     as objects (templates render them with tojson). calls_as_text: for a template that ignores tools, the
     runtime.api.tool_calls.ToolFormat an assistant's earlier calls are written into its content with, as the model
-    was told to write them. A message with images keeps its parts ({"type": "image"} items) for a template that
-    renders them (image_parts), else gets image_placeholder in the text where each image is."""
+    was told to write them. In a request with images, a template that renders image parts (image_parts) gets
+    every message as parts (images as {"type": "image"} items); any other template gets image_placeholder in the
+    text where each image is."""
     m = dict(m)
     content = m.get("content")
-    if isinstance(content, list) and any(part["type"] == "image_url" for part in content):
-        if image_parts:
-            m["content"] = [{"type": "image"} if part["type"] == "image_url" else part for part in content]
-        else:
-            m["content"] = "".join(part["text"] if part["type"] == "text" else image_placeholder for part in content)
+    if image_parts and image_placeholder is not None and m["role"] in ("system", "user", "assistant") and \
+            isinstance(content, (str, list)):
+        # a template that renders image parts may read only parts (llava-hf's selects them by type): every message
+        # of a request with images goes as parts
+        parts = [{"type": "text", "text": content}] if isinstance(content, str) else content
+        m["content"] = [{"type": "image"} if part["type"] == "image_url" else part for part in parts]
+    elif isinstance(content, list) and any(part["type"] == "image_url" for part in content):
+        m["content"] = "".join(part["text"] if part["type"] == "text" else image_placeholder for part in content)
     elif isinstance(content, list):
         m["content"] = "".join(part["text"] for part in content)
     if m.get("tool_calls") and calls_as_text is not None:
