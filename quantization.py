@@ -34,6 +34,12 @@ dtype many-token GEMMs quantize their activations to, per token, on the fly (cuB
 path multiplies in the model dtype. e4m3_e4m3_f16 follows MLC's naming: e4m3 weights, e4m3 activations, float16
 model.
 
+MXFP4 (OCP microscaling FP4, gpt-oss's published experts) is no `--quant` choice: a checkpoint that stores its expert
+weights so keeps them as they are, whatever the scheme of the rest. Its codes are E2M1 floats (sign, two exponent
+bits, one mantissa bit: ±{0, 0.5, 1, 1.5, 2, 3, 4, 6}), eight a uint32 word low nibble first like q4's, and each 32
+codes along K share one power of two stored as a biased exponent (uint8 E8M0: 2^(e - 127)). Only the expert kernels
+(relax_models/moe_kernels.py) read it.
+
 The quantizer tags every quantized projection with its scheme's name (TAG): an annotation on the "dequantize"
 block of a dense projection (fusion rewrites functions and drops their attributes, but keeps blocks) and a
 function attribute on the opaque expert kernels. Kernels look the scheme up by that name instead of assuming one.
@@ -53,7 +59,7 @@ TAG = "mlcc.quant"  # annotation / attribute naming a quantized projection's sch
 class Quantization:
     name: str
     model_dtype: str          # activations and unquantized parameters
-    kind: str                 # "none" | "group" | "float8"
+    kind: str                 # "none" | "group" | "float8" | "mxfp4" (stacked experts as published only)
     group_size: int = 32      # codes along K sharing one scale (float8: 0, one scale per row)
     bits: int = 4             # per code
     storage_dtype: str = "uint32"  # the words codes are packed into
@@ -133,6 +139,10 @@ QUANTIZATIONS: dict[str, Quantization] = {
                                      quantize_lm_head=False)
        for kind in ("awq", "g128") for f, dtype in (("f16", "float16"), ("f32", "float32"))},
 }
+
+
+# (kind "mxfp4": the scale is an exponent, the code a float; see the module docstring)
+MXFP4 = Quantization("mxfp4", "float32", "mxfp4", scale="uint8", quantize_embedding=False, quantize_lm_head=False)
 
 
 def get_quantization(name: str) -> Quantization:

@@ -3,10 +3,12 @@
 
 Each expert projection `<experts>.<proj>` is stored as `<proj>_blocks` (uint8 [E, out, in / 32, 16]: two 4-bit
 E2M1 codes a byte, the low nibble first) and `<proj>_scales` (uint8 [E, out, in / 32]: a power-of-two exponent
-biased by 127 for each block of 32). They are read here dequantized to float32 under the name and layout of
-transformers' dequantized model (`<experts>.<proj>`, [E, in, out]), which the family's weight plan reads either way;
-the compile then stores them in the scheme asked for. Keeping them 4-bit as published (an MXFP4 expert kernel) is
-not done yet.
+biased by 127 for each block of 32). They are read here under the name and layout of transformers'
+dequantized model (`<experts>.<proj>`, [E, in, out]), which the family's weight plan reads either way: dequantized
+to float32, and as their codes and exponents, which the model keeps as they are (the MXFP4 scheme of
+mlcc.quantization, decoded by the expert kernels). llama.cpp's GGUF stores the same values as GGML blocks of 17
+bytes (the exponent, then 16 bytes whose low nibbles are codes 0-15 and high nibbles codes 16-31), read by
+`ggml_codes`.
 """
 
 from __future__ import annotations
@@ -54,9 +56,27 @@ def quantize(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return np.ascontiguousarray(blocks), np.ascontiguousarray((exp + 127).astype(np.uint8))
 
 
-def add_dequantized_experts(tensors: dict[str, Callable[[], np.ndarray]], where: Path) -> int:
+def unpacked_codes(blocks: np.ndarray) -> np.ndarray:
+    """[..., G, 16] bytes of two codes, low nibble first → uint8 codes [..., G * 32]."""
+    codes = np.empty((*blocks.shape[:-1], 32), np.uint8)
+    codes[..., 0::2] = blocks & 0x0F
+    codes[..., 1::2] = blocks >> 4
+    return codes.reshape(*blocks.shape[:-2], -1)
+
+
+def ggml_codes(raw: np.ndarray, shape: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:
+    """A GGML MXFP4 tensor's bytes (any shape holding its blocks in order) → (uint8 codes `shape`, uint8
+    exponents `shape` with the last axis / 32)."""
+    blocks = np.asarray(raw, np.uint8).reshape(*shape[:-1], shape[-1] // 32, 17)
+    codes = np.concatenate([blocks[..., 1:] & 0x0F, blocks[..., 1:] >> 4], axis=-1)
+    return codes.reshape(shape), np.ascontiguousarray(blocks[..., 0])
+
+
+def add_dequantized_experts(tensors: dict[str, Callable[[], np.ndarray]], where: Path,
+                            codes: dict[str, Callable[[], tuple[np.ndarray, np.ndarray]]] | None = None) -> int:
     """Register every `<proj>_blocks`/`<proj>_scales` pair of `tensors` as the float32 tensor `<proj>` in
-    transformers' [E, in, out] layout; returns how many."""
+    transformers' [E, in, out] layout, and in `codes` as its (codes, exponents) in that layout (K on the
+    second-to-last axis, the exponents' divided by 32); returns how many."""
     pairs = [n.removesuffix("_blocks") for n in tensors if n.endswith("_blocks")]
     for base in pairs:
         if f"{base}_scales" not in tensors:
@@ -67,8 +87,14 @@ def add_dequantized_experts(tensors: dict[str, Callable[[], np.ndarray]], where:
             w = dequantize(tensors[f"{base}_blocks"](), tensors[f"{base}_scales"]())
             return w.swapaxes(-1, -2) if w.ndim == 3 else w.T
 
+        def load_codes(base: str = base) -> tuple[np.ndarray, np.ndarray]:
+            c, e = unpacked_codes(tensors[f"{base}_blocks"]()), np.asarray(tensors[f"{base}_scales"]())
+            return c.swapaxes(-1, -2), e.swapaxes(-1, -2)
+
         tensors[base] = load
+        if codes is not None:
+            codes[base] = load_codes
     if pairs:
-        log.info("MXFP4 checkpoint: %d expert weights dequantized to float on reading and stored in the --quant "
-                 "scheme asked for (keeping them 4-bit as published is not implemented yet)", len(pairs))
+        log.info("MXFP4 checkpoint: %d expert weights, kept as published where the family stores MXFP4 experts",
+                 len(pairs))
     return len(pairs)

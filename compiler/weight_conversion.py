@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 
 from mlcc.errors import ModelSourceError
-from mlcc.quantization import Quantization
+from mlcc.quantization import MXFP4, Quantization
 from mlcc.relax_models.weight_plans import _concat as plan_concat
 
 from .int4_checkpoint import Int4Weight
@@ -118,6 +118,9 @@ def _jobs(source: ModelSource, built: Any, rank: int) -> Iterator[_Job]:
     for ours, (names, combine) in built.family.weight_plan(built.cfg, source.kind).items():
         base = ours.removesuffix(".weight")
         quantized = f"{base}.q_weight" in wanted
+        if quantized and wanted.get(f"{base}.q_scale", {}).get("dtype") == MXFP4.scale_dtype:
+            yield _mxfp4_job(source, built, rank, ours, names, combine, fixups, wanted)
+            continue
         if quantized and keeps_int4(source, built.quant, names, combine, fixups):
             yield _int4_job(source, built, rank, ours, names, wanted)
             continue
@@ -238,3 +241,35 @@ def _regrouped(source: ModelSource, name: str, q: Quantization) -> Int4Weight:
         raise ModelSourceError(f"{source.path}: '{name}' cannot be kept as published in {q.name}: {e}; compile "
                                f"with --quant q4{q.name[2:5]}_1 (re-quantized from its dequantized values) or "
                                f"q0{q.name[2:5]}") from None
+
+
+# -- MXFP4 weights, kept as they are ----------------------------------------------------------------------------
+
+def _mxfp4_job(source: ModelSource, built: Any, rank: int, ours: str, names: list[str], combine: Callable | None,
+               fixups: dict[str, Callable], wanted: dict[str, dict[str, Any]]) -> _Job:
+    """A parameter the model stores in MXFP4 (the family keeps a checkpoint's MXFP4 experts): the source's codes
+    and exponents, arranged by the plan as its float values would be, and the codes packed eight a word."""
+    base = ours.removesuffix(".weight")
+    specs = [wanted[f"{base}.{s}"] for s in ("q_weight", "q_scale")]
+    missing = [n for n in names if not source.stored_mxfp4(n) or n in fixups]
+    if missing:
+        raise ModelSourceError(f"{source.path}: '{missing[0]}' is not stored in MXFP4, but the model keeps '{ours}' "
+                               "so; the checkpoint's quantization_config and its tensors disagree")
+    elements = _elements(built, specs[0])
+
+    def task() -> int:
+        parts = [source.mxfp4_weight(n) for n in names]
+        codes, exps = ((combine(list(ts)) if combine else ts[0]) for ts in zip(*parts))
+        codes, exps = (built.family.shard_weight(ours, a, built.cfg, rank, built.cfg.tensor_parallel_shards)
+                       for a in (codes, exps))
+        words = pack_codes(codes.reshape(-1, codes.shape[-1]), MXFP4).reshape(*codes.shape[:-1], -1)
+        arrays = [words, np.ascontiguousarray(exps, np.uint8)]
+        for spec, a in zip(specs, arrays):
+            if list(a.shape) != spec["shape"]:
+                raise ValueError(f"{source.path}: '{ours}' comes to {list(a.shape)}, the config implies "
+                                 f"{spec['shape']}; the checkpoint and config.json disagree")
+        job.outputs[:] = list(zip([f"{base}.q_weight", f"{base}.q_scale"], arrays))
+        return elements
+
+    job = _Job(elements, lambda: [task])
+    return job

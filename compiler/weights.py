@@ -23,7 +23,7 @@ from mlcc.errors import ModelSourceError
 
 from .fp8_checkpoint import Fp8Checkpoint, Fp8Weight, checkpoint_quantization
 from .int4_checkpoint import Int4Checkpoint, Int4Weight, int4_format, is_int4
-from .mxfp4_checkpoint import add_dequantized_experts, is_mxfp4
+from .mxfp4_checkpoint import add_dequantized_experts, ggml_codes, is_mxfp4
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +44,9 @@ class ModelSource:
     fp8: Fp8Checkpoint | None = None
     # a published 4-bit checkpoint's weights as stored (codes, scales, zero points); `tensors` gives them dequantized
     int4: Int4Checkpoint | None = None
+    # MXFP4 weights (gpt-oss's experts) as (uint8 codes, uint8 exponents) in the layout `tensors` gives them
+    # dequantized
+    mxfp4: dict[str, Callable[[], tuple[np.ndarray, np.ndarray]]] = dataclasses.field(default_factory=dict)
 
     def _resolve(self, name: str) -> str | None:
         for alias in (name, *(name.replace(a, b, 1) for a, b in _PREFIX_ALIASES if name.startswith(a))):
@@ -74,6 +77,15 @@ class ModelSource:
         """Whether weight `name` is stored in 4 bits (without reading it)."""
         alias = self._resolve(name)
         return self.int4 is not None and alias is not None and self.int4.holds(alias)
+
+    def mxfp4_weight(self, name: str) -> tuple[np.ndarray, np.ndarray] | None:
+        """An MXFP4 weight `name` as (codes, exponents), in the layout `get` gives it; None where not so stored."""
+        alias = self._resolve(name)
+        return self.mxfp4[alias]() if alias is not None and alias in self.mxfp4 else None
+
+    def stored_mxfp4(self, name: str) -> bool:
+        alias = self._resolve(name)
+        return alias is not None and alias in self.mxfp4
 
     def row_reader(self, name: str) -> tuple[int, Callable[[int, int], np.ndarray]] | None:
         """(row count, read(start, stop) → float32 rows) of a 2-D tensor, or None where it is only read whole."""
@@ -179,14 +191,15 @@ def load_hf_folder(path: Path) -> ModelSource:
             raise ModelSourceError(f"{path}: '{raw[0]}' is float8_e4m3, but config.json has no FP8 "
                                    "quantization_config saying how it is scaled; download the checkpoint's own "
                                    "config.json")
+    mxfp4: dict[str, Callable[[], tuple[np.ndarray, np.ndarray]]] = {}
     if is_mxfp4(qc):  # (gpt-oss's experts)
-        add_dequantized_experts(tensors, path)
+        add_dequantized_experts(tensors, path, mxfp4)
     int4 = None
     if q4_format is not None:
         int4 = Int4Checkpoint(q4_format, path, tensors, shapes)
         for name in int4.names():   # every float reader gets them dequantized
             tensors[name] = int4.dequantized(name)
-    return ModelSource("hf", path, config.get("model_type", "?"), config, tensors, rows, fp8, int4)
+    return ModelSource("hf", path, config.get("model_type", "?"), config, tensors, rows, fp8, int4, mxfp4)
 
 
 def _torch_bin_index(path: Path) -> dict[str, Callable[[], np.ndarray]]:
@@ -392,6 +405,10 @@ def load_gguf(path: Path) -> ModelSource:
     vocab = int(by_name["token_embd.weight"].shape[-1])
     config = family.gguf_config(fields, arch, vocab, has_output="output.weight" in by_name)
     config["model_type"] = model_type
+    experts = [t for n, t in by_name.items() if n.endswith("_exps.weight")]
+    if experts and all(t.tensor_type == gguf.GGMLQuantizationType.MXFP4 for t in experts):
+        # what an HF checkpoint with MXFP4 experts says (a family that keeps them so reads it)
+        config["quantization_config"] = {"quant_method": "mxfp4"}
     if "rope_factors_long.weight" in by_name:  # LongRoPE (Phi-3) keeps its factors as tensors
         from mlcc.relax_models.phi3 import gguf_rope_factors
 
@@ -404,6 +421,7 @@ def load_gguf(path: Path) -> ModelSource:
     fixups = family.gguf_fixups(cfg)
     tensors: dict[str, Callable[[], np.ndarray]] = {}
     rows: dict[str, tuple[int, Callable[[int, int], np.ndarray]]] = {}
+    mxfp4: dict[str, Callable[[], tuple[np.ndarray, np.ndarray]]] = {}
     read: set[str] = set()
     for sources, _ in family.weight_plan(cfg, "gguf").values():
         for hf_name in sources:
@@ -412,10 +430,12 @@ def load_gguf(path: Path) -> ModelSource:
                 continue
             read.add(g)
             tensors[hf_name] = _gguf_loader(by_name[g], fixups.get(hf_name))
+            if by_name[g].tensor_type == gguf.GGMLQuantizationType.MXFP4 and hf_name not in fixups:
+                mxfp4[hf_name] = _gguf_mxfp4_loader(by_name[g])
             if len(by_name[g].shape) == 2 and hf_name not in fixups:
                 rows[hf_name] = (int(by_name[g].shape[1]), _gguf_rows(by_name[g], mapping[g]))
     _refuse_converter_fusions(path, by_name, read)
-    return ModelSource("gguf", path, model_type, config, tensors, rows)
+    return ModelSource("gguf", path, model_type, config, tensors, rows, mxfp4=mxfp4)
 
 
 # tensors convert_hf_to_gguf.py fuses only when asked (→ the flag that asked); an architecture that stores them fused
@@ -451,6 +471,10 @@ def _gguf_loader(t, fix: Callable | None) -> Callable[[], np.ndarray]:
         return fix(arr) if fix else arr
 
     return load
+
+
+def _gguf_mxfp4_loader(t) -> Callable[[], tuple[np.ndarray, np.ndarray]]:
+    return lambda: ggml_codes(t.data, tuple(int(d) for d in reversed(t.shape)))
 
 
 def _gguf_rows(t, mapping: np.ndarray) -> Callable[[int, int], np.ndarray]:

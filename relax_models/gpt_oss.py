@@ -7,11 +7,13 @@ k). Each expert computes gate, up = x·W_gu + b_gu; gate = min(gate, limit), up 
 (up + 1) · gate · sigmoid(alpha · gate); then ·W_d + b_d (transformers' modeling_gpt_oss.py). HF stores the stacked
 experts transposed ([E, in, out]) with gate and up interleaved column by column; the weight plan turns them into
 the [E, out, in] gate-then-up layout of moe.py. Published checkpoints keep the expert weights in MXFP4
-(compiler/mxfp4_checkpoint.py reads them).
+(compiler/mxfp4_checkpoint.py reads them); a model built from one keeps them so (`mxfp4_experts`: the MXFP4 scheme
+of mlcc.quantization, whatever --quant says, decoded in the expert kernels), exactly the published values in a
+quarter of float16's bytes.
 
 llama.cpp's GGUF (`gpt-oss`) stores the experts already split and transposed (`ffn_gate_exps`, `ffn_up_exps`
-[E, I, hidden], `ffn_down_exps` [E, hidden, I], each with its bias), usually as GGML's MXFP4 blocks, which gguf
-dequantizes on reading; it carries no SwiGLU alpha or limit, which llama.cpp fixes at 1.702 and 7.0.
+[E, I, hidden], `ffn_down_exps` [E, hidden, I], each with its bias), usually as GGML's MXFP4 blocks, kept as
+they are as well; it carries no SwiGLU alpha or limit, which llama.cpp fixes at 1.702 and 7.0.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from tvm.relax.frontend.nn import Tensor, op
 from tvm.target import Target
 
 from mlcc.errors import UnsupportedConfigError
+from mlcc.quantization import MXFP4
 
 from .blocks import DecoderForCausalLM
 from .config_utils import decoder_config, gguf_rope_scaling, gguf_single_value
@@ -43,6 +46,7 @@ from .weight_plans import Plan, _concat_rows, decoder_plan
 class GptOssConfig(MoEConfig):
     swiglu_alpha: float = 1.702
     swiglu_limit: float = 7.0
+    mxfp4_experts: bool = False   # the checkpoint's experts are MXFP4: kept so, whatever --quant says
 
 
 def config_from_hf(cfg: dict[str, Any]) -> GptOssConfig:
@@ -52,7 +56,8 @@ def config_from_hf(cfg: dict[str, Any]) -> GptOssConfig:
         **dataclasses.asdict(base), num_experts=int(cfg["num_local_experts"]),
         experts_per_token=int(cfg["num_experts_per_tok"]), moe_intermediate_size=int(cfg["intermediate_size"]),
         norm_topk_prob=True, swiglu_alpha=float(cfg.get("swiglu_alpha", 1.702)),
-        swiglu_limit=float(cfg.get("swiglu_limit", 7.0))))
+        swiglu_limit=float(cfg.get("swiglu_limit", 7.0)),
+        mxfp4_experts=str((cfg.get("quantization_config") or {}).get("quant_method", "")).lower() == "mxfp4"))
 
 
 def _take_rows(table: Tensor, rows: Tensor) -> Tensor:
@@ -118,6 +123,9 @@ class GptOssMoE(nn.Module):
         self.gate = BiasedRouter(cfg.hidden_size, cfg.num_experts)
         self.experts = GptOssExperts(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size, cfg.swiglu_alpha,
                                      cfg.swiglu_limit)
+        if cfg.mxfp4_experts:  # (the quantizer leaves them so: they are no longer plain weights)
+            self.experts.gate_up_proj = self.experts.gate_up_proj.group_quantized(MXFP4)
+            self.experts.down_proj = self.experts.down_proj.group_quantized(MXFP4)
 
     def forward(self, x: Tensor) -> Tensor:
         b, s, h = x.shape

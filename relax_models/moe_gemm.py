@@ -7,7 +7,8 @@ from __future__ import annotations
 from tvm.relax.frontend.nn import Tensor, op
 from tvm.script import tirx as T
 
-from .moe_kernels import _OPAQUE, LANES, THREADS, ExpertFormat, _gpu, _loader, _tagged, _tile, _weight_shapes
+from .moe_kernels import (_OPAQUE, LANES, THREADS, ExpertFormat, _gpu, _loader, _scale_dtype, _tagged, _tile,
+                          _weight_shapes)
 
 
 def expert_gemv(x: Tensor, ids: Tensor, weights: list[Tensor], fmt: ExpertFormat, n: int, target) -> Tensor:
@@ -47,7 +48,7 @@ def expert_gemv(x: Tensor, ids: Tensor, weights: list[Tensor], fmt: ExpertFormat
         xb = T.match_buffer(x_h, (rows_x, kdim), dtype)
         idb = T.match_buffer(ids_h, (k,), "int32")
         wb = T.match_buffer(w_h, w_shape, w_dtype)
-        sb = T.match_buffer(s_h, s_shape, dtype)
+        sb = T.match_buffer(s_h, s_shape, _scale_dtype(fmt))
         out = T.match_buffer(out_h, (k, n), dtype)
         if gpu:
             for bx in T.thread_binding((k * n + THREADS - 1) // THREADS, thread="blockIdx.x"):
@@ -138,7 +139,7 @@ def grouped_gemm(x: Tensor, row_slot: Tensor, ids: Tensor, indptr: Tensor, weigh
         idb = T.match_buffer(ids_h, (r,), "int32")
         ip = T.match_buffer(ip_h, (num_experts + 1,), "int32")
         wb = T.match_buffer(w_h, w_shape, w_dtype)
-        sb = T.match_buffer(s_h, s_shape, dtype)
+        sb = T.match_buffer(s_h, s_shape, _scale_dtype(fmt))
         out = T.match_buffer(out_h, (r, n), dtype)
         if gpu:
             for bx in T.thread_binding((r * n + THREADS - 1) // THREADS, thread="blockIdx.x"):

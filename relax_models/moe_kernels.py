@@ -46,12 +46,33 @@ def _loader(fmt: ExpertFormat, w, s):
     q = fmt.scheme
     if q is None:
         return lambda e, n, k: T.Cast("float32", w[e, n, k])
+    if q.kind == "mxfp4":
+        return _mxfp4_loader(w, s)
 
     def load(e, n, k):
         word = w[e, n, k // q.per_word]
         code = T.bitwise_and(T.shift_right(word, T.Cast(q.storage_dtype, k % q.per_word * q.bits)),
                              tirx.const(q.code_mask, q.storage_dtype))
         return (T.Cast("float32", code) - T.float32(q.max_int)) * T.Cast("float32", s[e, n, k // q.group_size])
+
+    return load
+
+
+def _mxfp4_loader(w, s):
+    """W[e, n, k] from MXFP4 codes (uint32 words of eight E2M1 nibbles) and E8M0 exponents (uint8, one per 32)."""
+
+    def load(e, n, k):
+        code = T.bitwise_and(T.shift_right(w[e, n, k // 8], T.Cast("uint32", k % 8 * 4)), T.uint32(15))
+        mag = T.Cast("int32", T.bitwise_and(code, T.uint32(7)))
+        # twice the magnitude, an integer: 0, 1 (subnormal); (2 + mantissa) << (exponent - 1) from 2 up
+        twice = T.Select(mag < 2, mag, T.shift_left(2 + T.bitwise_and(mag, 1), T.max(T.shift_right(mag, 1) - 1, 0)))
+        value = T.Cast("float32", T.Select(code >= T.uint32(8), 0 - twice, twice))
+        exp = s[e, n, k // 32]
+        # 2^(exp - 128) (the half undoes the doubling) as the float with that exponent field; exp 0 and 1 are the
+        # subnormals 2^-128, 2^-127
+        scale = T.Select(exp < T.uint8(2), T.Cast("float32", exp + T.uint8(1)) * T.float32(2.0 ** -128),
+                         T.reinterpret("float32", T.shift_left(T.Cast("uint32", exp) - T.uint32(1), T.uint32(23))))
+        return value * scale
 
     return load
 
@@ -67,6 +88,11 @@ def _weight_shapes(fmt: ExpertFormat, e: int, n: int, k: int) -> tuple[tuple, st
     if q is None:
         return (e, n, k), fmt.dtype, (1,)
     return (e, n, k // q.per_word), q.storage_dtype, (e, n, k // q.group_size)
+
+
+def _scale_dtype(fmt: ExpertFormat) -> str:
+    """The scales' dtype: the model's, except where the scheme names its own (MXFP4's exponents)."""
+    return fmt.scheme.scale if fmt.scheme is not None and fmt.scheme.scale else fmt.dtype
 
 
 def _gpu(target) -> bool:

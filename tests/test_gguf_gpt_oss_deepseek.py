@@ -20,7 +20,7 @@ import pytest
 import torch
 from conftest import PROMPT
 from test_gguf import _write_tokenizer
-from test_gpt_oss import write_mxfp4_checkpoint
+from test_gpt_oss import assert_mxfp4_experts, write_mxfp4_checkpoint
 from test_parity import hf_model, run_greedy
 
 from mlcc.runtime.device.model import LoadedModel
@@ -226,6 +226,7 @@ def test_gpt_oss_gguf_with_mxfp4_experts_matches_transformers(hf_models, tmp_pat
             if name in replaced:
                 p.copy_(torch.from_numpy(replaced[name]))
     m = _compile(path, tmp_path / "art")
+    assert_mxfp4_experts(tmp_path / "art", 8, 64, 64)   # kept as the file stores them
     _check_greedy(m, hf, 8)   # (the prompt is longer than the sliding window)
 
 

@@ -1,8 +1,8 @@
 """gpt-oss compiled for the CPU against transformers on a small random config (attention sinks, biases on q/k/v/o,
 sliding and full layers with a prompt longer than the window, YaRN, the biased router and experts with the clamped
 SwiGLU, tokens on different experts): q0f32 logits rel. err ≤ 1e-4 and 32 greedy ids identical; ragged batches and
-a forked sequence (the sink counted once when a decode reads two chunks); the expert weights read from an MXFP4
-checkpoint; GPU targets refused in one line."""
+a forked sequence (the sink counted once when a decode reads two chunks); an MXFP4 checkpoint's experts kept in
+MXFP4 by the build; GPU targets refused in one line."""
 
 from __future__ import annotations
 
@@ -117,6 +117,19 @@ def test_mxfp4_checkpoint_matches_its_dequantized_weights(hf_models, tmp_path):
     ref, ckpt = tmp_path / "float", tmp_path / "mxfp4"
     write_mxfp4_checkpoint(hf_models("gpt_oss"), ref, ckpt)
     compile_model(ckpt, "llvm", "q0f32", tmp_path / "art")
+    assert_mxfp4_experts(tmp_path / "art", 8, 64, 64)
     m = LoadedModel(tmp_path / "art")
     m.create_kv_cache(1, 256, 64)
     run_greedy(m, hf_model(ref), PROMPT, 4, 1e-4)
+
+
+def assert_mxfp4_experts(folder, experts: int, hidden: int, inter: int) -> None:
+    """The build stores the experts as MXFP4 (codes eight a uint32, one uint8 exponent per 32), not as floats."""
+    params = {p["name"]: p for p in json.loads((folder / "mlcc-config.json").read_text())["params"]}
+    for proj, out, k in (("gate_up_proj", 2 * inter, hidden), ("down_proj", hidden, inter)):
+        base = f"model.layers.0.mlp.experts.{proj}"
+        assert f"{base}.weight" not in params
+        assert (params[f"{base}.q_weight"]["dtype"], params[f"{base}.q_weight"]["shape"]) == (
+            "uint32", [experts, out, k // 8])
+        assert (params[f"{base}.q_scale"]["dtype"], params[f"{base}.q_scale"]["shape"]) == (
+            "uint8", [experts, out, k // 32])
