@@ -420,6 +420,10 @@ def expert_gemv_warp(x: Tensor, ids: Tensor, weights: list[Tensor], fmt: ExpertF
     dtype = fmt.dtype
     w_shape, w_dtype, s_shape = _weight_shapes(fmt, num_experts, w_rows, kdim)
     q = fmt.scheme
+    if q is not None and q.kind != "group":
+        from mlcc.errors import UnsupportedConfigError
+
+        raise UnsupportedConfigError(f"{q.name} expert weights have no GPU decode kernel yet; compile for --target llvm")
     per = q.per_word if q is not None else 1
     words = kdim // per
     vec = next(v for v in (4, 2, 1) if words % (WARP * v) == 0 or v == 1)
