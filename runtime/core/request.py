@@ -10,6 +10,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+from mlcc.runtime.core.prefix_cache import image_keyed
 from mlcc.runtime.core.sampler import SamplingParams
 from mlcc.runtime.core.tokenizer import StreamDecoder
 
@@ -117,8 +118,6 @@ class Request:
     def cache_ids(self, tokens: list[int]) -> list[int]:
         """`tokens` (a prefix of prompt + output) as the prefix cache keys them: image tokens by their image's
         content (runtime.core.prefix_cache.image_keyed)."""
-        from mlcc.runtime.core.prefix_cache import image_keyed
-
         return image_keyed(tokens, self.images) if self.images else tokens
 
     def group(self) -> list["Request"]:
