@@ -49,7 +49,8 @@ predecessor as its own busy time, so kernel times come from a build without it a
     python bench/decode.py profile --libs .dev/bench --model llama3-8b-q4f16_1 --verify 5 --out OUT
 
 --verify K profiles a speculative verify forward of K tokens after a 1,024-token context, as runtime.spec.speculative
-calls it (the logits of every position, their argmax read, the K tokens popped again).
+calls it (the logits of every position, their argmax read, the K tokens popped again). --batch N profiles batched
+decode steps of N sequences with 128-token contexts, as a serving step at that batch makes them.
 """
 from __future__ import annotations
 
@@ -593,13 +594,18 @@ def cmd_profile(a) -> None:
 
     torch.cuda.init()
     m = LoadedModel(Path(a.libs) / a.model, weights="random")
-    m.create_kv_cache(1, 4096, 2048)
-    m.add_sequence(0)
-    m.prefill([0], [[7] * (1024 if a.verify else 128)])
+    batch = a.batch if not (a.verify or a.prefill) else 1
+    seqs = [0] + list(range(2, batch + 1))  # id 1 is the profiled prefill's
+    m.create_kv_cache(batch + 1, 4096 + batch * 512, 2048)
+    for s in seqs:
+        m.add_sequence(s)
+        m.prefill([s], [[7 + s % 1000] * (1024 if a.verify else 128)])
     argmax = m.argmax
     tok = 7
+    toks = [7] * batch
     for _ in range(5):
-        tok = int(argmax(m.decode([0], [tok])).numpy()[0])
+        toks = [int(t) for t in argmax(m.decode(seqs, toks)).numpy()[:batch]]
+    tok = toks[0]
     prompt = [1 + i % 1000 for i in range(a.prefill)]
     with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
         t = time.perf_counter()
@@ -612,7 +618,7 @@ def cmd_profile(a) -> None:
                 m.prefill([1], [prompt]).numpy()
                 m.remove_sequence(1)
             else:
-                tok = int(argmax(m.decode([0], [tok])).numpy()[0])
+                toks = [int(t) for t in argmax(m.decode(seqs, toks)).numpy()[:batch]]
         wall = (time.perf_counter() - t) / a.steps * 1e3
     kernels = collections.defaultdict(lambda: [0, 0.0])
     gaps = collections.defaultdict(lambda: [0, 0.0])  # idle GPU time, by the kernel before and after it
@@ -630,7 +636,8 @@ def cmd_profile(a) -> None:
             kernels[name][1] += e.device_time_total / 1e3  # ms
             gpu_total += e.device_time_total / 1e3
     rows = sorted(((k, c / a.steps, t / a.steps) for k, (c, t) in kernels.items()), key=lambda r: -r[2])
-    unit = f"prefill of {a.prefill}" if a.prefill else f"verify of {a.verify}" if a.verify else "token"
+    unit = (f"prefill of {a.prefill}" if a.prefill else f"verify of {a.verify}" if a.verify
+            else f"step of {batch}" if batch > 1 else "token")
     print(f"{a.model}: wall {wall:.3f} ms/{unit}, GPU busy {gpu_total / a.steps:.3f} ms/{unit} "
           f"({gpu_total / a.steps / wall:.0%}), kernels/token {sum(r[1] for r in rows):.0f}")
     print(f"{'kernel (digits folded)':60} {'calls/tok':>9} {'ms/tok':>8}")
@@ -640,7 +647,7 @@ def cmd_profile(a) -> None:
     print(f"{'GPU idle > 2 us, between':60} {'count/tok':>9} {'ms/tok':>8}")
     for k, c, t in gap_rows[:10]:
         print(f"{k[:60]:60} {c:9.1f} {t:8.3f}")
-    name = f"profile_{a.model}{f'_prefill{a.prefill}' if a.prefill else ''}{f'_verify{a.verify}' if a.verify else ''}"
+    name = f"profile_{a.model}{f'_prefill{a.prefill}' if a.prefill else ''}{f'_verify{a.verify}' if a.verify else ''}{f'_batch{batch}' if batch > 1 else ''}"
     write_json(a.out, f"{name}.json",
                {"model": a.model, "options": built_options(m.config).to_dict(), "unit": unit,
                 "wall_ms_per_token": wall, "gpu_busy_ms_per_token": gpu_total / a.steps,
@@ -700,6 +707,7 @@ def _profile_args(p) -> None:
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--prefill", type=int, default=0, help="profile prefills of this many tokens instead of decode")
     p.add_argument("--verify", type=int, default=0, help="profile verify forwards of this many tokens instead")
+    p.add_argument("--batch", type=int, default=1, help="profile decode steps of this many sequences (128-token contexts)")
     p.add_argument("--out", required=True)
 
 

@@ -26,7 +26,7 @@ def fuse_decode_gemvs(mod: tvm.ir.IRModule, pdl: bool) -> tvm.ir.IRModule:
     The new kernels are scheduled already (with their PDL wait where `pdl`); the projections left over go to
     decode_gemv_pass."""
     from tvm import relax
-    from tvm.relax.expr_functor import PyExprMutator, PyExprVisitor, mutator, visitor
+    from tvm.relax.expr_functor import PyExprMutator, mutator
 
     call_tir = tvm.ir.Op.get("relax.call_tir")
     made: dict[str, GemvShape] = {}  # name of a kernel made here → its shape
@@ -46,18 +46,6 @@ def fuse_decode_gemvs(mod: tvm.ir.IRModule, pdl: bool) -> tvm.ir.IRModule:
         gv = builder.add_func(make_gemv(shape, pdl=pdl).with_attr("tirx.is_scheduled", True), name)
         made[gv.name_hint] = shape
         return gv
-
-    @visitor
-    class Uses(PyExprVisitor):
-        def __init__(self):
-            super().__init__()
-            self.count: dict = {}
-
-        def visit_var_(self, v):
-            self.count[v] = self.count.get(v, 0) + 1
-
-        def visit_dataflow_var_(self, v):
-            self.count[v] = self.count.get(v, 0) + 1
 
     def run(m, fuse_call):
         @mutator
@@ -81,8 +69,7 @@ def fuse_decode_gemvs(mod: tvm.ir.IRModule, pdl: bool) -> tvm.ir.IRModule:
         fuser = Fuse()
         for gv, func in m.functions.items():
             if isinstance(func, relax.Function):
-                fuser.uses = Uses()
-                fuser.uses.visit_expr(func)
+                fuser.uses = var_uses(func)
                 fuser.builder_.update_func(gv, fuser.visit_expr(func))
         return relax.transform.DeadCodeElimination()(fuser.builder_.get())
 
@@ -117,7 +104,7 @@ def fuse_decode_gemvs(mod: tvm.ir.IRModule, pdl: bool) -> tvm.ir.IRModule:
         x, *rest = call.args[1].fields
         norm = producer(fuser, x, norms)
         # (only a norm whose output nothing else reads: the fused kernel never writes it)
-        if norm is None or fuser.uses.count.get(x, 0) != 1 or norms[norm.args[0].name_hint][0] != shape.k:
+        if norm is None or fuser.uses.get(x, 0) != 1 or norms[norm.args[0].name_hint][0] != shape.k:
             return None
         h, g = norm.args[1].fields
         return dataclasses.replace(shape, norm_eps=norms[norm.args[0].name_hint][1]), relax.Tuple([h, g, *rest])
@@ -126,6 +113,27 @@ def fuse_decode_gemvs(mod: tvm.ir.IRModule, pdl: bool) -> tvm.ir.IRModule:
         mod = run(mod, norm_call)
     log.debug("decode GEMV kernels with fused SwiGLU/GeGLU / RMSNorm: %s", sorted(made))
     return mod
+
+
+def var_uses(func) -> dict:
+    """How many times each variable of the Relax function `func` is read."""
+    from tvm.relax.expr_functor import PyExprVisitor, visitor
+
+    @visitor
+    class Uses(PyExprVisitor):
+        def __init__(self):
+            super().__init__()
+            self.count: dict = {}
+
+        def visit_var_(self, v):
+            self.count[v] = self.count.get(v, 0) + 1
+
+        def visit_dataflow_var_(self, v):
+            self.count[v] = self.count.get(v, 0) + 1
+
+    uses = Uses()
+    uses.visit_expr(func)
+    return uses.count
 
 
 def fused_decode_gemv_pass(pdl: bool) -> tvm.transform.Pass:

@@ -20,7 +20,10 @@ float8 projections (e4m3_e4m3_f16) take cuBLASLt's FP8 GEMM over more than MIN_T
 quantizes the activations per token (schedules/cuda_token_quantize.py) into two more outputs of the call_tir (e4m3
 codes shaped like x, float32 scales, one per token), and the shim multiplies them with the e4m3 weights, cuBLASLt
 applying both scale vectors (per channel, per token) in its epilogue (OUTER_VEC_32F scale mode) with the bias or
-residual epilogues of the float16 path.
+residual epilogues of the float16 path. Where the activations come from a SwiGLU/GeGLU or an RMSNorm kernel read
+by nothing else, that kernel moves into the projection's host function: over MIN_TOKENS tokens one kernel computes
+and quantizes them (quantize_produced_tokens_func), so the float16 activations are never written; for fewer the
+kernel runs as it was, into a scratch output, before the projection's own kernel.
 """
 
 from __future__ import annotations
@@ -32,10 +35,17 @@ from tvm import relax, s_tir, te, tirx
 
 from mlcc.native.cublaslt_shim import MATMUL, MATMUL_FP8
 from mlcc.quantization import Quantization, weight_scheme
-from mlcc.schedules.cuda_token_quantize import quantize_tokens_func
-from mlcc.schedules.gemv_match import is_unscheduled_prim_func, match_many_token_projection, token_dim
+from mlcc.schedules.cuda_token_quantize import quantize_produced_tokens_func, quantize_tokens_func
+from mlcc.schedules.gemv_match import (
+    is_unscheduled_prim_func,
+    match_gated,
+    match_many_token_projection,
+    match_rms_norm,
+    token_dim,
+)
 from mlcc.schedules.host_dispatch import size_dispatch
 
+from .gemv_fusion import var_uses
 from .quantize import dequant_value
 
 log = logging.getLogger(__name__)
@@ -128,6 +138,26 @@ def make_dispatch(func: tirx.PrimFunc, kernel: str, epilogue: str, x_shape: tupl
                           tirx.call_packed(MATMUL[epilogue], x, scratch, *extra, workspace, y)], attrs)
 
 
+def make_produced_dispatch(func: tirx.PrimFunc, kernel: str, epilogue: str, x_shape: tuple, min_tokens: int,
+                           attrs: dict, act_dtype: str, inputs: list, producer: str, fused: str) -> tirx.PrimFunc:
+    """make_dispatch's FP8 host function for activations that kernel `producer` makes from `inputs` (buffers):
+    parameters inputs, then `func`'s less x, the workspace, x (a scratch: the few-token path's), codes and scales.
+    Few tokens: `producer` into x, then `kernel`; more: `fused` (producer and quantizer in one) into the codes and
+    scales, then the shim's FP8 GEMM."""
+    _, qw, qs, *rest = func.params
+    *extra, y = rest
+    workspace = tirx.decl_buffer((tvm.tirx.IntImm("int64", WORKSPACE_BYTES),), "uint8", name="workspace")
+    shape = list(x_shape)
+    x = tirx.decl_buffer(shape, "float16", name="x")
+    xq = tirx.decl_buffer(shape, act_dtype, name="x_codes")
+    xs = tirx.decl_buffer(shape[:-1], "float32", name="x_scales")
+    return size_dispatch([*inputs, qw, qs, *rest, workspace, x, xq, xs], func.ret_type, token_dim(x_shape),
+                         min_tokens,
+                         [tirx.call_cpacked(producer, *inputs, x), tirx.call_cpacked(kernel, x, qw, qs, *rest)],
+                         [tirx.call_cpacked(fused, *inputs, xq, xs),
+                          tirx.call_packed(MATMUL_FP8[epilogue], xq, xs, qw, qs, *extra, workspace, y)], attrs)
+
+
 def vendor_gemm_pass(min_tokens: int = MIN_TOKENS, q4_min_tokens: int = 0, fp8: bool = False
                      ) -> tvm.transform.Pass:
     """Every matched projection behind a token-count dispatch to cuBLASLt (after FuseTIR, before mlcc's kernels):
@@ -159,6 +189,9 @@ def vendor_gemm_pass(min_tokens: int = MIN_TOKENS, q4_min_tokens: int = 0, fp8: 
                         "global_symbol", decoders[key]), decoders[key])
                 quantize = (decoders[key], scheme.activations)
                 rewriter.quantized[name] = scheme.activations
+                rewriter.plain_quantizer[name] = decoders[key]
+                rewriter.fp8[name] = (func, kernel, epilogue, x_shape, _scratch_tokens(scheme, min_tokens, 0), attrs,
+                                      scheme)
             elif scheme is not None:
                 key = (n, k, scheme.name)
                 if key not in decoders:
@@ -178,9 +211,18 @@ def vendor_gemm_pass(min_tokens: int = MIN_TOKENS, q4_min_tokens: int = 0, fp8: 
         out = rewriter.rewrite()
         for name in rewriter.replaced:   # the old signature: no caller is left
             out = _remove(out, name)
-        log.debug("cuBLASLt projections: %d (%d through a decoded scratch, %d FP8)", len(rewriter.replaced),
-                  len(rewriter.scratch), len(rewriter.quantized))
-        return out
+        # FP8 projections whose every call site quantizes its producer's output: their plain host function, and
+        # the token quantizers no host function calls any more
+        for name in set(rewriter.plain_quantizer) - rewriter.plain_sites:
+            out = _remove(out, f"{name}_cublaslt")
+        for quantizer in set(rewriter.plain_quantizer.values()) - \
+                {rewriter.plain_quantizer[n] for n in rewriter.plain_sites if n in rewriter.plain_quantizer}:
+            out = _remove(out, quantizer)
+        log.debug("cuBLASLt projections: %d (%d through a decoded scratch, %d FP8, %d call sites quantizing "
+                  "their producer's output)", len(rewriter.replaced), len(rewriter.scratch), len(rewriter.quantized),
+                  rewriter.fused_sites)
+        # the producers whose only reader became a fused host function
+        return relax.transform.DeadCodeElimination()(out) if rewriter.fused_sites else out
 
     return _pass
 
@@ -206,13 +248,56 @@ class _WithWorkspace(relax.PyExprMutator):
         self.replaced: dict[str, tvm.ir.GlobalVar] = {}
         self.scratch: dict[str, tuple[int, int, str]] = {}   # projection -> its decoded weights' (n, k, dtype)
         self.quantized: dict[str, str] = {}   # FP8 projection -> the dtype its activations are quantized to
+        self.fp8: dict[str, tuple] = {}   # FP8 projection -> what make_produced_dispatch needs of it
+        self.produced: dict[tuple[str, str], tvm.ir.GlobalVar] = {}   # (projection, producer) -> host function
+        self.producer_kernels: dict[str, str] = {}
+        self.fused_sites = 0
+        self.plain_sites: set[str] = set()   # projections called somewhere with their own activations
+        self.plain_quantizer: dict[str, str] = {}   # FP8 projection -> its token quantizer
+        self.uses: dict = {}
         self.call_tir = tvm.ir.Op.get("relax.call_tir")
+        self.producers = {gv.name_hint: found for gv, f in mod.functions.items()
+                          if isinstance(f, tirx.PrimFunc) and is_unscheduled_prim_func(f)
+                          and (found := _match_producer(f)) is not None}
 
     def rewrite(self) -> tvm.ir.IRModule:
         for gv, func in self.mod_.functions.items():
             if isinstance(func, relax.Function):
+                self.uses = var_uses(func)
                 self.builder_.update_func(gv, self.visit_expr(func))
         return self.builder_.get()
+
+    def _producer_call(self, x: relax.Expr, k: int) -> relax.Call | None:
+        """The call_tir of a fusable producer of `k` activations that binds `x`, where nothing else reads x."""
+        value = self.lookup_binding(x) if isinstance(x, relax.Var) else None
+        if not isinstance(value, relax.Call) or not value.op.same_as(self.call_tir) \
+                or not isinstance(value.args[0], tvm.ir.GlobalVar) or self.uses.get(x, 0) != 1:
+            return None
+        found = self.producers.get(value.args[0].name_hint)
+        return value if found is not None and found[1] == k else None
+
+    def _produced(self, name: str, producer: relax.Call) -> tvm.ir.GlobalVar:
+        func, kernel, epilogue, x_shape, min_tokens, attrs, scheme = self.fp8[name]
+        pname = producer.args[0].name_hint
+        key = (name, pname)
+        if key in self.produced:
+            return self.produced[key]
+        kind, k, eps = self.producers[pname]
+        if pname not in self.producer_kernels:
+            self.producer_kernels[pname] = f"{pname}_kernel"
+            self.builder_.add_func(self.mod_[pname].with_attr("global_symbol", f"{pname}_kernel"), f"{pname}_kernel")
+            fused = f"quantize_{kind}_tokens_{scheme.activations}_{k}"
+            self.builder_.add_func(quantize_produced_tokens_func(k, scheme, kind, eps).with_attr(
+                "global_symbol", fused), fused)
+        lead = list(x_shape[:-1])
+        inputs = ([tirx.decl_buffer(lead + [2 * k], "float16", name="gate_up")] if kind != "rms_norm" else
+                  [tirx.decl_buffer(lead + [k], "float16", name="h"), tirx.decl_buffer((k,), "float16", name="weight")])
+        dispatch = f"{name}_{pname}_cublaslt"
+        self.produced[key] = self.builder_.add_func(
+            make_produced_dispatch(func, kernel, epilogue, x_shape, min_tokens, {**attrs, "global_symbol": dispatch},
+                                   scheme.activations, inputs, self.producer_kernels[pname],
+                                   f"quantize_{kind}_tokens_{scheme.activations}_{k}"), dispatch)
+        return self.produced[key]
 
     def visit_call_(self, call: relax.Call) -> relax.Expr:
         call = super().visit_call_(call)
@@ -225,10 +310,29 @@ class _WithWorkspace(relax.PyExprMutator):
         if name in self.scratch:
             n, k, dtype = self.scratch[name]
             outs.append(relax.TensorType((n, k), dtype))
+        callee, args = self.replaced[name], call.args[1]
         if name in self.quantized:   # codes shaped like x, one float32 scale per token
-            x_shape = list(call.args[1].fields[0].ty.shape.values)
+            x, *rest = call.args[1].fields
+            x_shape = list(x.ty.shape.values)
+            producer = self._producer_call(x, int(x_shape[-1]))
+            if producer is not None:   # (x itself: the few-token path's scratch)
+                callee, args = self._produced(name, producer), relax.Tuple([*producer.args[1].fields, *rest])
+                outs.append(relax.TensorType(x_shape, "float16"))
+                self.fused_sites += 1
+            else:
+                self.plain_sites.add(name)
             outs += [relax.TensorType(x_shape, self.quantized[name]), relax.TensorType(x_shape[:-1], "float32")]
-        both = relax.call_tir(self.replaced[name], call.args[1], outs)
+        both = relax.call_tir(callee, args, outs)
         if len(call.args) > 2:  # (shape variables passed on)
             both = relax.Call(both.op, [*both.args, call.args[2]], both.attrs, both.ty_args)
         return relax.TupleGetItem(self.builder_.emit(both), 0)
+
+
+def _match_producer(func: tirx.PrimFunc) -> tuple[str, int, float] | None:
+    """(kind, k, eps) of a many-token kernel whose output a token quantizer can compute itself, else None."""
+    gated = match_gated(func, many_tokens=True)
+    if gated is not None:
+        return gated[1], gated[0], 0.0
+    norm = match_rms_norm(func, many_tokens=True)
+    return ("rms_norm", norm[0], norm[1]) if norm is not None else None
+

@@ -250,16 +250,31 @@ def match_many_token_projection(func, dtype: str, cast: bool = False) -> tuple[i
     return n, k, tuple(x.shape), weights, "none" if res is None else "bias" if bias else "add"
 
 
-def match_gated(func) -> tuple[int, str] | None:
+def _token_rows(shape) -> tuple | None:
+    """(leading dims, last dim) of a many-token activation (1, m, K) / (m, 1, K) with m symbolic, else None."""
+    if len(shape) != 3 or static_dim(shape[2]) is None or sum(static_dim(d) is None for d in shape[:2]) != 1 \
+            or any(static_dim(d) not in (None, 1) for d in shape[:2]):
+        return None
+    return tuple(shape[:2]), static_dim(shape[2])
+
+
+def match_gated(func, many_tokens: bool = False) -> tuple[int, str] | None:
     """(I, "swiglu" | "geglu") for the split → act(first half) * second half kernel of a (1, 1, 2I) float16 input
-    (act: silu, or the tanh-approximated GELU), else None."""
+    (act: silu, or the tanh-approximated GELU), else None; with `many_tokens` of a (1, m, 2I) / (m, 1, 2I) one."""
     blocks = _blocks(func)
     kind = next((k for k, names in _GATED_BLOCKS.items() if blocks is not None and set(blocks) == names), None)
     if kind is None or len(func.params) != 2:
         return None
-    src, dst = (_static_ints(p.shape) for p in func.params)
     dtypes = {str(p.dtype) for p in func.params}
     value = blocks["compute"].body.value
+    if many_tokens:
+        src, dst = (_token_rows(p.shape) for p in func.params)
+        if src is None or dst is None or dtypes != {"float16"} or not same_shape(src[0], dst[0]) \
+                or src[1] != 2 * dst[1]:
+            return None
+        src, dst = (1, 1, src[1]), (1, 1, dst[1])
+    else:
+        src, dst = (_static_ints(p.shape) for p in func.params)
     if src is None or dst is None or dtypes != {"float16"} or len(src) != 3 or src[:2] != (1, 1) \
             or dst != (1, 1, src[2] // 2) or src[2] % 2:
         return None
@@ -268,13 +283,20 @@ def match_gated(func) -> tuple[int, str] | None:
     return dst[2], kind
 
 
-def match_rms_norm(func) -> tuple[int, float] | None:
-    """(k, eps) of TVM's legalized float16 rms_norm over (1, 1, k) with a (k,) weight, else None."""
+def match_rms_norm(func, many_tokens: bool = False) -> tuple[int, float] | None:
+    """(k, eps) of TVM's legalized float16 rms_norm over (1, 1, k) with a (k,) weight, else None; with
+    `many_tokens` over (1, m, k) / (m, 1, k)."""
     blocks = _blocks(func)
     if blocks is None or set(blocks) != {"T_cast", "T_multiply", "T_multiply_red", "rsqrt", "T_cast_1", "T_rms_norm",
                                          "T_cast_2"} or len(func.params) != 3:
         return None
-    x, g, out = (_static_ints(p.shape) for p in func.params)
+    if many_tokens:
+        rows, out = (_token_rows(p.shape) for p in (func.params[0], func.params[2]))
+        if rows is None or out is None or not same_shape(rows[0], out[0]) or rows[1] != out[1]:
+            return None
+        x, g, out = (1, 1, rows[1]), _static_ints(func.params[1].shape), (1, 1, rows[1])
+    else:
+        x, g, out = (_static_ints(p.shape) for p in func.params)
     if x is None or len(x) != 3 or x[:2] != (1, 1) or g != x[2:] or out != x \
             or {str(p.dtype) for p in func.params} != {"float16"}:
         return None

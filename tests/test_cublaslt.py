@@ -118,13 +118,27 @@ def test_e4m3_projections_over_many_tokens_quantize_their_activations_then_call_
     calls = [(n, t) for n, t in _calls(mod, "prefill") if n.endswith("_cublaslt")]
     assert len(calls) == 8   # the LM head stays float16 and over one position: not among them
     quantizers = {gv.name_hint for gv in mod.functions if gv.name_hint.startswith("quantize_tokens_")}
-    assert len(quantizers) == 2   # one per K: 64 (qkv, o, gate_up) and 128 (down)
-    for name, ty in calls:   # (y, workspace, the e4m3 activations shaped like x, one float32 scale per token)
-        codes, scales = ty.fields[2], ty.fields[3]
+    assert len(quantizers) == 1   # o_proj's (K 64): the others quantize what their producer computes
+    fused = {gv.name_hint for gv in mod.functions if gv.name_hint.startswith(("quantize_swiglu_tokens_",
+                                                                               "quantize_rms_norm_tokens_"))}
+    assert len(fused) == 2   # the norms' (K 64) and SwiGLU's (K 128)
+    produced = 0
+    for name, ty in calls:   # (y, workspace[, x: the few-token path's], e4m3 activations shaped like x, their scales)
+        codes, scales = ty.fields[-2], ty.fields[-1]
         assert codes.dtype == "float8_e4m3fn" and len(codes.shape) == 3 and scales.dtype == "float32"
         text = mod[name].script()
         assert f"<= T.int64({MIN_TOKENS})" in text and "mlcc.cublaslt.matmul_fp8" in text
-        assert any(q in text for q in quantizers)
+        if len(ty.fields) == 5:   # the norm or SwiGLU before it computed and quantized in one kernel
+            assert ty.fields[2].dtype == "float16" and any(q in text for q in fused)
+            produced += 1
+        else:
+            assert any(q in text for q in quantizers)
+    # per layer: qkv after the input norm, gate_up after the post-attention norm, down after SwiGLU; o_proj reads
+    # attention's output
+    assert produced == 6
+    # what prefill still calls of them: the final norm before the (float16) LM head
+    assert len([n for n, _ in _calls(mod, "prefill")
+                if ("rms_norm" in n or "silu" in n) and not n.endswith("_cublaslt")]) == 1
     assert any("mlcc.cublaslt.matmul_fp8_add" in mod[n].script() for n, _ in calls)
     # sm_80: no FP8 GEMM there; the projections keep their kernels at every size
     sm80 = _kernels(hf_models, "e4m3_e4m3_f16", CompileOptions(), target="cuda-sm80")
@@ -249,3 +263,42 @@ def test_a_library_calling_cublaslt_is_refused_in_one_line_where_the_shim_cannot
     cublaslt.prepare_for(plain, 0)   # nothing to prepare, nothing refused
     with pytest.raises(ArtifactError, match="calls cuBLASLt.*vendor_gemm=0"):
         cublaslt.prepare_for(calling, 0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _cuda_present(), reason="no CUDA device")
+@pytest.mark.parametrize("producer", ["swiglu", "geglu", "rms_norm"])
+def test_fused_producer_quantizers_match_numpy(producer):
+    """The SwiGLU/GeGLU/RMSNorm computed inside the token quantizer: scales and codes against numpy's float16
+    activations quantized the same way (codes within one e4m3 step where float16 rounding moves a tie)."""
+    import ml_dtypes
+
+    from mlcc.schedules.cuda_token_quantize import quantize_produced_tokens_func
+
+    dev = tvm.cuda(0)
+    q = get_quantization("e4m3_e4m3_f16")
+    rng = np.random.default_rng(1)
+    m, k = 37, 1000
+    target = get_target("cuda").tvm_target()
+    f = tvm.compile(tvm.IRModule({"main": quantize_produced_tokens_func(k, q, producer, 1e-5).with_attr(
+        "global_symbol", "main")}), target)
+    if producer == "rms_norm":
+        h = rng.standard_normal((1, m, k)).astype(np.float16)
+        w = rng.standard_normal(k).astype(np.float16)
+        h32 = h.astype(np.float32)
+        x = (h32 / np.sqrt((h32 ** 2).mean(-1, keepdims=True) + 1e-5) * w.astype(np.float32)).astype(np.float16)
+        inputs = [h, w]
+    else:
+        gu = rng.standard_normal((1, m, 2 * k)).astype(np.float16)
+        g, u = gu[..., :k].astype(np.float32), gu[..., k:].astype(np.float32)
+        act = g / (1 + np.exp(-g)) if producer == "swiglu" else \
+            0.5 * g * (1 + np.tanh(0.7978845608028654 * (g + 0.044715 * g ** 3)))
+        x = (act * u).astype(np.float16)
+        inputs = [gu]
+    xq = tvm.runtime.empty((1, m, k), "float8_e4m3fn", dev)
+    xs = tvm.runtime.empty((1, m), "float32", dev)
+    f["main"](*[tvm.runtime.tensor(a, dev) for a in inputs], xq, xs)
+    want_xs = np.abs(x.astype(np.float32)).max(-1) / 448
+    np.testing.assert_allclose(xs.numpy(), want_xs, rtol=2e-3)
+    got = xq.numpy().view(ml_dtypes.float8_e4m3fn).astype(np.float32) * xs.numpy()[..., None]
+    assert np.abs(got - x.astype(np.float32)).max() <= np.abs(x.astype(np.float32)).max() * 2 ** -3
