@@ -112,8 +112,14 @@ def test_int8_projections_over_16_tokens_decode_into_a_scratch_then_call_cublasl
         assert f"<= T.int64({MIN_TOKENS})" in text and any(d in text for d in decoders)
 
 
-def test_e4m3_projections_over_many_tokens_quantize_their_activations_then_call_the_fp8_gemm(hf_models):
+def test_e4m3_projections_over_many_tokens_quantize_their_activations_then_call_the_fp8_gemm(hf_models, monkeypatch):
+    from mlcc.compiler import vendor_gemm
+
     _shim()
+    plain = _kernels(hf_models, "e4m3_e4m3_f16", CompileOptions())
+    assert not [gv for gv in plain.functions if gv.name_hint.startswith("quantize_swiglu_tokens_")]
+    assert len([n for n, _ in _calls(plain, "prefill") if n.endswith("_cublaslt")]) == 8
+    monkeypatch.setattr(vendor_gemm, "FUSE_PRODUCERS", True)
     mod = _kernels(hf_models, "e4m3_e4m3_f16", CompileOptions())
     calls = [(n, t) for n, t in _calls(mod, "prefill") if n.endswith("_cublaslt")]
     assert len(calls) == 8   # the LM head stays float16 and over one position: not among them
