@@ -120,6 +120,16 @@ def quantize_produced_tokens_func(k: int, q: Quantization, producer: str, eps: f
     def fp16(v):
         return T.Cast("float32", T.Cast("float16", v))
 
+    @T.macro
+    def write_codes(v, m, xq, xs, t, b, ty, tx):
+        """m[0]: the token's absmax; v: this thread's activations."""
+        m[0] = T.max(m[0] / T.float32(largest), T.float32(MIN_SCALE))
+        if ty == 0 and tx == 0:
+            xs[t // b, t % b] = m[0]
+        for i in T.unroll(per_thread):
+            if at(i, ty, tx) < k:
+                xq[t // b, t % b, at(i, ty, tx)] = T.Cast(act, v[i] / m[0])
+
     @T.prim_func(private=True, s_tir=True)
     def quantize_gated_tokens(var_gu: T.handle, var_xq: T.handle, var_xs: T.handle):
         T.func_attr({"tirx.is_scheduled": True, "tirx.noalias": True})
@@ -143,12 +153,7 @@ def quantize_produced_tokens_func(k: int, q: Quantization, producer: str, eps: f
                                             * T.Cast("float32", gu[t // b, t % b, k + at(i, ty, tx)]))
                                 m[0] = T.max(m[0], T.fabs(v[i]))
                         _block_reduce(m, red, ty, tx, warps, T.max)()
-                        m[0] = T.max(m[0] / T.float32(largest), T.float32(MIN_SCALE))
-                        if ty == 0 and tx == 0:
-                            xs[t // b, t % b] = m[0]
-                        for i in T.unroll(per_thread):
-                            if at(i, ty, tx) < k:
-                                xq[t // b, t % b, at(i, ty, tx)] = T.Cast(act, v[i] / m[0])
+                        write_codes(v, m, xq, xs, t, b, ty, tx)
 
     @T.prim_func(private=True, s_tir=True)
     def quantize_normed_tokens(var_h: T.handle, var_w: T.handle, var_xq: T.handle, var_xs: T.handle):
@@ -182,11 +187,6 @@ def quantize_produced_tokens_func(k: int, q: Quantization, producer: str, eps: f
                                 v[i] = fp16(v[i] * s[0] * T.Cast("float32", w[at(i, ty, tx)]))
                                 m[0] = T.max(m[0], T.fabs(v[i]))
                         _block_reduce(m, red_max, ty, tx, warps, T.max)()
-                        m[0] = T.max(m[0] / T.float32(largest), T.float32(MIN_SCALE))
-                        if ty == 0 and tx == 0:
-                            xs[t // b, t % b] = m[0]
-                        for i in T.unroll(per_thread):
-                            if at(i, ty, tx) < k:
-                                xq[t // b, t % b, at(i, ty, tx)] = T.Cast(act, v[i] / m[0])
+                        write_codes(v, m, xq, xs, t, b, ty, tx)
 
     return quantize_gated_tokens if gated else quantize_normed_tokens
