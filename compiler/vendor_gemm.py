@@ -191,7 +191,6 @@ def vendor_gemm_pass(min_tokens: int = MIN_TOKENS, q4_min_tokens: int = 0, fp8: 
                     rewriter.builder_.add_func(quantize_tokens_func(k, scheme).with_attr(
                         "global_symbol", decoders[key]), decoders[key])
                 quantize = (decoders[key], scheme.activations)
-                rewriter.quantized[name] = scheme.activations
                 rewriter.plain_quantizer[name] = decoders[key]
                 rewriter.fp8[name] = (func, kernel, epilogue, x_shape, _scratch_tokens(scheme, min_tokens, 0), attrs,
                                       scheme)
@@ -222,7 +221,7 @@ def vendor_gemm_pass(min_tokens: int = MIN_TOKENS, q4_min_tokens: int = 0, fp8: 
                 {rewriter.plain_quantizer[n] for n in rewriter.plain_sites if n in rewriter.plain_quantizer}:
             out = _remove(out, quantizer)
         log.debug("cuBLASLt projections: %d (%d through a decoded scratch, %d FP8, %d call sites quantizing "
-                  "their producer's output)", len(rewriter.replaced), len(rewriter.scratch), len(rewriter.quantized),
+                  "their producer's output)", len(rewriter.replaced), len(rewriter.scratch), len(rewriter.fp8),
                   rewriter.fused_sites)
         # the producers whose only reader became a fused host function
         return relax.transform.DeadCodeElimination()(out) if rewriter.fused_sites else out
@@ -250,10 +249,9 @@ class _WithWorkspace(relax.PyExprMutator):
         self.mod_ = mod
         self.replaced: dict[str, tvm.ir.GlobalVar] = {}
         self.scratch: dict[str, tuple[int, int, str]] = {}   # projection -> its decoded weights' (n, k, dtype)
-        self.quantized: dict[str, str] = {}   # FP8 projection -> the dtype its activations are quantized to
-        self.fp8: dict[str, tuple] = {}   # FP8 projection -> what make_produced_dispatch needs of it
+        self.fp8: dict[str, tuple] = {}   # FP8 projection -> what make_produced_dispatch needs of it (scheme last)
         self.produced: dict[tuple[str, str], tvm.ir.GlobalVar] = {}   # (projection, producer) -> host function
-        self.producer_kernels: dict[str, str] = {}
+        self.producer_kernels: set[str] = set()   # producers added under their `_kernel` symbol
         self.fused_sites = 0
         self.plain_sites: set[str] = set()   # projections called somewhere with their own activations
         self.plain_quantizer: dict[str, str] = {}   # FP8 projection -> its token quantizer
@@ -261,7 +259,7 @@ class _WithWorkspace(relax.PyExprMutator):
         self.call_tir = tvm.ir.Op.get("relax.call_tir")
         self.producers = {gv.name_hint: found for gv, f in mod.functions.items()
                           if isinstance(f, tirx.PrimFunc) and is_unscheduled_prim_func(f)
-                          and (found := _match_producer(f)) is not None}
+                          and (found := _match_producer(f)) is not None} if FUSE_PRODUCERS else {}
 
     def rewrite(self) -> tvm.ir.IRModule:
         for gv, func in self.mod_.functions.items():
@@ -286,10 +284,10 @@ class _WithWorkspace(relax.PyExprMutator):
         if key in self.produced:
             return self.produced[key]
         kind, k, eps = self.producers[pname]
+        fused = f"quantize_{kind}_tokens_{scheme.activations}_{k}"
         if pname not in self.producer_kernels:
-            self.producer_kernels[pname] = f"{pname}_kernel"
+            self.producer_kernels.add(pname)
             self.builder_.add_func(self.mod_[pname].with_attr("global_symbol", f"{pname}_kernel"), f"{pname}_kernel")
-            fused = f"quantize_{kind}_tokens_{scheme.activations}_{k}"
             self.builder_.add_func(quantize_produced_tokens_func(k, scheme, kind, eps).with_attr(
                 "global_symbol", fused), fused)
         lead = list(x_shape[:-1])
@@ -298,8 +296,7 @@ class _WithWorkspace(relax.PyExprMutator):
         dispatch = f"{name}_{pname}_cublaslt"
         self.produced[key] = self.builder_.add_func(
             make_produced_dispatch(func, kernel, epilogue, x_shape, min_tokens, {**attrs, "global_symbol": dispatch},
-                                   scheme.activations, inputs, self.producer_kernels[pname],
-                                   f"quantize_{kind}_tokens_{scheme.activations}_{k}"), dispatch)
+                                   scheme.activations, inputs, f"{pname}_kernel", fused), dispatch)
         return self.produced[key]
 
     def visit_call_(self, call: relax.Call) -> relax.Expr:
@@ -314,17 +311,18 @@ class _WithWorkspace(relax.PyExprMutator):
             n, k, dtype = self.scratch[name]
             outs.append(relax.TensorType((n, k), dtype))
         callee, args = self.replaced[name], call.args[1]
-        if name in self.quantized:   # codes shaped like x, one float32 scale per token
+        if name in self.fp8:   # codes shaped like x, one float32 scale per token
             x, *rest = call.args[1].fields
             x_shape = list(x.ty.shape.values)
-            producer = self._producer_call(x, int(x_shape[-1])) if FUSE_PRODUCERS else None
+            producer = self._producer_call(x, int(x_shape[-1]))
             if producer is not None:   # (x itself: the few-token path's scratch)
                 callee, args = self._produced(name, producer), relax.Tuple([*producer.args[1].fields, *rest])
                 outs.append(relax.TensorType(x_shape, "float16"))
                 self.fused_sites += 1
             else:
                 self.plain_sites.add(name)
-            outs += [relax.TensorType(x_shape, self.quantized[name]), relax.TensorType(x_shape[:-1], "float32")]
+            outs += [relax.TensorType(x_shape, self.fp8[name][-1].activations),
+                     relax.TensorType(x_shape[:-1], "float32")]
         both = relax.call_tir(callee, args, outs)
         if len(call.args) > 2:  # (shape variables passed on)
             both = relax.Call(both.op, [*both.args, call.args[2]], both.attrs, both.ty_args)
